@@ -1,0 +1,1 @@
+"""Adapter pool, scheduler, model runner and server (built on lorakit.layers)."""

@@ -1,0 +1,178 @@
+"""LoRA shrink, ``h = x @ A[s].T`` per token, for every slice of a fused projection in one launch.
+
+The kernel walks the tiles of ``LoraMeta`` (runs of tokens of one slot) and reads only the first
+``rank[s, i]`` rows of each adapter's A: rank padding costs neither bytes nor launches. The K
+dimension may be split over ``split_k`` programs; each writes its own partial sum, so the result is
+deterministic and needs no zeroing or atomics. The expand op sums the partials as it reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorakit.ops._checks import FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor
+
+_NUM_SMS_GUESS = 132  # H100 / H200; only used to size split_k, never for correctness
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, h_ptr, ranks_ptr, order_ptr, tiles_ptr,
+    K, R_MAX,
+    stride_xt,
+    stride_as, stride_ai, stride_ar,
+    stride_hk, stride_hi, stride_ht,
+    stride_rs, stride_ri,
+    stride_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
+    pid_r = tl.program_id(0)
+    pid_tile = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n_rblocks = tl.cdiv(R_MAX, BLOCK_R)
+    slice_id = pid_r // n_rblocks
+    r0 = (pid_r % n_rblocks) * BLOCK_R
+
+    slot = tl.load(tiles_ptr + pid_tile)
+    start = tl.load(tiles_ptr + stride_tiles + pid_tile)
+    end = tl.load(tiles_ptr + 2 * stride_tiles + pid_tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rs + slice_id * stride_ri)
+    rank = tl.where(slot >= 0, tl.minimum(rank, R_MAX), 0)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if r0 < rank:
+        r_mask = offs_r < rank
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        x_rows = x_ptr + tok[:, None] * stride_xt
+        a_cols = a_ptr + slot.to(tl.int64) * stride_as + slice_id * stride_ai + offs_r[None, :] * stride_ar
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_cols + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(xt, at, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, at, acc)
+    # Every (token, rank column) is written by exactly one program per split: zeros for base tokens
+    # and rank padding, so the output is fully defined without a memset.
+    h_ptrs = h_ptr + pid_k * stride_hk + slice_id * stride_hi + tok[:, None] * stride_ht + offs_r[None, :]
+    tl.store(h_ptrs, acc, mask=m_mask[:, None] & (offs_r < R_MAX)[None, :])
+
+
+def _block_r(r_max: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(r_max)))
+
+
+def shrink_split_k(num_tokens: int, in_features: int, n_slices: int, r_max: int, n_tiles: int) -> int:
+    """Split K until the grid has about two programs per SM; at least 256 columns of K per program."""
+    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles
+    split = 1
+    while split < 16 and programs * split * 2 <= 2 * _NUM_SMS_GUESS and in_features // (split * 2) >= 256:
+        split *= 2
+    return split
+
+
+def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) -> torch.Tensor:
+    num_tokens, k = x.shape
+    _, n_slices, r_max, _ = A.shape
+    h = torch.empty((split_k, n_slices, num_tokens, r_max), dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return h
+    block_r = _block_r(r_max)
+    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1], split_k)
+    _shrink_kernel[grid](
+        x, A, h, ranks, token_order, tiles,
+        k, r_max,
+        x.stride(0),
+        A.stride(0), A.stride(1), A.stride(2),
+        h.stride(0), h.stride(1), h.stride(2),
+        ranks.stride(0), ranks.stride(1),
+        tiles.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128 if block_m <= 32 else 64,
+        SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
+        num_warps=4, num_stages=3,
+    )
+    return h
+
+
+def _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, split_k) -> None:
+    check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=1)
+    check_tensor("A", A, dim=4, dtypes=(x.dtype,), device=x.device, unit_stride_dim=3)
+    num_slots, n_slices, r_max, in_features = A.shape
+    if in_features != x.shape[1]:
+        raise ValueError(
+            f"A must have shape [S, n_slices, R_max, in={x.shape[1]}] to match x [T, in], got {tuple(A.shape)}"
+        )
+    check_tensor("ranks", ranks, dim=2, dtypes=(torch.int32,), device=x.device)
+    check_shape("ranks", ranks, (num_slots, n_slices), "[S, n_slices], one rank per slot and slice")
+    check_meta(token_slot, token_order, tiles, x.shape[0], x.device)
+    check_block_m(block_m)
+    if not 1 <= split_k <= 64:
+        raise ValueError(f"split_k must lie in [1, 64], got {split_k}")
+    check_ranks(ranks, r_max)
+
+
+@torch.library.custom_op("lorakit::shrink", mutates_args=())
+def shrink(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    ranks: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_order: torch.Tensor,
+    tiles: torch.Tensor,
+    block_m: int,
+    split_k: int,
+) -> torch.Tensor:
+    """LoRA shrink for all slices of a projection; returns split-K partial sums.
+
+    Semantics:
+        h = zeros(split_k, n_slices, T, R_max, float32)
+        for t, i: s = token_slot[t]; r = ranks[s, i]
+            h.sum(0)[i, t, :r] = x[t] @ A[s, i, :r].T     (skipped, left zero, where s == -1)
+
+    x: [T, in] float32/float16/bfloat16; A: [S, n_slices, R_max, in], x's dtype;
+    ranks: int32 [S, n_slices], each <= R_max; token_slot, token_order, tiles, block_m: a LoraMeta.
+    """
+    _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, split_k)
+    return _shrink_torch(x, A, ranks, token_slot, split_k)
+
+
+@shrink.register_kernel("cuda")
+def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k):
+    _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, split_k)
+    return _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k)
+
+
+@shrink.register_fake
+def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k):
+    return x.new_empty((split_k, A.shape[1], x.shape[0], A.shape[2]), dtype=torch.float32)
+
+
+def _shrink_torch(x, A, ranks, token_slot, split_k: int) -> torch.Tensor:
+    """The CPU path in plain torch: one matmul per (used slot, slice), float32 accumulation."""
+    num_tokens = x.shape[0]
+    _, n_slices, r_max, _ = A.shape
+    h = torch.zeros((split_k, n_slices, num_tokens, r_max), dtype=torch.float32, device=x.device)
+    slots = token_slot.long()
+    ranks_host = ranks.tolist()
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        idx = (slots == s).nonzero().squeeze(1)
+        xs = x.index_select(0, idx).float()
+        for i in range(n_slices):
+            r = ranks_host[s][i]
+            if r > 0:
+                h[0, i, idx, :r] = xs @ A[s, i, :r].float().T
+    return h
