@@ -58,8 +58,9 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
         raise TypeError(f"slots must be int32 or int64, got {slots.dtype}")
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-    # Reading values costs a host sync on CUDA; there the caller (the layer's ids()) validates ids.
-    if slots.device.type == "cpu" and slots.numel() > 0:
+    # Reading values costs a host sync on CUDA (and a graph break when compiling); there the caller
+    # that makes the ids (the patched model's ids()) validates them.
+    if slots.device.type == "cpu" and slots.numel() > 0 and not torch.compiler.is_compiling():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= num_slots:
             raise ValueError(

@@ -70,3 +70,32 @@ def lora_ref(
 ) -> torch.Tensor:
     """The whole delta: y[t] + scale[s] * (x[t] @ A[s].T) @ B[s].T per slice, in float64."""
     return expand_ref(y, shrink_ref(x, A, ranks, slots), B, ranks, scales, slots, slice_sizes)
+
+
+def lora_ref_by_slot(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    slice_sizes: Sequence[int],
+) -> torch.Tensor:
+    """``lora_ref`` looping over slots instead of tokens, on the inputs' device: for large shapes."""
+    out = y.double().clone()
+    offsets = [0]
+    for n in slice_sizes:
+        offsets.append(offsets[-1] + n)
+    slots = slots.long()
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        idx = (slots == s).nonzero().squeeze(1)
+        xs = x.index_select(0, idx).double()
+        for i in range(len(slice_sizes)):
+            r = int(ranks[s, i])
+            lo, hi = offsets[i], offsets[i + 1]
+            delta = float(scales[s, i]) * (xs @ A[s, i, :r].double().T) @ B[s, lo:hi, :r].double().T
+            out[idx, lo:hi] += delta
+    return out

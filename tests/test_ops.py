@@ -1,0 +1,64 @@
+"""shrink and expand against the float64 reference, on the CPU path and on the Triton kernels.
+
+The Triton kernels run under the interpreter on a CPU (float32 and float16: the interpreter of
+triton 3.9 computes bfloat16 dots wrongly) and compiled on a GPU (all dtypes, see test_ops_gpu.py).
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+
+from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, rel_err
+from lorakit.ops import add_lora, build_lora_meta, lora_shrink
+from lorakit.ops.expand import _launch_expand
+from lorakit.ops.reference import lora_ref, shrink_ref
+from lorakit.ops.shrink import _launch_shrink
+
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+triton_on_cpu = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
+)
+
+
+def check_h(h: torch.Tensor, case: Case) -> None:
+    """h sums to the reference; every partial is exactly zero on base rows and rank padding."""
+    ref = shrink_ref(case.x, case.A, case.ranks, case.slots)
+    assert rel_err(h.sum(0), ref) <= H_TOLERANCE
+    assert (h.cpu()[:, ref == 0] == 0).all(), "base rows and rank padding must be written as zeros"
+
+
+def check_y(y: torch.Tensor, case: Case) -> None:
+    ref = lora_ref(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
+    err = rel_err(y, ref)
+    assert err <= TOLERANCE[case.y.dtype], f"relative error {err:.2e} over {TOLERANCE[case.y.dtype]:.0e}"
+    base = (case.slots < 0).cpu()
+    assert torch.equal(y.cpu()[base], case.y.cpu()[base]), "base-model rows must be left untouched"
+
+
+@given(case=cases(ALL_DTYPES))
+def test_ops_match_reference(case):
+    meta = build_lora_meta(case.slots, case.A.shape[0])
+    check_h(lora_shrink(case.x, case.A, case.ranks, meta), case)
+    y = case.y.clone()
+    add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    check_y(y, case)
+
+
+def run_triton(case: Case, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0])
+    h = _launch_shrink(case.x, case.A, case.ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
+    y = case.y.clone()
+    _launch_expand(y, h, case.B, case.ranks, case.scales, meta.token_order, meta.tiles, case.slice_sizes,
+                   meta.block_m)
+    return h, y
+
+
+@triton_on_cpu
+@given(case=cases((torch.float32, torch.float16), tokens=(1, 2, 3, 7, 33), r_maxes=(1, 5, 16, 40)))
+def test_triton_kernels_match_reference_interpreted(case):
+    for split_k in (1, 3):
+        h, y = run_triton(case, split_k)
+        check_h(h, case)
+        check_y(y, case)

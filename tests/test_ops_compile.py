@@ -1,0 +1,47 @@
+"""The ops under torch.library.opcheck and torch.compile(fullgraph=True): compiled equals eager."""
+
+import pytest
+import torch
+
+from _lora_cases import make_case
+from lorakit.ops import add_lora, build_lora_meta, lora_shrink
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def op_args(case, meta, split_k):
+    h = lora_shrink(case.x, case.A, case.ranks, meta, split_k=split_k)
+    shrink = (case.x, case.A, case.ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
+    expand = (case.y.clone(), h, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
+              case.slice_sizes, meta.block_m)
+    return shrink, expand
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mapping", ["uniform", "some-base"])
+def test_opcheck(device, mapping):
+    case = make_case(7, 40, [16, 8], 16, 3, mapping, torch.float32, seed=1).to(device)
+    meta = build_lora_meta(case.slots, 3)
+    shrink_args, expand_args = op_args(case, meta, split_k=2)
+    torch.library.opcheck(torch.ops.lorakit.shrink.default, shrink_args)
+    torch.library.opcheck(torch.ops.lorakit.expand.default, expand_args)
+
+
+def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
+    """What a LoRA layer does in a forward pass: base output plus the delta, metadata built in-graph."""
+    meta = build_lora_meta(slots, num_slots)
+    out = y * 1.0
+    add_lora(out, x, A, B, ranks, scales, meta, sizes)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_equals_eager_without_graph_breaks(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(lora_layer, fullgraph=True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for seed, mapping in enumerate(["uniform", "some-base", "zipf", "all-base"]):
+        case = make_case(9, 48, [16, 8, 8], 16, 4, mapping, dtype, seed=seed).to(device)
+        args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
+        eager, comp = lora_layer(*args), compiled(*args)
+        assert torch.equal(eager, comp), f"compiled differs from eager on mapping {mapping}"
