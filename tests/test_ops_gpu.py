@@ -1,0 +1,119 @@
+"""The Triton kernels compiled on a GPU: all dtypes, real sizes, poisoned memory, CUDA graphs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
+from lorakit.ops import LoraMetaBuffers, add_lora, build_lora_meta, lora_shrink
+from lorakit.ops.reference import lora_ref_by_slot
+
+from test_ops import check_h, check_y
+
+pytestmark = pytest.mark.gpu
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def poison_cuda_cache(nbytes: int = 1 << 30) -> None:
+    """Fill freed allocator blocks with NaN, so an output element a kernel forgets to write shows up."""
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+@given(case=cases(ALL_DTYPES))
+@settings(max_examples=200)
+def test_kernels_match_reference_on_gpu(case):
+    case = case.to("cuda")
+    poison_cuda_cache(64 << 20)
+    meta = build_lora_meta(case.slots, case.A.shape[0])
+    check_h(lora_shrink(case.x, case.A, case.ranks, meta), case)
+    y = case.y.clone()
+    add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    check_y(y, case)
+
+
+REAL = [
+    # tokens, in, slice widths, R_max, slots, mapping, min rank
+    (1, 4096, [4096], 16, 8, "distinct", 16),
+    (16, 4096, [4096, 1024, 1024], 64, 16, "distinct", 1),
+    (256, 4096, [14336, 14336], 64, 32, "zipf", 1),
+    (256, 4096, [4096], 128, 128, "distinct", 8),
+    (77, 4096, [4096, 1024, 1024], 128, 8, "some-base", 0),
+    (4096, 4096, [14336], 64, 8, "uniform", 64),
+    (4096, 4096, [4096, 1024, 1024], 16, 4, "identical", 16),
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("tokens, in_features, sizes, r_max, num_slots, mapping, min_rank", REAL)
+def test_real_sizes(tokens, in_features, sizes, r_max, num_slots, mapping, min_rank, dtype):
+    case = make_case(tokens, in_features, sizes, r_max, num_slots, mapping, dtype, seed=tokens, min_rank=min_rank)
+    case = case.to("cuda")
+    poison_cuda_cache()
+    meta = build_lora_meta(case.slots, num_slots)
+    y = case.y.clone()
+    add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    ref = lora_ref_by_slot(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
+    assert rel_err(y, ref) <= TOLERANCE[dtype]
+    base = case.slots < 0
+    assert torch.equal(y[base], case.y[base])
+
+
+def test_cuda_graph_replays_with_changed_mapping():
+    """One capture, many mappings: the metadata buffers are updated in place between replays."""
+    num_tokens, num_slots = 48, 6
+    case = make_case(num_tokens, 256, [128, 64], 32, num_slots, "uniform", torch.bfloat16, seed=3).to("cuda")
+    bufs = LoraMetaBuffers(max_tokens=64, num_slots=num_slots, device="cuda")
+    meta = bufs.update(case.slots)
+    y = case.y.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)  # compile first
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    gen = torch.Generator().manual_seed(0)
+    for mapping in ("distinct", "zipf", "identical", "all-base", "some-base", "uniform"):
+        slots = make_slots(mapping, num_tokens, num_slots, gen).cuda()
+        bufs.update(slots)
+        y.copy_(case.y)
+        graph.replay()
+        ref = lora_ref_by_slot(case.y, case.x, case.A, case.B, case.ranks, case.scales, slots, case.slice_sizes)
+        assert rel_err(y, ref) <= TOLERANCE[torch.bfloat16], mapping
+
+
+def test_cuda_graph_builds_metadata_inside():
+    """The metadata build itself is capturable: no host sync, fixed shapes."""
+    num_tokens, num_slots = 33, 5
+    case = make_case(num_tokens, 128, [96], 16, num_slots, "uniform", torch.float16, seed=4).to("cuda")
+    slots = case.slots.clone()
+    y = case.y.clone()
+
+    def step():
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, build_lora_meta(slots, num_slots))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    gen = torch.Generator().manual_seed(1)
+    for mapping in ("zipf", "some-base", "distinct"):
+        slots.copy_(make_slots(mapping, num_tokens, num_slots, gen))
+        y.copy_(case.y)
+        graph.replay()
+        ref = lora_ref_by_slot(case.y, case.x, case.A, case.B, case.ranks, case.scales, slots, case.slice_sizes)
+        assert rel_err(y, ref) <= TOLERANCE[torch.float16], mapping
+
+
+def test_rank_above_r_max_is_refused_in_debug_mode(monkeypatch):
+    monkeypatch.setenv("LORAKIT_DEBUG", "1")
+    case = make_case(4, 64, [32], 8, 2, "uniform", torch.bfloat16, seed=5).to("cuda")
+    ranks = torch.full_like(case.ranks, 9)
+    with pytest.raises(ValueError, match=r"ranks must lie in \[0, R_max=8\]"):
+        add_lora(case.y.clone(), case.x, case.A, case.B, ranks, case.scales, build_lora_meta(case.slots, 2))
