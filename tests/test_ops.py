@@ -46,8 +46,8 @@ def test_ops_match_reference(case):
     check_y(y, case)
 
 
-def run_triton(case: Case, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0])
+def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
     h = _launch_shrink(case.x, case.A, case.ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
     y = case.y.clone()
     _launch_expand(y, h, case.B, case.ranks, case.scales, meta.token_order, meta.tiles, case.slice_sizes,
@@ -58,7 +58,7 @@ def run_triton(case: Case, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 @triton_on_cpu
 @given(case=cases((torch.float32, torch.float16), tokens=(1, 2, 3, 7, 33), r_maxes=(1, 5, 16, 40)))
 def test_triton_kernels_match_reference_interpreted(case):
-    for split_k in (1, 3):
-        h, y = run_triton(case, split_k)
+    for split_k, block_m in ((1, None), (3, None), (2, 64)):  # block_m 64: the prefill tiles
+        h, y = run_triton(case, split_k, block_m)
         check_h(h, case)
         check_y(y, case)

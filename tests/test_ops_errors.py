@@ -64,3 +64,9 @@ def test_failed_call_leaves_y_untouched():
         add_lora(y, case.x, case.A, case.B, torch.full((3, 2), 99, dtype=torch.int32), case.scales, meta,
                  case.slice_sizes)
     assert torch.equal(y, case.y)
+
+
+def test_meta_for_other_slot_count_is_refused():
+    case, _ = good()
+    with pytest.raises(ValueError, match=r"A holds 3 slots but the LoraMeta was built for num_slots=4"):
+        call(case, build_lora_meta(case.slots, 4))

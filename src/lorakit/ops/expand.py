@@ -68,6 +68,10 @@ def _expand_kernel(
         h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
         b_cols = b_ptr + slot.to(tl.int64) * stride_bs + (lo + offs_n)[None, :] * stride_bn
 
+        # y is loaded first, so its latency overlaps the rank loop.
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + (lo + offs_n)[None, :] * stride_yn
+        mask = m_mask[:, None] & n_mask[None, :]
+        yv = tl.load(y_ptrs, mask=mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -82,9 +86,6 @@ def _expand_kernel(
             else:
                 acc = tl.dot(hv.to(bv.dtype), bv, acc)
 
-        y_ptrs = y_ptr + tok[:, None] * stride_yt + (lo + offs_n)[None, :] * stride_yn
-        mask = m_mask[:, None] & n_mask[None, :]
-        yv = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
 
 
@@ -94,7 +95,7 @@ def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequ
         return
     split_k, n_slices, _, r_max = h.shape
     sizes = list(slice_sizes) + [0] * (MAX_SLICES - len(slice_sizes))
-    block_n = 128 if block_m <= 32 else 64
+    block_n = 128
     grid = (triton.cdiv(max(slice_sizes), block_n), tiles.shape[1], n_slices)
     _expand_kernel[grid](
         y, h, B, ranks, scales, token_order, tiles,
@@ -107,7 +108,7 @@ def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequ
         tiles.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16,
         SPLIT_K=split_k, IEEE=y.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=4 if block_m <= 16 else 8, num_stages=2,
     )
 
 

@@ -26,12 +26,14 @@ def _shrink_kernel(
     stride_hk, stride_hi, stride_ht,
     stride_rs, stride_ri,
     stride_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
+    # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
     pid_r = tl.program_id(0)
-    pid_tile = tl.program_id(1)
+    pid_tile = tl.program_id(1) // SUB_TILES
+    sub = tl.program_id(1) % SUB_TILES
     pid_k = tl.program_id(2)
     n_rblocks = tl.cdiv(R_MAX, BLOCK_R)
     slice_id = pid_r // n_rblocks
@@ -40,7 +42,7 @@ def _shrink_kernel(
     slot = tl.load(tiles_ptr + pid_tile)
     start = tl.load(tiles_ptr + stride_tiles + pid_tile)
     end = tl.load(tiles_ptr + 2 * stride_tiles + pid_tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
+    offs_m = start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < end
     tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
 
@@ -74,11 +76,20 @@ def _block_r(r_max: int) -> int:
     return min(64, max(16, triton.next_power_of_2(r_max)))
 
 
-def shrink_split_k(num_tokens: int, in_features: int, n_slices: int, r_max: int, n_tiles: int) -> int:
-    """Split K until the grid has about two programs per SM; at least 256 columns of K per program."""
-    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles
+def _shrink_block_m(block_m: int) -> int:
+    return min(block_m, 32)
+
+
+def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int) -> int:
+    """Split K until the grid has about two programs per SM, keeping >= 256 columns of K per program.
+
+    Every split adds a partial that the expand re-reads for each of its column blocks, so large tiles
+    (prefill) split at most in two.
+    """
+    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // _shrink_block_m(block_m))
+    max_split = 16 if block_m <= 16 else 2
     split = 1
-    while split < 16 and programs * split * 2 <= 2 * _NUM_SMS_GUESS and in_features // (split * 2) >= 256:
+    while split < max_split and programs * split * 2 <= 2 * _NUM_SMS_GUESS and in_features // (split * 2) >= 256:
         split *= 2
     return split
 
@@ -90,7 +101,8 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     if num_tokens == 0:
         return h
     block_r = _block_r(r_max)
-    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1], split_k)
+    shrink_bm = _shrink_block_m(block_m)
+    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1] * (block_m // shrink_bm), split_k)
     _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
@@ -99,7 +111,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         h.stride(0), h.stride(1), h.stride(2),
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=128 if block_m <= 32 else 64,
+        BLOCK_M=shrink_bm, SUB_TILES=block_m // shrink_bm, BLOCK_R=block_r, BLOCK_K=128 if block_m <= 16 else 64,
         SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
         num_warps=4, num_stages=3,
     )
