@@ -25,6 +25,27 @@ from lorakit.ops._checks import (
 
 
 @triton.jit
+def _expand_acc(h_rows, b_cols, rank, stride_hk, stride_br, m_mask, n_mask,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    """sum over rank chunks of (sum of the split-K partials of h) @ B, up to rank only."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        hv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for kk in tl.static_range(SPLIT_K):
+            hv += tl.load(h_rows + kk * stride_hk + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :],
+                          other=0.0)
+        bv = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(hv, bv, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hv.to(bv.dtype), bv, acc)
+    return acc
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr,
     R_MAX, N0, N1, N2, N3,
@@ -34,7 +55,7 @@ def _expand_kernel(
     stride_rs, stride_ri,
     stride_ss, stride_si,
     stride_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -65,28 +86,31 @@ def _expand_kernel(
         tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < size
-        h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
-        b_cols = b_ptr + slot.to(tl.int64) * stride_bs + (lo + offs_n)[None, :] * stride_bn
-
         # y is loaded first, so its latency overlaps the rank loop.
         y_ptrs = y_ptr + tok[:, None] * stride_yt + (lo + offs_n)[None, :] * stride_yn
         mask = m_mask[:, None] & n_mask[None, :]
         yv = tl.load(y_ptrs, mask=mask, other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < rank
-            hv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for kk in tl.static_range(SPLIT_K):
-                hv += tl.load(h_rows + kk * stride_hk + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :],
-                              other=0.0)
-            bv = tl.load(b_cols + offs_r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(hv, bv, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(hv.to(bv.dtype), bv, acc)
-
+        h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
+        b_cols = b_ptr + slot.to(tl.int64) * stride_bs + (lo + offs_n)[None, :] * stride_bn
+        # The rank chunk follows this slot's rank: few dependent steps, and no work past the rank
+        # beyond rounding it up to 16, 32 or a multiple of 64.
+        if rank <= 16:
+            acc = _expand_acc(h_rows, b_cols, rank, stride_hk, stride_br, m_mask, n_mask,
+                              BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE)
+        elif rank <= 32:
+            acc = _expand_acc(h_rows, b_cols, rank, stride_hk, stride_br, m_mask, n_mask,
+                              BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE)
+        else:
+            acc = _expand_acc(h_rows, b_cols, rank, stride_hk, stride_br, m_mask, n_mask,
+                              BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE)
         tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
+
+
+# Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
+EXPAND_CONFIGS = {
+    16: dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    64: dict(BLOCK_N=128, num_warps=8, num_stages=2),
+}
 
 
 def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequence[int], block_m: int) -> None:
@@ -95,8 +119,8 @@ def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequ
         return
     split_k, n_slices, _, r_max = h.shape
     sizes = list(slice_sizes) + [0] * (MAX_SLICES - len(slice_sizes))
-    block_n = 128
-    grid = (triton.cdiv(max(slice_sizes), block_n), tiles.shape[1], n_slices)
+    config = dict(EXPAND_CONFIGS[16 if block_m <= 16 else 64])
+    grid = (triton.cdiv(max(slice_sizes), config["BLOCK_N"]), tiles.shape[1], n_slices)
     _expand_kernel[grid](
         y, h, B, ranks, scales, token_order, tiles,
         r_max, *sizes,
@@ -106,9 +130,7 @@ def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequ
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16,
-        SPLIT_K=split_k, IEEE=y.dtype == torch.float32,
-        num_warps=4 if block_m <= 16 else 8, num_stages=2,
+        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=y.dtype == torch.float32, **config,
     )
 
 

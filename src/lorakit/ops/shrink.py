@@ -76,20 +76,27 @@ def _block_r(r_max: int) -> int:
     return min(64, max(16, triton.next_power_of_2(r_max)))
 
 
-def _shrink_block_m(block_m: int) -> int:
-    return min(block_m, 32)
+# Launch configuration by the metadata's block_m: rows per program (a tile of 64 prefill tokens is
+# cut in two), K columns per step, and the most K splits (each split adds a partial of h that the
+# expand reads once per column block, so large grids split little).
+SHRINK_CONFIGS = {
+    16: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3, max_split=16),
+    64: dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=2),
+}
+
+
+def _shrink_config(block_m: int) -> dict:
+    return SHRINK_CONFIGS[16 if block_m <= 16 else 64]
 
 
 def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int) -> int:
-    """Split K until the grid has about two programs per SM, keeping >= 256 columns of K per program.
-
-    Every split adds a partial that the expand re-reads for each of its column blocks, so large tiles
-    (prefill) split at most in two.
-    """
-    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // _shrink_block_m(block_m))
-    max_split = 16 if block_m <= 16 else 2
+    """Split K until the grid has about two programs per SM, keeping >= 256 columns of K per program
+    and at most 64 (tile, split) pairs, so the expand's re-reads of the partials stay small."""
+    config = _shrink_config(block_m)
+    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
     split = 1
-    while split < max_split and programs * split * 2 <= 2 * _NUM_SMS_GUESS and in_features // (split * 2) >= 256:
+    while (split < config["max_split"] and programs * split * 2 <= 2 * _NUM_SMS_GUESS
+           and in_features // (split * 2) >= 256 and n_tiles * split * 2 <= 64):
         split *= 2
     return split
 
@@ -101,8 +108,10 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     if num_tokens == 0:
         return h
     block_r = _block_r(r_max)
-    shrink_bm = _shrink_block_m(block_m)
-    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1] * (block_m // shrink_bm), split_k)
+    config = dict(_shrink_config(block_m))
+    del config["max_split"]
+    sub_tiles = block_m // config["BLOCK_M"]
+    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
     _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
@@ -111,9 +120,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         h.stride(0), h.stride(1), h.stride(2),
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
-        BLOCK_M=shrink_bm, SUB_TILES=block_m // shrink_bm, BLOCK_R=block_r, BLOCK_K=128 if block_m <= 16 else 64,
-        SPLIT_K=split_k, IEEE=x.dtype == torch.float32,
-        num_warps=4, num_stages=3,
+        SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, **config,
     )
     return h
 
