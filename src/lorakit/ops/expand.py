@@ -108,7 +108,7 @@ def _expand_kernel(
 
 # Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
 EXPAND_CONFIGS = {
-    16: dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    16: dict(BLOCK_N=256, num_warps=8, num_stages=2),
     64: dict(BLOCK_N=128, num_warps=8, num_stages=2),
 }
 

@@ -81,7 +81,7 @@ def _block_r(r_max: int) -> int:
 # expand reads once per column block, so large grids split little).
 SHRINK_CONFIGS = {
     16: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3, max_split=16),
-    64: dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, num_stages=4, max_split=2),
+    64: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=4, max_split=2),
 }
 
 
@@ -91,12 +91,12 @@ def _shrink_config(block_m: int) -> dict:
 
 def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int) -> int:
     """Split K until the grid has about two programs per SM, keeping >= 256 columns of K per program
-    and at most 64 (tile, split) pairs, so the expand's re-reads of the partials stay small."""
+    and at most 144 (tile, split) pairs, so the expand's re-reads of the partials stay small."""
     config = _shrink_config(block_m)
     programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
     split = 1
     while (split < config["max_split"] and programs * split * 2 <= 2 * _NUM_SMS_GUESS
-           and in_features // (split * 2) >= 256 and n_tiles * split * 2 <= 64):
+           and in_features // (split * 2) >= 256 and n_tiles * split * 2 <= 144):
         split *= 2
     return split
 
