@@ -10,8 +10,9 @@ import pytest
 import torch
 from hypothesis import given
 
-from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, rel_err
+from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, make_case, rel_err
 from lorakit.ops import add_lora, build_lora_meta, lora_shrink
+from lorakit.ops import expand as expand_mod
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref, shrink_ref
 from lorakit.ops.shrink import _launch_shrink
@@ -58,9 +59,30 @@ def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[to
 
 
 @triton_on_cpu
-@given(case=cases((torch.float32, torch.float16), tokens=(1, 2, 3, 7, 33), r_maxes=(1, 5, 16, 40)))
+@given(case=cases((torch.float32, torch.float16), tokens=(1, 2, 3, 7, 33), out_sizes=(1, 3, 24, 67, 300),
+                  r_maxes=(1, 5, 16, 40, 130)))
 def test_triton_kernels_match_reference_interpreted(case):
-    for split_k, block_m in ((1, None), (3, None), (2, 64)):  # block_m 64: the prefill tiles
-        h, y = run_triton(case, split_k, block_m)
-        check_h(h, case)
-        check_y(y, case)
+    # block_m 64: the prefill tiles; one SM: each expand program walks every column block of its tile.
+    sms = expand_mod._NUM_SMS_GUESS
+    try:
+        for split_k, block_m, expand_mod._NUM_SMS_GUESS in ((1, None, sms), (3, None, 1), (2, 64, sms)):
+            h, y = run_triton(case, split_k, block_m)
+            check_h(h, case)
+            check_y(y, case)
+    finally:
+        expand_mod._NUM_SMS_GUESS = sms
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_ranks_above_128_interpreted(dtype):
+    """Ranks above 128 take the expand's chunked path; every column block in one program too."""
+    case = make_case(7, 40, [300, 20], 150, 3, "some-base", dtype, seed=7, min_rank=129)
+    sms = expand_mod._NUM_SMS_GUESS
+    try:
+        for expand_mod._NUM_SMS_GUESS in (sms, 1):
+            h, y = run_triton(case, 2)
+            check_h(h, case)
+            check_y(y, case)
+    finally:
+        expand_mod._NUM_SMS_GUESS = sms

@@ -77,11 +77,11 @@ def _block_r(r_max: int) -> int:
 
 
 # Launch configuration by the metadata's block_m: rows per program (a tile of 64 prefill tokens is
-# cut in two), K columns per step, and the most K splits (each split adds a partial of h that the
-# expand reads once per column block, so large grids split little).
+# cut in four), K columns per step, and how far to split K: until the grid holds programs_per_sm
+# programs per SM, at most max_split ways, with >= 256 columns of K per program.
 SHRINK_CONFIGS = {
-    16: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3, max_split=16),
-    64: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=4, max_split=2),
+    16: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3, max_split=16, programs_per_sm=2),
+    64: dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=4, max_split=2, programs_per_sm=2),
 }
 
 
@@ -90,13 +90,12 @@ def _shrink_config(block_m: int) -> dict:
 
 
 def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int) -> int:
-    """Split K until the grid has about two programs per SM, keeping >= 256 columns of K per program
-    and at most 144 (tile, split) pairs, so the expand's re-reads of the partials stay small."""
+    """How many ways to split K (each split writes a partial of h that the expand sums once per program)."""
     config = _shrink_config(block_m)
     programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
     split = 1
-    while (split < config["max_split"] and programs * split * 2 <= 2 * _NUM_SMS_GUESS
-           and in_features // (split * 2) >= 256 and n_tiles * split * 2 <= 144):
+    while (split < config["max_split"] and programs * split * 2 <= config["programs_per_sm"] * _NUM_SMS_GUESS
+           and in_features // (split * 2) >= 256):
         split *= 2
     return split
 
@@ -108,8 +107,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     if num_tokens == 0:
         return h
     block_r = _block_r(r_max)
-    config = dict(_shrink_config(block_m))
-    del config["max_split"]
+    config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
     grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
     _shrink_kernel[grid](
