@@ -150,7 +150,7 @@ def _expand_kernel(
 # Each program walks COLS columns of one tile in steps of BLOCK_N; the column groups are sized so that
 # the grid holds about programs_per_sm programs per SM for the largest possible tile count.
 EXPAND_CONFIGS = {
-    16: dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=4),
+    16: dict(BLOCK_N=128, num_warps=8, num_stages=3, programs_per_sm=4),
     64: dict(BLOCK_N=128, num_warps=8, num_stages=3, programs_per_sm=4),
 }
 _NUM_SMS_GUESS = 132  # H100 / H200; only sizes the grid, never affects results
