@@ -8,6 +8,8 @@ B only up to ``rank[s, i]``.
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Sequence
 
 import torch
@@ -249,9 +251,7 @@ def _expand_torch(y, h, B, ranks, scales, token_slot, slice_sizes: Sequence[int]
     hs = h.sum(0)
     slots = token_slot.long()
     ranks_host, scales_host = ranks.tolist(), scales.tolist()
-    offsets = [0]
-    for n in slice_sizes:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(slice_sizes)]
     for s in torch.unique(slots).tolist():
         if s < 0:
             continue

@@ -5,6 +5,8 @@ Slow on purpose: one token, one slice at a time, exactly as the semantics read.
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Sequence
 
 import torch
@@ -43,9 +45,7 @@ def expand_ref(
     y: [T, sum(slice_sizes)]; h: [n_slices, T, R_max]; B: [S, sum(slice_sizes), R_max].
     """
     out = y.double().cpu().clone()
-    offsets = [0]
-    for n in slice_sizes:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(slice_sizes)]
     for t in range(y.shape[0]):
         s = int(slots[t])
         if s < 0:
@@ -84,9 +84,7 @@ def lora_ref_by_slot(
 ) -> torch.Tensor:
     """``lora_ref`` looping over slots instead of tokens, on the inputs' device: for large shapes."""
     out = y.double().clone()
-    offsets = [0]
-    for n in slice_sizes:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(slice_sizes)]
     slots = slots.long()
     for s in torch.unique(slots).tolist():
         if s < 0:
