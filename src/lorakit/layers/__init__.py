@@ -1,1 +1,11 @@
-"""LoRA wrappers for linear, fused, embedding and head layers (built on lorakit.ops)."""
+"""LoRA wrappers for linear, embedding and head layers, and ``patch`` that puts them into a model.
+
+Built on ``lorakit.ops``; knows nothing of the engine.
+"""
+
+from lorakit.layers.context import LoraContext
+from lorakit.layers.embedding import LoraEmbedding
+from lorakit.layers.linear import LoraLinear
+from lorakit.layers.patch import LoraHandle, PatchConfig, patch
+
+__all__ = ["LoraContext", "LoraEmbedding", "LoraHandle", "LoraLinear", "PatchConfig", "patch"]

@@ -1,0 +1,69 @@
+"""The state one forward pass shares among LoRA layers: which adapter slot each token uses.
+
+The patched model's forward takes ``lora_ids`` ([batch] per sequence or [batch, seq] per token, -1 for
+the base model) and hands them to a ``LoraContext``; each LoRA layer asks the context for the batch
+metadata matching its input's leading shape, which is built once per shape and forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorakit.ops import LoraMeta, build_lora_meta
+
+
+class LoraContext:
+    """Holds the current forward pass's adapter ids and the metadata built from them."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.ids: torch.Tensor | None = None
+        self._metas: dict[tuple[int, ...], LoraMeta] = {}
+
+    def begin(self, ids: torch.Tensor | None) -> None:
+        """Start a forward pass with these ids (None: every token uses the base model)."""
+        if ids is not None:
+            if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"lora_ids must be an int tensor from handle.ids(...), got {ids!r:.80}")
+            if ids.dim() not in (1, 2):
+                raise ValueError(
+                    f"lora_ids must be [batch] (one adapter per sequence) or [batch, seq] (per token), "
+                    f"got shape {tuple(ids.shape)}"
+                )
+        self.ids = ids
+        self._metas = {}
+
+    def end(self) -> None:
+        self.ids = None
+        self._metas = {}
+
+    def meta_for(self, leading: torch.Size) -> LoraMeta | None:
+        """Metadata for an input of leading shape [batch, seq] (or [batch]); None when no ids were given."""
+        if self.ids is None:
+            return None
+        key = tuple(leading)
+        if key not in self._metas:
+            self._metas[key] = build_lora_meta(self._token_slots(key), self.num_slots)
+        return self._metas[key]
+
+    def _token_slots(self, leading: tuple[int, ...]) -> torch.Tensor:
+        ids = self.ids
+        batch = ids.shape[0]
+        if len(leading) == 0 or leading[0] != batch:
+            raise ValueError(
+                f"lora_ids has {batch} rows but a LoRA layer got an input of leading shape {leading}; "
+                f"pass one id per sequence of the batch"
+            )
+        seq = 1
+        for n in leading[1:]:
+            seq *= n
+        if ids.dim() == 1:
+            return ids[:, None].expand(batch, seq).reshape(-1)
+        if ids.shape[1] == seq:
+            return ids.reshape(-1)
+        if ids.shape[1] > seq:  # the head sees only the last positions (logits_to_keep)
+            return ids[:, ids.shape[1] - seq:].reshape(-1)
+        raise ValueError(
+            f"lora_ids gives {ids.shape[1]} positions per sequence but a LoRA layer got {seq}; "
+            f"pass [batch] ids or [batch, seq] ids matching input_ids"
+        )

@@ -1,0 +1,58 @@
+"""LoRA for token embeddings (``nn.Embedding`` and subclasses such as Gemma's scaled embedding).
+
+The shrink of an embedding is a lookup: h[t] = A[s][:, token t]. A is kept as [S, num_embeddings, R_max]
+so that lookup is one gather; the expand goes through ``torch.ops.lorakit.expand``. Like PEFT, the delta
+is multiplied by the base layer's ``embed_scale`` where it has one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lorakit.layers.context import LoraContext
+from lorakit.layers.slots import LoraSlots
+
+
+class LoraEmbedding(LoraSlots):
+    def __init__(self, base_layer: nn.Embedding, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
+        weight = base_layer.weight
+        super().__init__(num_slots, base_layer.num_embeddings, base_layer.embedding_dim, weight.dtype,
+                         weight.device, rank_multiple)
+        self.base_layer = base_layer
+        self.ctx = ctx
+
+    def _empty_a(self, r_max, dtype, device):
+        return torch.zeros(self.num_slots, self.in_features, r_max, dtype=dtype, device=device)
+
+    def _a_view(self, a, slot, rank):
+        return a[slot, :, :rank].T
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def embed_scale(self) -> float:
+        """The factor the base layer applies to its output (1.0 for a plain nn.Embedding)."""
+        scale = getattr(self.base_layer, "embed_scale", None)
+        if scale is None:
+            return 1.0
+        return float(scale) if not isinstance(scale, torch.Tensor) or scale.numel() == 1 else 1.0
+
+    def set_slot(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        super().set_slot(slot, A, B, scale * self.embed_scale())
+
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self.base_layer(input_ids, *args, **kwargs)
+        if self.r_max == 0:
+            return y
+        meta = self.ctx.meta_for(input_ids.shape)
+        if meta is None:
+            return y
+        tokens = input_ids.reshape(-1)
+        slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
+        h = self.lora_A[slots, tokens].float()[None, None]  # [1, 1, T, R_max]
+        y2 = y.view(-1, self.out_features)
+        torch.ops.lorakit.expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta.token_slot,
+                                 meta.token_order, meta.tiles, [self.out_features], meta.block_m)
+        return y

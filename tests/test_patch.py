@@ -1,0 +1,177 @@
+"""lorakit.patch against PEFT: every row of a mixed batch gets the logits PEFT gives with its adapter alone."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig
+
+import lorakit
+from _lora_cases import rel_err
+from _peft_models import ARCHS, TARGETS, VOCAB, save_adapter, tiny_model
+from lorakit.layers.adapter import AdapterError
+
+# Relative error of each row's logits against PEFT's, by dtype.
+LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@st.composite
+def lora_configs(draw, arch: str) -> LoraConfig:
+    names = TARGETS[arch]
+    targets = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+    r = draw(st.integers(1, 64))
+    kwargs = dict(r=r, lora_alpha=draw(st.integers(1, 128)), target_modules=targets,
+                  use_rslora=draw(st.booleans()), init_lora_weights=False)
+    if draw(st.booleans()):
+        kwargs["rank_pattern"] = {targets[0]: draw(st.integers(1, 64))}
+    if draw(st.booleans()):
+        kwargs["alpha_pattern"] = {targets[-1]: draw(st.integers(1, 128))}
+    if arch == "gpt2":
+        kwargs["fan_in_fan_out"] = True
+    return LoraConfig(**kwargs)
+
+
+def reference_logits(base, adapters, names, input_ids):
+    rows = []
+    for b, name in enumerate(names):
+        model = base if name is None else adapters[name].peft_model
+        with torch.no_grad():
+            rows.append(model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0])
+    return torch.stack(rows)
+
+
+def patched(base, adapters, max_loras=4):
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=max_loras)
+    for a in adapters.values():
+        handle.load_adapter(a.name, a.path)
+    return model, handle
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_mixed_batch_matches_peft(arch, data, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(arch)
+    base = tiny_model(arch, seed=data.draw(st.integers(0, 100)))
+    n_adapters = data.draw(st.integers(1, 3))
+    adapters = {}
+    for i in range(n_adapters):
+        adapters[f"a{i}"] = save_adapter(base, f"a{i}", data.draw(lora_configs(arch)), tmp_path, seed=i)
+    batch = data.draw(st.integers(1, 5))
+    names = data.draw(st.lists(st.sampled_from([None, *adapters]), min_size=batch, max_size=batch))
+    seq = data.draw(st.integers(1, 9))
+    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seq))
+
+    model, handle = patched(base, adapters)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
+    ref = reference_logits(base, adapters, names, input_ids)
+    for b, name in enumerate(names):
+        err = rel_err(out[b], ref[b])
+        assert err < LOGITS_TOLERANCE[torch.float32], f"row {b} ({name}): relative error {err:.2e}"
+    with torch.no_grad():  # without lora_ids the patched model is the base model, bit for bit
+        plain = model(input_ids=input_ids, use_cache=False).logits
+        assert torch.equal(plain, base(input_ids=input_ids, use_cache=False).logits)
+
+
+def two_adapters(tmp_path, arch="llama", ranks=(8, 64)):
+    base = tiny_model(arch, seed=0)
+    adapters = {}
+    for i, r in enumerate(ranks):
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS[arch], init_lora_weights=False)
+        adapters[f"r{r}"] = save_adapter(base, f"r{r}", cfg, tmp_path, seed=i)
+    return base, adapters
+
+
+def test_rank_growth_keeps_loaded_adapters_exact(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=3)
+    handle.load_adapter("r8", adapters["r8"].path)
+    input_ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(0))
+    ids = handle.ids(["r8", None, "r8"])
+    with torch.no_grad():
+        before = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+        handle.load_adapter("r64", adapters["r64"].path)  # grows every layer's padding from 16 to 64
+        after = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+        mixed = model(input_ids=input_ids, lora_ids=handle.ids(["r64", "r8", None]), use_cache=False).logits
+    assert all(layer.r_max in (0, 64) for layer in handle.layers.values())
+    assert torch.equal(before, after)
+    ref = reference_logits(base, adapters, ["r64", "r8", None], input_ids)
+    assert rel_err(mixed, ref) < LOGITS_TOLERANCE[torch.float32]
+
+
+def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp_path):
+    torch._dynamo.reset()
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for names in (["r8", None, "r64", "r8"], [None, None, None, None], ["r64", "r64", "r8", None]):
+            ids = handle.ids(names)
+            eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            assert rel_err(comp, eager) < LOGITS_TOLERANCE[torch.float32], names
+
+
+def test_per_token_ids_match_per_sequence_ids(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+    ids = handle.ids(["r8", "r64"])
+    with torch.no_grad():
+        per_seq = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+        per_tok = model(input_ids=input_ids, lora_ids=ids[:, None].expand(2, 4), use_cache=False).logits
+    assert torch.equal(per_seq, per_tok)
+
+
+def test_unload_frees_the_slot_and_leaves_others(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters, max_loras=2)
+    input_ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(input_ids=input_ids, lora_ids=handle.ids(["r64"]), use_cache=False).logits
+        handle.unload_adapter("r8")
+        assert handle.adapters == {"r64": 1}
+        after = model(input_ids=input_ids, lora_ids=handle.ids(["r64"]), use_cache=False).logits
+        handle.load_adapter("r8-again", adapters["r8"].path)
+        assert handle.adapters == {"r8-again": 0, "r64": 1}
+    assert torch.equal(before, after)
+
+
+def test_bad_requests_name_the_problem_and_change_nothing(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, {"r8": adapters["r8"]}, max_loras=2)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+
+    def logits():
+        with torch.no_grad():
+            return model(input_ids=input_ids, lora_ids=handle.ids(["r8", None]), use_cache=False).logits
+
+    before = logits()
+    with pytest.raises(AdapterError, match=r"'r8' is already loaded in slot 0"):
+        handle.load_adapter("r8", adapters["r8"].path)
+    with pytest.raises(ValueError, match=r"unknown adapter name\(s\) \['nope'\].*loaded: \['r8'\]"):
+        handle.ids(["r8", "nope"])
+    with pytest.raises(AdapterError, match=r"no adapter 'nope' is loaded"):
+        handle.unload_adapter("nope")
+    gpt2 = save_adapter(tiny_model("gpt2", 0), "gpt2", LoraConfig(r=4, target_modules=["c_attn"]), tmp_path, 0)
+    with pytest.raises(AdapterError, match=r"'gpt2'.*c_attn"):
+        handle.load_adapter("gpt2", gpt2.path)
+    with pytest.raises(AdapterError, match=r"'missing'"):
+        handle.load_adapter("missing", tmp_path / "does-not-exist")
+    small = lorakit.patch(copy.deepcopy(base), max_loras=1, max_rank=32)
+    with pytest.raises(AdapterError, match=r"rank 64 is above this model's max_rank=32"):
+        small.load_adapter("r64", adapters["r64"].path)
+    handle.load_adapter("r64", adapters["r64"].path)
+    with pytest.raises(AdapterError, match=r"all 2 slots hold adapters \(r8, r64\)"):
+        handle.load_adapter("third", adapters["r8"].path)
+    handle.unload_adapter("r64")
+    assert handle.adapters == {"r8": 0}
+    assert torch.equal(logits(), before)
+    with pytest.raises(ValueError, match="already patched"):
+        lorakit.patch(model)
