@@ -53,8 +53,8 @@ def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[to
     meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
     h = _launch_shrink(case.x, case.A, case.ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
     y = case.y.clone()
-    _launch_expand(y, h, case.B, case.ranks, case.scales, meta.token_order, meta.tiles, case.slice_sizes,
-                   meta.block_m)
+    _launch_expand(list(torch.split(y, case.slice_sizes, dim=1)), h, case.B, case.ranks, case.scales,
+                   meta.token_order, meta.tiles, meta.block_m)
     return h, y
 
 

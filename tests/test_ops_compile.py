@@ -12,8 +12,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def op_args(case, meta, split_k):
     h = lora_shrink(case.x, case.A, case.ranks, meta, split_k=split_k)
     shrink = (case.x, case.A, case.ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
-    expand = (case.y.clone(), h, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
-              case.slice_sizes, meta.block_m)
+    ys = list(torch.split(case.y.clone(), case.slice_sizes, dim=1))
+    expand = (ys, h, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
     return shrink, expand
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
+from lorakit.ops import lora_expand
 
 
 class LoraEmbedding(LoraSlots):
@@ -53,6 +54,5 @@ class LoraEmbedding(LoraSlots):
         slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
         h = self.lora_A[slots, tokens].float()[None, None]  # [1, 1, T, R_max]
         y2 = y.view(-1, self.out_features)
-        torch.ops.lorakit.expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta.token_slot,
-                                 meta.token_order, meta.tiles, [self.out_features], meta.block_m)
+        lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
         return y

@@ -18,7 +18,10 @@ from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit:
 from lorakit.ops.meta import LoraMeta, LoraMetaBuffers, block_m_for, build_lora_meta
 from lorakit.ops.shrink import shrink_split_k
 
-__all__ = ["LoraMeta", "LoraMetaBuffers", "add_lora", "block_m_for", "build_lora_meta", "lora_expand", "lora_shrink"]
+__all__ = [
+    "LoraMeta", "LoraMetaBuffers", "add_lora", "block_m_for", "build_lora_meta", "lora_expand", "lora_shrink",
+    "split_columns",
+]
 
 
 def _check_slot_count(meta: LoraMeta, weights: torch.Tensor, name: str) -> None:
@@ -39,26 +42,37 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: Lor
                                     split_k)
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
-                meta: LoraMeta, slice_sizes: Sequence[int]) -> None:
-    """``torch.ops.lorakit.expand`` over a LoraMeta: y += scale * h @ B.T per slice, in place."""
+def split_columns(y: torch.Tensor, slice_sizes: Sequence[int] | None) -> list[torch.Tensor]:
+    """Column views of y, one per slice (the whole of y when slice_sizes is None)."""
+    if slice_sizes is None:
+        return [y]
+    if sum(slice_sizes) != y.shape[-1]:
+        raise ValueError(f"slice_sizes {list(slice_sizes)} must add up to y's {y.shape[-1]} columns")
+    return list(torch.split(y, list(slice_sizes), dim=-1))
+
+
+def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
+                scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None) -> None:
+    """``torch.ops.lorakit.expand`` over a LoraMeta: ys[i] += scale * h[i] @ B[slice i].T, in place.
+
+    ys: one output per slice, or one tensor y split into slices of widths slice_sizes."""
     _check_slot_count(meta, B, "B")
-    torch.ops.lorakit.expand(y, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles,
-                             list(slice_sizes), meta.block_m)
+    outs = split_columns(ys, slice_sizes) if isinstance(ys, torch.Tensor) else list(ys)
+    torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
-             scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None) -> None:
-    """The whole LoRA delta of one (possibly fused) layer, added into y in place.
+def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             ranks: torch.Tensor, scales: torch.Tensor, meta: LoraMeta,
+             slice_sizes: Sequence[int] | None = None) -> None:
+    """The whole LoRA delta of one (possibly fused) layer, added in place.
 
     Semantics:
         for t, i: s = meta.token_slot[t]; r = ranks[s, i]
-            y[t, slice i] += scales[s, i] * (x[t] @ A[s, i, :r].T) @ B[s, slice i, :r].T   (skipped where s == -1)
+            y_i[t] += scales[s, i] * (x[t] @ A[s, i, :r].T) @ B[s, slice i, :r].T   (skipped where s == -1)
 
-    x: [T, in]; y: [T, out]; A: [S, n_slices, R_max, in]; B: [S, out, R_max] (store it as
-    [S, R_max, out] and pass ``.transpose(1, 2)``: the expand then reads only the first r rows, fully
-    coalesced); ranks int32 and scales float32 [S, n_slices]; slice_sizes: the widths of the slices of
-    y (default: one slice). The meta must be built for S slots.
+    x: [T, in]; y: [T, out] split into slices of widths slice_sizes (default: one slice), or a list of
+    outputs y_i [T, out_i] (q, k and v of one input); A: [S, n_slices, R_max, in]; B: [S, out, R_max]
+    (store it as [S, R_max, out] and pass ``.transpose(1, 2)``: the expand then reads only the first r
+    rows, fully coalesced); ranks int32 and scales float32 [S, n_slices]. The meta must be built for S slots.
     """
-    sizes = [y.shape[1]] if slice_sizes is None else list(slice_sizes)
-    lora_expand(y, lora_shrink(x, A, ranks, meta), B, ranks, scales, meta, sizes)
+    lora_expand(y, lora_shrink(x, A, ranks, meta), B, ranks, scales, meta, slice_sizes)

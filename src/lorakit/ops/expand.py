@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import itertools
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -81,9 +79,8 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr,
-    R_MAX, N0, N1, N2, N3, COLS,
-    stride_yt, stride_yn,
+    Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr,
+    R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS,
     stride_hk, stride_hi, stride_ht,
     stride_bs, stride_bn, stride_br,
     stride_rs, stride_ri,
@@ -96,16 +93,25 @@ def _expand_kernel(
     pid_g = tl.program_id(0)
     pid_tile = tl.program_id(1)
     slice_id = tl.program_id(2)
-    # Column range of this slice in y and B; at most four slices, passed as scalars (no device tensor).
+    # Slice i writes its own output Y_i (row stride SYT_i, N_i columns) from columns lo.. of B; at most
+    # four slices, passed as scalars (no device tensor of pointers).
+    y_ptr = Y0
+    stride_yt = SYT0
     lo = 0
     size = N0
     if slice_id >= 1:
+        y_ptr = Y1
+        stride_yt = SYT1
         lo += N0
         size = N1
     if slice_id >= 2:
+        y_ptr = Y2
+        stride_yt = SYT2
         lo += N1
         size = N2
     if slice_id >= 3:
+        y_ptr = Y3
+        stride_yt = SYT3
         lo += N2
         size = N3
     n_lo = pid_g * COLS
@@ -121,30 +127,30 @@ def _expand_kernel(
         offs_m = start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
         tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        y_rows = y_ptr + tok[:, None] * stride_yt + lo * stride_yn
+        y_rows = y_ptr + tok[:, None] * stride_yt
         h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + lo * stride_bn
         # The rank block follows this slot's rank: bytes stop at the rank, FLOPs at the next of 16, 32,
         # 64 or 128, and ranks above 128 walk chunks of 64.
         if rank <= 16:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, stride_yn,
+                            stride_hk, stride_bn, stride_br, 1,
                             BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True)
         elif rank <= 32:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, stride_yn,
+                            stride_hk, stride_bn, stride_br, 1,
                             BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True)
         elif rank <= 64:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, stride_yn,
+                            stride_hk, stride_bn, stride_br, 1,
                             BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True)
         elif rank <= 128:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, stride_yn,
+                            stride_hk, stride_bn, stride_br, 1,
                             BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True)
         else:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, stride_yn,
+                            stride_hk, stride_bn, stride_br, 1,
                             BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False)
 
 
@@ -158,57 +164,63 @@ EXPAND_CONFIGS = {
 _NUM_SMS_GUESS = 132  # H100 / H200; only sizes the grid, never affects results
 
 
-def _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes: Sequence[int], block_m: int) -> None:
-    num_tokens = y.shape[0]
+def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int) -> None:
+    num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
     split_k, n_slices, _, r_max = h.shape
-    sizes = list(slice_sizes) + [0] * (MAX_SLICES - len(slice_sizes))
+    pad = MAX_SLICES - len(ys)
+    widths = [y.shape[1] for y in ys]
     config = dict(EXPAND_CONFIGS[16 if block_m <= 16 else 64])
     per_sm = config.pop("programs_per_sm")
     n_tiles = tiles.shape[1]
-    col_blocks = triton.cdiv(max(slice_sizes), config["BLOCK_N"])
+    col_blocks = triton.cdiv(max(widths), config["BLOCK_N"])
     groups = max(1, min(col_blocks, triton.cdiv(per_sm * _NUM_SMS_GUESS, n_tiles * n_slices)))
     cols = triton.cdiv(col_blocks, groups) * config["BLOCK_N"]
-    grid = (triton.cdiv(max(slice_sizes), cols), n_tiles, n_slices)
+    grid = (triton.cdiv(max(widths), cols), n_tiles, n_slices)
     _expand_kernel[grid](
-        y, h, B, ranks, scales, token_order, tiles,
-        r_max, *sizes, cols,
-        y.stride(0), y.stride(1),
+        *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
+        r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
         h.stride(0), h.stride(1), h.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=y.dtype == torch.float32, **config,
+        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=ys[0].dtype == torch.float32, **config,
     )
 
 
-def _check_expand_args(y, h, B, ranks, scales, token_slot, token_order, tiles, slice_sizes, block_m) -> None:
-    check_tensor("y", y, dim=2, dtypes=FLOAT_DTYPES, device=y.device)
-    check_tensor("h", h, dim=4, dtypes=(torch.float32,), device=y.device, unit_stride_dim=3)
-    check_tensor("B", B, dim=3, dtypes=(y.dtype,), device=y.device)
+def _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m) -> None:
+    if not isinstance(ys, (list, tuple)) or not 1 <= len(ys) <= MAX_SLICES:
+        raise ValueError(f"ys must be a list of 1 to {MAX_SLICES} output tensors (one per slice), got {ys!r:.100}")
+    check_tensor("ys[0]", ys[0], dim=2, dtypes=FLOAT_DTYPES, device=ys[0].device, unit_stride_dim=1)
+    device, dtype = ys[0].device, ys[0].dtype
+    for i, y in enumerate(ys[1:], 1):
+        check_tensor(f"ys[{i}]", y, dim=2, dtypes=(dtype,), device=device, unit_stride_dim=1)
+    check_tensor("h", h, dim=4, dtypes=(torch.float32,), device=device, unit_stride_dim=3)
+    check_tensor("B", B, dim=3, dtypes=(dtype,), device=device)
     split_k, n_slices, num_tokens, r_max = h.shape
-    if not 1 <= len(slice_sizes) <= MAX_SLICES or any(n < 1 for n in slice_sizes):
-        raise ValueError(f"slice_sizes must hold 1 to {MAX_SLICES} positive widths, got {list(slice_sizes)}")
-    if len(slice_sizes) != n_slices:
-        raise ValueError(f"slice_sizes must give one width per slice of h ({n_slices}), got {list(slice_sizes)}")
-    out = sum(slice_sizes)
-    check_shape("y", y, (num_tokens, out), "[T, sum(slice_sizes)] with T from h")
+    if len(ys) != n_slices:
+        raise ValueError(f"ys must hold one output per slice of h ({n_slices}), got {len(ys)}")
+    for i, y in enumerate(ys):
+        if y.shape[0] != num_tokens:
+            raise ValueError(f"ys[{i}] must have {num_tokens} rows (T from h), got shape {tuple(y.shape)}")
+    widths = [y.shape[1] for y in ys]
     num_slots = B.shape[0]
-    check_shape("B", B, (num_slots, out, r_max), "[S, sum(slice_sizes), R_max] with R_max from h")
-    check_tensor("ranks", ranks, dim=2, dtypes=(torch.int32,), device=y.device)
+    check_shape("B", B, (num_slots, sum(widths), r_max),
+                f"[S, sum of the slice widths {widths}, R_max] with R_max from h")
+    check_tensor("ranks", ranks, dim=2, dtypes=(torch.int32,), device=device)
     check_shape("ranks", ranks, (num_slots, n_slices), "[S, n_slices], one rank per slot and slice")
-    check_tensor("scales", scales, dim=2, dtypes=(torch.float32,), device=y.device)
+    check_tensor("scales", scales, dim=2, dtypes=(torch.float32,), device=device)
     check_shape("scales", scales, (num_slots, n_slices), "[S, n_slices], one scale per slot and slice")
-    check_meta(token_slot, token_order, tiles, num_tokens, y.device)
+    check_meta(token_slot, token_order, tiles, num_tokens, device)
     check_block_m(block_m)
     check_ranks(ranks, r_max)
 
 
-@torch.library.custom_op("lorakit::expand", mutates_args=("y",))
+@torch.library.custom_op("lorakit::expand", mutates_args=("ys",))
 def expand(
-    y: torch.Tensor,
+    ys: list[torch.Tensor],
     h: torch.Tensor,
     B: torch.Tensor,
     ranks: torch.Tensor,
@@ -216,49 +228,51 @@ def expand(
     token_slot: torch.Tensor,
     token_order: torch.Tensor,
     tiles: torch.Tensor,
-    slice_sizes: list[int],
     block_m: int,
 ) -> None:
-    """LoRA expand for all slices of a projection, added into y in place.
+    """LoRA expand for all slices of a projection, added in place into one output per slice.
 
     Semantics:
-        for t, i: s = token_slot[t]; r = ranks[s, i]; cols = columns of slice i (widths slice_sizes)
-            y[t, cols] += scales[s, i] * h.sum(0)[i, t, :r] @ B[s, cols, :r].T   (skipped where s == -1)
+        for t, i: s = token_slot[t]; r = ranks[s, i]; cols = the columns of B for slice i (B's slices are
+        ys' widths, in order)
+            ys[i][t] += scales[s, i] * h.sum(0)[i, t, :r] @ B[s, cols, :r].T   (skipped where s == -1)
 
-    y: [T, sum(slice_sizes)] float32/float16/bfloat16, modified in place (any strides);
-    h: float32 [split_k, n_slices, T, R_max] from shrink; B: [S, sum(slice_sizes), R_max], y's dtype,
+    ys: 1 to 4 tensors [T, out_i] of one dtype (float32/float16/bfloat16), unit column stride, modified
+    in place: separate outputs (q, k, v of one input) or column views of one output;
+    h: float32 [split_k, n_slices, T, R_max] from shrink; B: [S, sum(out_i), R_max], ys' dtype,
     any strides ([S, R_max, out] storage read as B.transpose(1, 2) is fastest);
     ranks: int32 [S, n_slices]; scales: float32 [S, n_slices]; token_slot, token_order, tiles, block_m: a LoraMeta.
-    The delta is accumulated in float32 and rounded once into y.
+    The delta is accumulated in float32 and rounded once into ys.
     """
-    _check_expand_args(y, h, B, ranks, scales, token_slot, token_order, tiles, slice_sizes, block_m)
-    _expand_torch(y, h, B, ranks, scales, token_slot, slice_sizes)
+    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
+    _expand_torch(ys, h, B, ranks, scales, token_slot)
 
 
 @expand.register_kernel("cuda")
-def _(y, h, B, ranks, scales, token_slot, token_order, tiles, slice_sizes, block_m):
-    _check_expand_args(y, h, B, ranks, scales, token_slot, token_order, tiles, slice_sizes, block_m)
-    _launch_expand(y, h, B, ranks, scales, token_order, tiles, slice_sizes, block_m)
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m):
+    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
+    _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m)
 
 
 @expand.register_fake
-def _(y, h, B, ranks, scales, token_slot, token_order, tiles, slice_sizes, block_m):
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m):
     return None
 
 
-def _expand_torch(y, h, B, ranks, scales, token_slot, slice_sizes: Sequence[int]) -> None:
-    """The CPU path in plain torch: one matmul per (used slot, slice), float32, rounded once into y."""
+def _expand_torch(ys, h, B, ranks, scales, token_slot) -> None:
+    """The CPU path in plain torch: one matmul per (used slot, slice), float32, rounded once into ys."""
     hs = h.sum(0)
     slots = token_slot.long()
     ranks_host, scales_host = ranks.tolist(), scales.tolist()
-    offsets = [0, *itertools.accumulate(slice_sizes)]
+    offsets = [0, *itertools.accumulate(y.shape[1] for y in ys)]
     for s in torch.unique(slots).tolist():
         if s < 0:
             continue
         idx = (slots == s).nonzero().squeeze(1)
-        for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+        for i, y in enumerate(ys):
             r = ranks_host[s][i]
             if r == 0:
                 continue
+            lo, hi = offsets[i], offsets[i + 1]
             delta = (hs[i, idx, :r] @ B[s, lo:hi, :r].float().T) * scales_host[s][i]
-            y[idx, lo:hi] = (y[idx, lo:hi].float() + delta).to(y.dtype)
+            y[idx] = (y[idx].float() + delta).to(y.dtype)
