@@ -7,6 +7,8 @@ metadata matching its input's leading shape, which is built once per shape and f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lorakit.ops import LoraMeta, build_lora_meta
@@ -19,6 +21,11 @@ class LoraContext:
         self.num_slots = num_slots
         self.ids: torch.Tensor | None = None
         self._metas: dict[tuple[int, ...], LoraMeta] = {}
+        self._on_reset: list[Callable[[], None]] = []
+
+    def on_reset(self, fn: Callable[[], None]) -> None:
+        """Call fn at the start and end of every forward pass (layers drop per-pass caches there)."""
+        self._on_reset.append(fn)
 
     def begin(self, ids: torch.Tensor | None) -> None:
         """Start a forward pass with these ids (None: every token uses the base model)."""
@@ -31,11 +38,16 @@ class LoraContext:
                     f"got shape {tuple(ids.shape)}"
                 )
         self.ids = ids
-        self._metas = {}
+        self._reset()
 
     def end(self) -> None:
         self.ids = None
+        self._reset()
+
+    def _reset(self) -> None:
         self._metas = {}
+        for fn in self._on_reset:
+            fn()
 
     def meta_for(self, leading: torch.Size) -> LoraMeta | None:
         """Metadata for an input of leading shape [batch, seq] (or [batch]); None when no ids were given."""

@@ -18,7 +18,7 @@ from lorakit.ops import lora_expand
 class LoraEmbedding(LoraSlots):
     def __init__(self, base_layer: nn.Embedding, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
         weight = base_layer.weight
-        super().__init__(num_slots, base_layer.num_embeddings, base_layer.embedding_dim, weight.dtype,
+        super().__init__(num_slots, base_layer.num_embeddings, [base_layer.embedding_dim], weight.dtype,
                          weight.device, rank_multiple)
         self.base_layer = base_layer
         self.ctx = ctx
@@ -26,8 +26,12 @@ class LoraEmbedding(LoraSlots):
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, self.in_features, r_max, dtype=dtype, device=device)
 
-    def _a_view(self, a, slot, rank):
+    def _a_view(self, a, slot, index, rank):
         return a[slot, :, :rank].T
+
+    @property
+    def out_features(self) -> int:
+        return self.out_sizes[0]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -40,8 +44,11 @@ class LoraEmbedding(LoraSlots):
             return 1.0
         return float(scale) if not isinstance(scale, torch.Tensor) or scale.numel() == 1 else 1.0
 
-    def set_slot(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
-        super().set_slot(slot, A, B, scale * self.embed_scale())
+    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        self.set_slot(slot, A, B, scale * self.embed_scale())
+
+    def clear_adapter(self, slot: int) -> None:
+        self.clear_slot(slot)
 
     def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(input_ids, *args, **kwargs)

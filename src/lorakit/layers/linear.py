@@ -1,8 +1,15 @@
 """LoRA for linear layers: ``nn.Linear`` of any architecture (fused qkv / gate_up and the output head
-included) and transformers' GPT-2 ``Conv1D``. The base layer is called unchanged; the delta of every
-token's adapter is added into its output through ``lorakit.ops.add_lora``."""
+included) and transformers' GPT-2 ``Conv1D``.
+
+A module alone is a ``LoraLinear``. Sibling modules that read the same input (q/k/v, gate/up: found by
+``patch`` from one traced forward) become ``LoraLinearMember``s of one ``LoraLinearGroup``: the first
+member called runs every sibling's base layer on the input, then one shrink and one expand add all the
+deltas; the others return their output from that. Base layers are always called unchanged.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,21 +28,45 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-class LoraLinear(LoraSlots):
-    """y = base_layer(x) + scale[s] * (x @ A[s].T) @ B[s].T for each token's slot s."""
+class _LinearSlots(LoraSlots):
+    """Slots of n linear slices reading one input: A [S, n, R_max, in]."""
 
-    def __init__(self, base_layer: nn.Module, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
-        in_features, out_features = linear_shape(base_layer)
-        weight = base_layer.weight
-        super().__init__(num_slots, in_features, out_features, weight.dtype, weight.device, rank_multiple)
-        self.base_layer = base_layer
+    def __init__(self, base_layers: Sequence[nn.Module], ctx: LoraContext, num_slots: int, rank_multiple: int):
+        shapes = [linear_shape(m) for m in base_layers]
+        weight = base_layers[0].weight
+        super().__init__(num_slots, shapes[0][0], [out for _, out in shapes], weight.dtype, weight.device,
+                         rank_multiple)
         self.ctx = ctx
 
     def _empty_a(self, r_max, dtype, device):
-        return torch.zeros(self.num_slots, 1, r_max, self.in_features, dtype=dtype, device=device)
+        return torch.zeros(self.num_slots, len(self.out_sizes), r_max, self.in_features, dtype=dtype, device=device)
 
-    def _a_view(self, a, slot, rank):
-        return a[slot, 0, :rank]
+    def _a_view(self, a, slot, index, rank):
+        return a[slot, index, :rank]
+
+    def add_delta(self, ys: list[torch.Tensor], x: torch.Tensor, meta, index: int | None = None) -> list[torch.Tensor]:
+        """ys[i] + the LoRA delta of slice i (all slices, or only ``index``); in place where dtypes allow."""
+        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        A, B, ranks, scales = self.lora_A, self.lora_B, self.ranks, self.scales
+        if index is not None:
+            lo, hi = self.out_offsets[index], self.out_offsets[index + 1]
+            A, B = A[:, index: index + 1], B[:, :, lo:hi]
+            ranks, scales = ranks[:, index: index + 1], scales[:, index: index + 1]
+        flat = [y.view(-1, y.shape[-1]) for y in ys]
+        if all(y.dtype == self.dtype for y in ys):
+            add_lora(flat, x2, A, B.transpose(1, 2), ranks, scales, meta)
+            return ys
+        deltas = [torch.zeros(y.shape, dtype=self.dtype, device=y.device) for y in flat]
+        add_lora(deltas, x2, A, B.transpose(1, 2), ranks, scales, meta)
+        return [y + d.view(y.shape).to(y.dtype) for y, d in zip(ys, deltas)]
+
+
+class LoraLinear(_LinearSlots):
+    """y = base_layer(x) + scale[s] * (x @ A[s].T) @ B[s].T for each token's slot s."""
+
+    def __init__(self, base_layer: nn.Module, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
+        super().__init__([base_layer], ctx, num_slots, rank_multiple)
+        self.base_layer = base_layer
 
     # Code that reads the wrapped module's parameters (tied weights, get_output_embeddings) still works.
     @property
@@ -46,6 +77,16 @@ class LoraLinear(LoraSlots):
     def bias(self) -> torch.Tensor | None:
         return self.base_layer.bias
 
+    @property
+    def out_features(self) -> int:
+        return self.out_sizes[0]
+
+    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        self.set_slot(slot, A, B, scale)
+
+    def clear_adapter(self, slot: int) -> None:
+        self.clear_slot(slot)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(x, *args, **kwargs)
         if self.r_max == 0:
@@ -53,11 +94,68 @@ class LoraLinear(LoraSlots):
         meta = self.ctx.meta_for(x.shape[:-1])
         if meta is None:
             return y
-        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        y2 = y.view(-1, self.out_features)
-        if y2.dtype == self.dtype:
-            add_lora(y2, x2, self.lora_A, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
-            return y
-        delta = torch.zeros(y2.shape, dtype=self.dtype, device=y2.device)
-        add_lora(delta, x2, self.lora_A, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
-        return y + delta.view(y.shape).to(y.dtype)
+        return self.add_delta([y], x, meta)[0]
+
+
+class LoraLinearGroup(_LinearSlots):
+    """The shared slots of sibling linear modules; slice i belongs to member i."""
+
+    def __init__(self, base_layers: Sequence[nn.Module], ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
+        super().__init__(base_layers, ctx, num_slots, rank_multiple)
+        self.members: list[LoraLinearMember] = []  # a plain list: the members live in the model tree
+        self._input: torch.Tensor | None = None
+        self._outputs: list[torch.Tensor] | None = None
+        ctx.on_reset(self.reset)
+
+    def reset(self) -> None:
+        self._input, self._outputs = None, None
+
+    def outputs(self, x: torch.Tensor, meta) -> list[torch.Tensor]:
+        """Every member's output for input x: base layers, then one shrink and one expand for all."""
+        if self._input is not x:
+            ys = [member.base_layer(x) for member in self.members]
+            self._input, self._outputs = x, self.add_delta(ys, x, meta)
+        return self._outputs
+
+
+class LoraLinearMember(nn.Module):
+    """One sibling of a LoraLinearGroup: the original module stays as ``base_layer``."""
+
+    def __init__(self, base_layer: nn.Module, group: LoraLinearGroup, index: int):
+        super().__init__()
+        self.base_layer = base_layer
+        self.index = index
+        object.__setattr__(self, "group", group)  # not a submodule: the group is registered once, on the parent
+        group.members.append(self)
+
+    weight = LoraLinear.weight
+    bias = LoraLinear.bias
+
+    @property
+    def r_max(self) -> int:
+        return self.group.r_max
+
+    @property
+    def in_features(self) -> int:
+        return self.group.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.group.out_sizes[self.index]
+
+    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        self.group.set_slot(slot, A, B, scale, self.index)
+
+    def clear_adapter(self, slot: int) -> None:
+        self.group.clear_slot(slot, self.index)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        group = self.group
+        if group.r_max == 0:
+            return self.base_layer(x, *args, **kwargs)
+        meta = group.ctx.meta_for(x.shape[:-1])
+        if meta is None:
+            return self.base_layer(x, *args, **kwargs)
+        if args or kwargs:  # called differently from its siblings: on its own
+            return group.add_delta([self.base_layer(x, *args, **kwargs)], x, meta, self.index)[0]
+        return group.outputs(x, meta)[self.index]

@@ -10,6 +10,7 @@ sits in which slot).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,11 @@ from torch import nn
 from lorakit.layers.adapter import AdapterError, BaseModule, PeftAdapter, load_peft_adapter
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
-from lorakit.layers.linear import LoraLinear, linear_shape
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
+from lorakit.ops._checks import MAX_SLICES
+
+logger = logging.getLogger("lorakit")
 
 
 @dataclass(frozen=True)
@@ -55,26 +59,83 @@ def patch(model: nn.Module, max_loras: int = 8, *, max_rank: int = 256, rank_mul
     if getattr(model, "_lorakit_handle", None) is not None:
         raise ValueError("this model is already patched by lorakit; use the handle patch() returned")
     ctx = LoraContext(config.max_loras)
-    layers: dict[str, LoraSlots] = {}
-    for name, module in list(model.named_modules()):
+    linears, embeddings = {}, {}
+    for name, module in model.named_modules():
         if not name or (config.filter_fn is not None and not config.filter_fn(module, name)):
             continue
         if linear_shape(module) is not None:
-            wrapper = LoraLinear(module, ctx, config.max_loras, config.rank_multiple)
+            linears[name] = module
         elif isinstance(module, nn.Embedding):
-            wrapper = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
-        else:
-            continue
+            embeddings[name] = module
+    if not linears and not embeddings:
+        raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
+
+    layers: dict[str, nn.Module] = {}
+    grouped = set()
+    for k, names in enumerate(_siblings(model, linears)):
+        group = LoraLinearGroup([linears[n] for n in names], ctx, config.max_loras, config.rank_multiple)
+        model.get_submodule(names[0].rpartition(".")[0]).add_module(f"lorakit_group_{k}", group)
+        for index, name in enumerate(names):
+            layers[name] = LoraLinearMember(linears[name], group, index)
+            grouped.add(name)
+    for name, module in linears.items():
+        if name not in grouped:
+            layers[name] = LoraLinear(module, ctx, config.max_loras, config.rank_multiple)
+    for name, module in embeddings.items():
+        layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
+    for name, wrapper in layers.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
-        layers[name] = wrapper
-    if not layers:
-        raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
+
     handle = LoraHandle(model, ctx, layers, config)
     model._lorakit_handle = handle
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
+
+
+def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]]:
+    """Linear modules under one parent that read the very same input tensor, seen in one forward pass
+    on the model's dummy inputs (at most MAX_SLICES a group). Without a traced pass, no groups: every
+    module then takes its own launches, which is slower but exact."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args):
+            if args and isinstance(args[0], torch.Tensor):
+                seen.setdefault(name, args[0])  # the tensor itself, kept alive: identity is exact
+        return hook
+
+    inputs = getattr(model, "dummy_inputs", None)
+    if not isinstance(inputs, dict) or not inputs:
+        logger.info("lorakit.patch: %s has no dummy_inputs; sibling projections are not grouped", type(model).__name__)
+        return []
+    device = next(model.parameters()).device
+    hooks = [module.register_forward_pre_hook(record(name)) for name, module in linears.items()]
+    try:
+        with torch.no_grad():
+            model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    except Exception as e:  # a model that needs more than dummy inputs: correct without groups
+        logger.info("lorakit.patch: tracing %s on dummy inputs failed (%s); no sibling groups",
+                    type(model).__name__, e)
+        return []
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups: list[list[str]] = []
+    for name in linears:
+        if name not in seen:
+            continue
+        parent = name.rpartition(".")[0]
+        for group in groups:
+            first = group[0]
+            if (first.rpartition(".")[0] == parent and seen[first] is seen[name] and len(group) < MAX_SLICES
+                    and linear_shape(linears[first])[0] == linear_shape(linears[name])[0]):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return [g for g in groups if len(g) > 1]
 
 
 def _take_lora_ids(ctx: LoraContext):
@@ -88,7 +149,7 @@ def _take_lora_ids(ctx: LoraContext):
 class LoraHandle:
     """The slots of a patched model: load, unload, and turn adapter names into ``lora_ids``."""
 
-    def __init__(self, model: nn.Module, ctx: LoraContext, layers: dict[str, LoraSlots], config: PatchConfig):
+    def __init__(self, model: nn.Module, ctx: LoraContext, layers: dict[str, nn.Module], config: PatchConfig):
         self.model = model
         self.config = config
         self.layers = layers
@@ -103,7 +164,7 @@ class LoraHandle:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.layers.values())).ranks.device
+        return next(self.model.parameters()).device
 
     @property
     def adapters(self) -> dict[str, int]:
@@ -127,10 +188,10 @@ class LoraHandle:
         slot = self._slots.index(None)
         try:
             for module, lora in adapter.modules.items():
-                self.layers[module].set_slot(slot, lora.A, lora.B, lora.scale)
+                self.layers[module].set_adapter(slot, lora.A, lora.B, lora.scale)
         except BaseException:
             for module in adapter.modules:
-                self.layers[module].clear_slot(slot)
+                self.layers[module].clear_adapter(slot)
             raise
         self._slots[slot] = name
         self._adapters[name] = adapter
@@ -142,7 +203,7 @@ class LoraHandle:
             raise AdapterError(f"no adapter {name!r} is loaded (loaded: {', '.join(self.adapters) or 'none'})")
         slot = self._slots.index(name)
         for module in self._adapters.pop(name).modules:
-            self.layers[module].clear_slot(slot)
+            self.layers[module].clear_adapter(slot)
         self._slots[slot] = None
 
     def ids(self, names: Sequence[str | None], device: torch.device | str | None = None) -> torch.Tensor:
@@ -156,5 +217,6 @@ class LoraHandle:
 
     def memory(self) -> dict[str, int]:
         """Bytes of slot buffers: in all, and per slot."""
-        total = sum(layer.lora_A.nbytes + layer.lora_B.nbytes for layer in self.layers.values())
+        stores = {id(m): m for m in self.model.modules() if isinstance(m, LoraSlots)}.values()
+        total = sum(store.lora_A.nbytes + store.lora_B.nbytes for store in stores)
         return {"slot_buffers": total, "per_slot": total // len(self._slots)}

@@ -1,0 +1,101 @@
+"""Sibling projections (q/k/v, gate/up) share one shrink and one expand, and stay exact in any case."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lorakit
+from _lora_cases import rel_err
+from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
+from lorakit.layers.linear import LoraLinearGroup, LoraLinearMember
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_llama_siblings_are_grouped_and_launch_once(tmp_path):
+    base = tiny_model("llama", seed=0)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS["llama"], init_lora_weights=False)
+    adapter = save_adapter(base, "all", cfg, tmp_path, seed=0)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    handle.load_adapter("all", adapter.path)
+    groups = [m for m in model.modules() if isinstance(m, LoraLinearGroup)]
+    assert sorted(len(g.members) for g in groups) == [2, 2, 3, 3]  # q/k/v and gate/up of 2 layers
+    attn = model.model.layers[0].self_attn
+    assert [attn.q_proj.index, attn.k_proj.index, attn.v_proj.index] == [0, 1, 2]
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), CountOps() as ops:
+        out = model(input_ids=input_ids, lora_ids=handle.ids(["all", None]), use_cache=False).logits
+    # Per layer: q/k/v, o, gate/up, down; then the head. The embedding's shrink is a lookup.
+    assert ops.counts["lorakit.shrink"] == 2 * 4 + 1
+    assert ops.counts["lorakit.expand"] == 2 * 4 + 1 + 1
+    with torch.no_grad():
+        ref = adapter.peft_model(input_ids=input_ids[:1], use_cache=False).logits[0]
+    assert rel_err(out[0], ref) < 1e-5
+
+
+class CrossAttention(nn.Module):
+    """q reads x; k and v read x in the traced dummy pass, but may read other states later."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 8)
+        self.v = nn.Linear(16, 8)
+
+    @property
+    def dummy_inputs(self):
+        return {"x": torch.randn(1, 3, 16)}
+
+    def forward(self, x, memory=None):
+        kv = x if memory is None else memory
+        return torch.cat([self.q(x), self.k(kv), self.v(kv)], dim=-1)
+
+
+def test_groups_stay_exact_when_siblings_read_different_inputs():
+    torch.manual_seed(0)
+    model = CrossAttention().eval()
+    handle = lorakit.patch(model, max_loras=2)
+    assert isinstance(model.q, LoraLinearMember) and model.q.group is model.k.group
+    gen = torch.Generator().manual_seed(1)
+    loras = {}
+    for name in ("q", "k", "v"):
+        layer = getattr(model, name)
+        A = torch.randn(4, 16, generator=gen)
+        B = torch.randn(layer.out_features, 4, generator=gen)
+        layer.set_adapter(1, A, B, 0.5)
+        loras[name] = (A, B)
+    handle._slots[1] = "manual"  # what load_adapter records; set by hand for this toy model
+    x, memory = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    ids = handle.ids(["manual", None])
+    with torch.no_grad():
+        out = model(x, memory, lora_ids=ids)
+        q = model.q.base_layer(x) + 0.5 * (x @ loras["q"][0].T) @ loras["q"][1].T
+        k = model.k.base_layer(memory) + 0.5 * (memory @ loras["k"][0].T) @ loras["k"][1].T
+        v = model.v.base_layer(memory) + 0.5 * (memory @ loras["v"][0].T) @ loras["v"][1].T
+        ref = torch.cat([q, k, v], dim=-1)
+        base = torch.cat([model.q.base_layer(x), model.k.base_layer(memory), model.v.base_layer(memory)], dim=-1)
+    assert rel_err(out[0], ref[0]) < 1e-6
+    assert torch.equal(out[1], base[1])
+
+
+def test_model_without_dummy_inputs_is_patched_without_groups():
+    class NoDummy(CrossAttention):
+        dummy_inputs = None
+
+    model = NoDummy()
+    lorakit.patch(model, max_loras=2)
+    assert not any(isinstance(m, LoraLinearGroup) for m in model.modules())
