@@ -175,3 +175,39 @@ def test_bad_requests_name_the_problem_and_change_nothing(tmp_path):
     assert torch.equal(logits(), before)
     with pytest.raises(ValueError, match="already patched"):
         lorakit.patch(model)
+
+
+def test_generate_with_using_matches_peft_and_base(tmp_path):
+    """transformers' generate (KV cache, prefill then one token a step) under handle.using."""
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(5))
+    names = ["r64", None, "r8"]
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    with handle.using(names):
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    for b, name in enumerate(names):
+        ref_model = base if name is None else adapters[name].peft_model
+        ref = ref_model.generate(input_ids=input_ids[b: b + 1], attention_mask=torch.ones_like(input_ids[b: b + 1]),
+                                 **kwargs)
+        assert torch.equal(out[b], ref[0]), f"row {b} ({name})"
+    with torch.no_grad():  # outside the block, no adapter is applied
+        plain = model(input_ids=input_ids, use_cache=False).logits
+        assert torch.equal(plain, base(input_ids=input_ids, use_cache=False).logits)
+
+
+def test_rank_growth_recompiles_once(tmp_path):
+    torch._dynamo.reset()
+    base, adapters = two_adapters(tmp_path)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    handle.load_adapter("r8", adapters["r8"].path)
+    compiled = torch.compile(model, fullgraph=True)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        compiled(input_ids=input_ids, lora_ids=handle.ids(["r8", None]), use_cache=False)
+        handle.load_adapter("r64", adapters["r64"].path)  # padding 16 -> 64: one recompile
+        for names in (["r64", "r8"], [None, "r64"]):
+            comp = compiled(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
+            ref = reference_logits(base, adapters, names, input_ids)
+            assert rel_err(comp, ref) < LOGITS_TOLERANCE[torch.float32], names

@@ -20,6 +20,7 @@ class LoraContext:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.ids: torch.Tensor | None = None
+        self.default_ids: torch.Tensor | None = None  # used by forward passes given no lora_ids (handle.using)
         self._metas: dict[tuple[int, ...], LoraMeta] = {}
         self._on_reset: list[Callable[[], None]] = []
 
@@ -28,7 +29,8 @@ class LoraContext:
         self._on_reset.append(fn)
 
     def begin(self, ids: torch.Tensor | None) -> None:
-        """Start a forward pass with these ids (None: every token uses the base model)."""
+        """Start a forward pass with these ids (None: the default ids, else every token uses the base model)."""
+        ids = self.default_ids if ids is None else ids
         if ids is not None:
             if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"lora_ids must be an int tensor from handle.ids(...), got {ids!r:.80}")

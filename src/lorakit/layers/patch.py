@@ -10,6 +10,7 @@ sits in which slot).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,6 +215,21 @@ class LoraHandle:
             raise ValueError(f"unknown adapter name(s) {unknown} in ids(); loaded: {sorted(slot_of) or 'none'}")
         return torch.tensor([-1 if n is None else slot_of[n] for n in names], dtype=torch.long,
                             device=self.device if device is None else device)
+
+    @contextlib.contextmanager
+    def using(self, ids: torch.Tensor | Sequence[str | None]):
+        """Within the block, forward passes given no ``lora_ids`` use these (names or ids, one per
+        sequence): for callers that cannot pass extra arguments, such as transformers' ``generate``::
+
+            with handle.using(["sql", None]):
+                model.generate(input_ids, max_new_tokens=32)
+        """
+        ids = ids if isinstance(ids, torch.Tensor) else self.ids(ids)
+        previous, self._ctx.default_ids = self._ctx.default_ids, ids
+        try:
+            yield ids
+        finally:
+            self._ctx.default_ids = previous
 
     def memory(self) -> dict[str, int]:
         """Bytes of slot buffers: in all, and per slot."""
