@@ -28,6 +28,12 @@ def lora_configs(draw, arch: str) -> LoraConfig:
         kwargs["rank_pattern"] = {targets[0]: draw(st.integers(1, 64))}
     if draw(st.booleans()):
         kwargs["alpha_pattern"] = {targets[-1]: draw(st.integers(1, 128))}
+    in_layers = [t for t in targets if t not in ("embed_tokens", "lm_head", "wte")]
+    if in_layers and draw(st.booleans()):  # PEFT applies layers_to_transform to per-layer modules only
+        kwargs["target_modules"] = in_layers
+        kwargs["layers_to_transform"] = [draw(st.integers(0, 1))]  # tiny models have 2 layers
+    elif draw(st.booleans()):  # a regex string instead of a list
+        kwargs["target_modules"] = r".*\.(" + "|".join(targets) + ")"
     if arch == "gpt2":
         kwargs["fan_in_fan_out"] = True
     return LoraConfig(**kwargs)
@@ -211,3 +217,62 @@ def test_rank_growth_recompiles_once(tmp_path):
             comp = compiled(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
             ref = reference_logits(base, adapters, names, input_ids)
             assert rel_err(comp, ref) < LOGITS_TOLERANCE[torch.float32], names
+
+
+def test_tied_head_stays_tied_and_bfloat16_matches_peft(tmp_path):
+    base = tiny_model("gemma2", seed=1)  # ties lm_head to embed_tokens
+    cfg = LoraConfig(r=16, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"], init_lora_weights=False)
+    adapter = save_adapter(base, "tied", cfg, tmp_path, seed=0)
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    handle = lorakit.patch(model, max_loras=2)
+    handle.load_adapter("tied", adapter.path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    input_ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out = model(input_ids=input_ids, lora_ids=handle.ids(["tied", None]), use_cache=False).logits.float()
+        ref = reference_logits(base, {"tied": adapter}, ["tied", None], input_ids)
+    for b in range(2):
+        assert rel_err(out[b], ref[b]) < LOGITS_TOLERANCE[torch.bfloat16], b
+
+
+def test_broken_adapter_files_change_nothing(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, {"r8": adapters["r8"]}, max_loras=3)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(8))
+
+    def logits():
+        with torch.no_grad():
+            return model(input_ids=input_ids, lora_ids=handle.ids(["r8", None]), use_cache=False).logits
+
+    before = logits()
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(adapters["r64"].path, nan)
+    weights = load_file(nan / "adapter_model.safetensors")
+    key = next(k for k in weights if "lora_B" in k)
+    weights[key][0, 0] = float("nan")
+    save_file(weights, nan / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"'nan'.*(NaN|non-finite)"):
+        handle.load_adapter("nan", nan)
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapters["r64"].path, corrupt)
+    data = (corrupt / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterError, match=r"'corrupt'"):
+        handle.load_adapter("corrupt", corrupt)
+
+    wrong = tmp_path / "wrong"
+    shutil.copytree(adapters["r64"].path, wrong)
+    weights = load_file(wrong / "adapter_model.safetensors")
+    key = next(k for k in weights if "q_proj.lora_B" in k)
+    weights[key] = weights[key][:-1]  # one output row short of the base layer
+    save_file(weights, wrong / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"'wrong'.*q_proj"):
+        handle.load_adapter("wrong", wrong)
+
+    assert handle.adapters == {"r8": 0}
+    assert torch.equal(logits(), before)
