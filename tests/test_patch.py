@@ -276,3 +276,18 @@ def test_broken_adapter_files_change_nothing(tmp_path):
 
     assert handle.adapters == {"r8": 0}
     assert torch.equal(logits(), before)
+
+
+def test_compiled_model_under_using_never_recompiles_for_new_ids(tmp_path):
+    """Ids set by handle.using reach the compiled graph as inputs, like lora_ids (static-cache decoding)."""
+    torch._dynamo.reset()
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    compiled = torch.compile(model, fullgraph=True)
+    input_ids = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for names in (["r8", None, "r64"], ["r64", "r64", None], [None, "r8", "r8"]):
+            with handle.using(names):
+                comp = compiled(input_ids=input_ids, use_cache=False).logits
+            ref = reference_logits(base, adapters, names, input_ids)
+            assert rel_err(comp, ref) < LOGITS_TOLERANCE[torch.float32], names
