@@ -2,7 +2,6 @@
 
 import copy
 
-import pytest
 import torch
 from peft import LoraConfig
 from torch import nn
