@@ -33,7 +33,7 @@ def lora_configs(draw, arch: str) -> LoraConfig:
         kwargs["target_modules"] = in_layers
         kwargs["layers_to_transform"] = [draw(st.integers(0, 1))]  # tiny models have 2 layers
     elif draw(st.booleans()):  # a regex string instead of a list
-        kwargs["target_modules"] = r".*\.(" + "|".join(targets) + ")"
+        kwargs["target_modules"] = r"(.*\.)?(" + "|".join(targets) + ")"
     if arch == "gpt2":
         kwargs["fan_in_fan_out"] = True
     return LoraConfig(**kwargs)
@@ -291,3 +291,11 @@ def test_compiled_model_under_using_never_recompiles_for_new_ids(tmp_path):
                 comp = compiled(input_ids=input_ids, use_cache=False).logits
             ref = reference_logits(base, adapters, names, input_ids)
             assert rel_err(comp, ref) < LOGITS_TOLERANCE[torch.float32], names
+
+
+def test_forward_with_grad_enabled_warns_inference_only(tmp_path):
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(10))
+    with pytest.warns(UserWarning, match="inference-only"):
+        model(input_ids=input_ids, lora_ids=handle.ids(["r8"]), use_cache=False)

@@ -7,6 +7,7 @@ metadata matching its input's leading shape, which is built once per shape and f
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,9 @@ class LoraContext:
     def begin(self, ids: torch.Tensor | None) -> None:
         """Start a forward pass with these ids (None: the default ids, else every token uses the base model)."""
         ids = self.default_ids if ids is None else ids
+        if ids is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            warnings.warn("lorakit's LoRA ops are inference-only: gradients do not flow through adapter deltas; "
+                          "run the model under torch.no_grad() or torch.inference_mode()", stacklevel=3)
         if ids is not None:
             if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"lora_ids must be an int tensor from handle.ids(...), got {ids!r:.80}")
