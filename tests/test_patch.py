@@ -21,13 +21,15 @@ LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 def lora_configs(draw, arch: str) -> LoraConfig:
     names = TARGETS[arch]
     targets = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+    # Scalings alpha / r up to 4, as trained adapters have them: larger ones make a random tiny model so
+    # ill-conditioned that float32 rounding alone moves its logits by more than the tolerance.
     r = draw(st.integers(1, 64))
-    kwargs = dict(r=r, lora_alpha=draw(st.integers(1, 128)), target_modules=targets,
+    kwargs = dict(r=r, lora_alpha=draw(st.integers(1, 4 * r)), target_modules=targets,
                   use_rslora=draw(st.booleans()), init_lora_weights=False)
     if draw(st.booleans()):
-        kwargs["rank_pattern"] = {targets[0]: draw(st.integers(1, 64))}
+        kwargs["rank_pattern"] = {targets[0]: draw(st.integers(r, 64))}
     if draw(st.booleans()):
-        kwargs["alpha_pattern"] = {targets[-1]: draw(st.integers(1, 128))}
+        kwargs["alpha_pattern"] = {targets[-1]: draw(st.integers(1, 4 * r))}
     in_layers = [t for t in targets if t not in ("embed_tokens", "lm_head", "wte")]
     if in_layers and draw(st.booleans()):  # PEFT applies layers_to_transform to per-layer modules only
         kwargs["target_modules"] = in_layers
@@ -65,7 +67,7 @@ def test_mixed_batch_matches_peft(arch, data, tmp_path_factory):
     n_adapters = data.draw(st.integers(1, 3))
     adapters = {}
     for i in range(n_adapters):
-        adapters[f"a{i}"] = save_adapter(base, f"a{i}", data.draw(lora_configs(arch)), tmp_path, seed=i)
+        adapters[f"a{i}"] = save_adapter(base, f"a{i}", data.draw(lora_configs(arch)), tmp_path, seed=i, std=0.1)
     batch = data.draw(st.integers(1, 5))
     names = data.draw(st.lists(st.sampled_from([None, *adapters]), min_size=batch, max_size=batch))
     seq = data.draw(st.integers(1, 9))
