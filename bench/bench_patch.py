@@ -116,6 +116,9 @@ def main(argv=None) -> int:
             handle.load_adapter(f"a{i}", folder)
     adapter_bytes = sum(m.in_features + m.out_features for n, m in handle.layers.items()
                         if n.rsplit(".", 1)[-1] in TARGETS) * rank * model.dtype.itemsize
+    # One static graph per (batch, with or without ids), as an engine's batch-size buckets would have.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.config.recompile_limit = 16
     compiled = torch.compile(model, fullgraph=True)
     time_us, gbps = timer(args.device), copy_gbps(args.device)
     rows = []
