@@ -9,6 +9,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SLICES = 4
+# SMs of an H100 / H200: sizes the grids (split-K, column groups), never affects results.
+NUM_SMS_GUESS = 132
 
 
 def debug_checks() -> bool:
