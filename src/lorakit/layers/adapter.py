@@ -28,7 +28,8 @@ from lorakit.layers.adapter_config import (
     read_adapter_config,
 )
 
-__all__ = ["AdapterError", "BaseModule", "ModuleLora", "PeftAdapter", "load_peft_adapter", "read_adapter_config"]
+__all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "inspect_peft_adapter",
+           "load_peft_adapter", "read_adapter_config"]
 
 PICKLE_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the base model, in every saved key
@@ -113,8 +114,36 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     return PeftAdapter(name, path, config, modules)
 
 
-def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str) -> dict:
-    """{module: (kind, A, B)} from the weights file, every key accounted for; kind is 'linear' or 'embedding'."""
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the config and the weights file's header say about an adapter, with no weights read:
+    ``modules`` maps each targeted module to its (rank, scale)."""
+
+    name: str
+    path: Path
+    config: dict
+    modules: dict[str, tuple[int, float]]
+
+    @property
+    def max_rank(self) -> int:
+        return max(rank for rank, _ in self.modules.values())
+
+
+def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]) -> AdapterInfo:
+    """Every check ``load_peft_adapter`` makes except those on the values (NaN, overflow), from the config and
+    the safetensors header alone: cheap enough to refuse a bad adapter when it is registered."""
+    path = Path(path)
+    where = f"adapter {name!r} at {path}"
+    config = read_adapter_config(name, path)
+    pairs = _read_weights(path, config, base_modules, where, header_only=True)
+    modules = {m: _check_module(m, kind, a, b, config, base_modules, where) for m, (kind, a, b) in pairs.items()}
+    return AdapterInfo(name, path, config, modules)
+
+
+def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str,
+                  header_only: bool = False) -> dict:
+    """{module: (kind, A, B)} from the weights file, every key accounted for; kind is 'linear' or 'embedding'.
+    With header_only, A and B are their shapes, and only the header is read."""
     file = path / WEIGHTS_NAME
     if not file.is_file():
         if (path / PICKLE_NAME).exists():
@@ -135,11 +164,22 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
                 if set(slot) != {a, b}:
                     raise AdapterError(f"{where}: module {module!r} has {sorted(slot)} but needs exactly {a} and "
                                        f"{b}; the weights file is incomplete, re-save the adapter")
-                pairs[module] = (kind, f.get_tensor(slot[a]), f.get_tensor(slot[b]))
+                if header_only:
+                    pairs[module] = (kind, *(_header_shape(f, module, slot[k], k[-1], where) for k in (a, b)))
+                else:
+                    pairs[module] = (kind, f.get_tensor(slot[a]), f.get_tensor(slot[b]))
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} is not a readable safetensors file ({e}); "
                            f"re-save the adapter with PEFT's save_pretrained()") from e
     return pairs
+
+
+def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int, ...]:
+    part = f.get_slice(key)
+    if part.get_dtype() not in ("F64", "F32", "F16", "BF16"):
+        raise AdapterError(f"{where}: module {module!r}: {label} must be a 2-D floating-point tensor, "
+                           f"got {part.get_dtype()}")
+    return tuple(part.get_shape())
 
 
 def _sort_keys(keys: list[str], config: dict, where: str) -> tuple[dict, dict]:
@@ -222,24 +262,24 @@ def _pattern_value(config: dict, field: str, fallback: str, default, module: str
     return config.get(fallback, default), fallback
 
 
-def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> ModuleLora:
+def _check_module(module, kind, a_shape, b_shape, config, base_modules, where) -> tuple[int, float]:
+    """The rank and scale of one module's LoRA, after checking its shapes against the model and the config."""
     base = _base_module(module, base_modules, where)
     at = f"{where}: module {module!r}"
     if base.kind != kind:
         stored = "lora_embedding_A/B" if kind == "embedding" else "lora_A/lora_B"
         raise AdapterError(f"{at} is {'an' if base.kind == 'embedding' else 'a'} {base.kind} in the model but the "
                            f"adapter stores {kind} LoRA weights ({stored}) for it; was it trained for another model?")
-    for t, label in ((a, "A"), (b, "B")):
-        if t.dim() != 2 or not t.dtype.is_floating_point:
-            raise AdapterError(f"{at}: {label} must be a 2-D floating-point tensor, got {t.dtype} "
-                               f"{tuple(t.shape)}")
-    rank = a.shape[0]
-    if b.shape[1] != rank:
-        raise AdapterError(f"{at}: A has rank {rank} (shape {tuple(a.shape)}) but B has rank {b.shape[1]} "
-                           f"(shape {tuple(b.shape)}); the weights file is inconsistent")
+    for shape, label in ((a_shape, "A"), (b_shape, "B")):
+        if len(shape) != 2:
+            raise AdapterError(f"{at}: {label} must be a 2-D floating-point tensor, got shape {shape}")
+    rank = a_shape[0]
+    if b_shape[1] != rank:
+        raise AdapterError(f"{at}: A has rank {rank} (shape {a_shape}) but B has rank {b_shape[1]} "
+                           f"(shape {b_shape}); the weights file is inconsistent")
     want_a, want_b = (rank, base.in_features), (base.out_features, rank)
-    if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-        raise AdapterError(f"{at}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the model's module "
+    if a_shape != want_a or b_shape != want_b:
+        raise AdapterError(f"{at}: A {a_shape} and B {b_shape} do not fit the model's module "
                            f"({base.kind} {base.in_features} -> {base.out_features}), which needs A {want_a} and "
                            f"B {want_b}; was the adapter trained for another base model?")
     r, r_from = _pattern_value(config, "rank_pattern", "r", 8, module)
@@ -248,6 +288,15 @@ def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> Modu
                            f"fix r / rank_pattern to match the weights")
     alpha, _ = _pattern_value(config, "alpha_pattern", "lora_alpha", 8, module)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
+    return rank, float(scale)
+
+
+def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> ModuleLora:
+    at = f"{where}: module {module!r}"
+    for t, label in ((a, "A"), (b, "B")):
+        if not t.dtype.is_floating_point:
+            raise AdapterError(f"{at}: {label} must be a 2-D floating-point tensor, got {t.dtype} {tuple(t.shape)}")
+    rank, scale = _check_module(module, kind, tuple(a.shape), tuple(b.shape), config, base_modules, where)
     out = []
     for t, label in ((a, "A"), (b, "B")):
         if not torch.isfinite(t).all():
@@ -257,4 +306,4 @@ def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> Modu
             raise AdapterError(f"{at}: {label} overflows {dtype} (largest |value| {t.abs().max().item():.3g}); "
                                f"load it in a wider dtype such as torch.bfloat16 or torch.float32")
         out.append(cast)
-    return ModuleLora(out[0], out[1], rank, float(scale))
+    return ModuleLora(out[0], out[1], rank, scale)

@@ -22,6 +22,7 @@ from torch import nn
 from lorakit.layers.adapter import AdapterError, BaseModule, PeftAdapter, load_peft_adapter
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
+from lorakit.layers.image import SlotImage, grow_for, pack_adapter, store_of, write_slot
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.ops._checks import MAX_SLICES
@@ -162,6 +163,10 @@ class LoraHandle:
         }
         self._slots: list[str | None] = [None] * config.max_loras
         self._adapters: dict[str, PeftAdapter] = {}
+        self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
+        self._slot_stores: list[set[LoraSlots]] = [set() for _ in range(config.max_loras)]
+        self.layout_version = 0  # bumped whenever a slot buffer is reallocated (rank growth)
+        self.manager = None  # an AdapterPool that owns the slots, if any
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +179,7 @@ class LoraHandle:
 
     def load_adapter(self, name: str, path: str | Path) -> int:
         """Load a PEFT adapter folder into a free slot; returns the slot. On any error nothing changes."""
+        self._check_unmanaged("load_adapter")
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name must be a non-empty string, got {name!r}")
         if name in self._adapters:
@@ -182,33 +188,80 @@ class LoraHandle:
         if None not in self._slots:
             raise AdapterError(f"cannot load adapter {name!r}: all {len(self._slots)} slots hold adapters "
                                f"({', '.join(self.adapters)}); unload one or patch with a larger max_loras")
-        adapter = load_peft_adapter(name, path, self._base_modules, torch.float32)
-        if adapter.max_rank > self.config.max_rank:
-            raise AdapterError(f"adapter {name!r} at {path}: rank {adapter.max_rank} is above this model's "
-                               f"max_rank={self.config.max_rank}; patch with a larger max_rank")
+        adapter = self.read_adapter(name, path)
         slot = self._slots.index(None)
-        try:
-            for module, lora in adapter.modules.items():
-                self.layers[module].set_adapter(slot, lora.A, lora.B, lora.scale)
-        except BaseException:
-            for module in adapter.modules:
-                self.layers[module].clear_adapter(slot)
-            raise
+        self.write(slot, self.pack(adapter, pin=False))
         self._slots[slot] = name
         self._adapters[name] = adapter
         return slot
 
     def unload_adapter(self, name: str) -> None:
         """Free the adapter's slot; other slots are untouched."""
+        self._check_unmanaged("unload_adapter")
         if name not in self._adapters:
             raise AdapterError(f"no adapter {name!r} is loaded (loaded: {', '.join(self.adapters) or 'none'})")
         slot = self._slots.index(name)
-        for module in self._adapters.pop(name).modules:
-            self.layers[module].clear_adapter(slot)
+        del self._adapters[name]
+        self.write(slot, None)
         self._slots[slot] = None
+
+    # The slot-level interface the adapter pool (lorakit.engine) builds on.
+
+    @property
+    def base_modules(self) -> dict[str, BaseModule]:
+        """The modules an adapter may target, by fully-qualified name."""
+        return self._base_modules
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self._stores.values())).dtype if self._stores else torch.float32
+
+    def read_adapter(self, name: str, path: str | Path) -> PeftAdapter:
+        """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError."""
+        adapter = load_peft_adapter(name, path, self._base_modules, torch.float32)
+        if adapter.max_rank > self.config.max_rank:
+            raise AdapterError(f"adapter {name!r} at {path}: rank {adapter.max_rank} is above this model's "
+                               f"max_rank={self.config.max_rank}; patch with a larger max_rank")
+        return adapter
+
+    def pack(self, adapter: PeftAdapter, pin: bool) -> SlotImage:
+        """The adapter laid out as a slot holds it, in the model's dtypes (in pinned memory if ``pin``)."""
+        return pack_adapter(adapter, self.layers, pin)
+
+    def grow_for(self, image: SlotImage) -> bool:
+        """Make room in the padded ranks for ``image`` (on the current stream); True if a buffer grew, which
+        a compiled model sees as a new shape (one recompile) and a captured CUDA graph must be recaptured for."""
+        grew = grow_for(image)
+        self.layout_version += grew
+        return grew
+
+    def write(self, slot: int, image: SlotImage | None) -> None:
+        """Put ``image`` (None: nothing) into ``slot`` on the current stream, clearing what the slot's previous
+        adapter left in stores the new one does not touch. Nothing may be reading the slot meanwhile."""
+        if image is not None:
+            self.grow_for(image)
+        new = {s.store for s in image.stores} if image is not None else set()
+        write_slot(slot, image, clear=[s for s in self._slot_stores[slot] if s not in new])
+        self._slot_stores[slot] = new
+
+    def slot_bytes(self, rank: int) -> int:
+        """Bytes of the slot buffers of every store (all slots) if every store were padded to ``rank``."""
+        total = 0
+        for store in self._stores.values():
+            n = len(store.out_sizes)
+            r = -(-rank // store.rank_multiple) * store.rank_multiple
+            total += store.num_slots * (r * (n * store.in_features + store.out_offsets[-1]) * store.dtype.itemsize
+                                        + n * 8)
+        return total
+
+    def _check_unmanaged(self, what: str) -> None:
+        if self.manager is not None:
+            raise RuntimeError(f"this model's slots are managed by {self.manager!r}; use its register/acquire "
+                               f"instead of handle.{what}")
 
     def ids(self, names: Sequence[str | None], device: torch.device | str | None = None) -> torch.Tensor:
         """Slot ids for a batch: one adapter name per sequence (None for the base model), as a LongTensor."""
+        self._check_unmanaged("ids")
         slot_of = self.adapters
         unknown = sorted({n for n in names if n is not None and n not in slot_of})
         if unknown:
@@ -233,6 +286,5 @@ class LoraHandle:
 
     def memory(self) -> dict[str, int]:
         """Bytes of slot buffers: in all, and per slot."""
-        stores = {id(m): m for m in self.model.modules() if isinstance(m, LoraSlots)}.values()
-        total = sum(store.lora_A.nbytes + store.lora_B.nbytes for store in stores)
+        total = sum(store.lora_A.nbytes + store.lora_B.nbytes for store in self._stores.values())
         return {"slot_buffers": total, "per_slot": total // len(self._slots)}

@@ -1,0 +1,187 @@
+"""An adapter laid out as one slot of the slot buffers holds it, and the writes that put it there.
+
+``pack_adapter`` turns a loaded PEFT adapter into a ``SlotImage``: one flat byte buffer (pinned when the
+model is on a GPU) holding, for every slot store the adapter touches, each slice's A rows, the B rows
+of all its slices, and the per-slice ranks and scales, each part in the layout of one slot of that
+store. ``write_slot`` puts an image into a slot with a fixed, small number of launches whatever the
+number of layers: on a GPU one host-to-device copy of the whole buffer into a staging buffer, then
+batched device copies (``torch._foreach_copy_``) to the parts' places and batched zeroing of the rank
+padding, all on the current stream. So an upload is one copy at the host link's speed, and the caller
+chooses the stream it runs on.
+
+A written slot holds the adapter's rows up to each slice's rank and zeros beyond, as ``LoraSlots.set_slot``
+leaves it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lorakit.layers.adapter import PeftAdapter
+from lorakit.layers.embedding import LoraEmbedding
+from lorakit.layers.linear import LoraLinear, LoraLinearMember
+from lorakit.layers.slots import LoraSlots
+
+_ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
+
+
+@dataclass(frozen=True)
+class Part:
+    """A tensor inside an image's byte buffer."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class StoreImage:
+    """What an adapter writes into one slot of one store. ranks[i] is 0 for a slice it does not target.
+    a[i]: A rows of slice i ([rank, in]; embeddings [num_embeddings, rank]); b: [max(ranks), sum(out)]."""
+
+    store: LoraSlots
+    ranks: tuple[int, ...]
+    a: tuple[Part | None, ...]
+    b: Part
+    rank_part: Part  # int32 [n]
+    scale_part: Part  # float32 [n]
+
+
+@dataclass(frozen=True, eq=False)
+class SlotImage:
+    name: str
+    buffer: torch.Tensor  # uint8, on the CPU
+    stores: tuple[StoreImage, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def max_rank(self) -> int:
+        return max(max(s.ranks) for s in self.stores)
+
+
+def store_of(layer: nn.Module) -> tuple[LoraSlots, int]:
+    """The store that holds a patched module's slots, and the module's slice index in it."""
+    if isinstance(layer, LoraLinearMember):
+        return layer.group, layer.index
+    if isinstance(layer, (LoraLinear, LoraEmbedding)):
+        return layer, 0
+    raise TypeError(f"not a lorakit LoRA layer: {type(layer).__name__}")
+
+
+def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: bool) -> SlotImage:
+    """Lay ``adapter`` out as its slots hold it, cast to each store's dtype, in one (pinned) CPU buffer."""
+    by_store: dict[LoraSlots, dict[int, tuple]] = defaultdict(dict)
+    for module, lora in adapter.modules.items():
+        store, index = store_of(layers[module])
+        scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
+        by_store[store][index] = (lora, scale)
+
+    offset = 0
+
+    def place(shape, dtype) -> Part:
+        nonlocal offset
+        part = Part(offset, tuple(shape), dtype)
+        offset += -(-part.nbytes // _ALIGN) * _ALIGN
+        return part
+
+    plans = []
+    for store, slices in by_store.items():
+        n = len(store.out_sizes)
+        ranks = tuple(slices[i][0].rank if i in slices else 0 for i in range(n))
+        embedding = isinstance(store, LoraEmbedding)
+        a = tuple(
+            None if i not in slices
+            else place((store.in_features, ranks[i]) if embedding else (ranks[i], store.in_features), store.dtype)
+            for i in range(n)
+        )
+        b = place((max(ranks), store.out_offsets[-1]), store.dtype)
+        plans.append((store, slices, ranks, a, b, place((n,), torch.int32), place((n,), torch.float32)))
+
+    buffer = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin)
+    stores = []
+    for store, slices, ranks, a, b, rank_part, scale_part in plans:
+        b_view = b.view(buffer)
+        scales = torch.zeros(len(ranks), dtype=torch.float32)
+        for i, (lora, scale) in slices.items():
+            a[i].view(buffer).copy_(lora.A.T if isinstance(store, LoraEmbedding) else lora.A)
+            lo, hi = store.out_offsets[i], store.out_offsets[i + 1]
+            b_view[: ranks[i], lo:hi].copy_(lora.B.T)
+            scales[i] = scale
+        rank_part.view(buffer).copy_(torch.tensor(ranks, dtype=torch.int32))
+        scale_part.view(buffer).copy_(scales)
+        stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part))
+    return SlotImage(adapter.name, buffer, tuple(stores))
+
+
+def grow_for(image: SlotImage) -> bool:
+    """Grow the padded rank of every store the image needs more room in; True if any grew."""
+    grew = False
+    for s in image.stores:
+        if max(s.ranks) > s.store.r_max:
+            s.store.grow(max(s.ranks))
+            grew = True
+    return grew
+
+
+def write_slot(slot: int, image: SlotImage | None, clear: Iterable[LoraSlots] = ()) -> None:
+    """On the current stream: zero ``slot`` in the ``clear`` stores, then write ``image`` (None: nothing)
+    into it. The stores must already have room (``grow_for``)."""
+    zeros: list[torch.Tensor] = []
+    copies: dict[torch.dtype, tuple[list, list]] = defaultdict(lambda: ([], []))
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    for store in clear:
+        zeros += [store.ranks[slot], store.scales[slot], store.lora_A[slot], store.lora_B[slot]]
+    if image is not None:
+        device = image.stores[0].store.lora_B.device
+        src = image.buffer
+        if device.type != "cpu":
+            src = torch.empty(src.shape, dtype=src.dtype, device=device)
+            src.copy_(image.buffer, non_blocking=True)
+
+        def copy(dst: torch.Tensor, part: Part) -> None:
+            dsts, srcs = copies[part.dtype]
+            dsts.append(dst)
+            srcs.append(part.view(src))
+
+        for s in image.stores:
+            store = s.store
+            copy(store.ranks[slot], s.rank_part)
+            copy(store.scales[slot], s.scale_part)
+            if isinstance(store, LoraEmbedding):  # A is [S, vocab, R_max]: the rank columns are strided
+                zeros.append(store.lora_A[slot])
+                strided.append((store.lora_A[slot, :, : s.ranks[0]], s.a[0].view(src)))
+            else:
+                for i, (rank, part) in enumerate(zip(s.ranks, s.a)):
+                    rows = store.lora_A[slot, i]
+                    if part is not None:
+                        copy(rows[:rank], part)
+                    zeros.append(rows[rank:])
+            copy(store.lora_B[slot, : s.b.shape[0]], s.b)
+            zeros.append(store.lora_B[slot, s.b.shape[0]:])
+
+    zeros = [t for t in zeros if t.numel()]
+    if zeros:
+        torch._foreach_zero_(zeros)
+    for dsts, srcs in copies.values():
+        torch._foreach_copy_(dsts, srcs)
+    for dst, part in strided:
+        dst.copy_(part)
