@@ -5,7 +5,8 @@ Layers, from the bottom up: ``lorakit.ops`` (custom ops: shrink and expand), ``l
 """
 
 from lorakit import ops
+from lorakit.engine import AdapterPool, PoolFull
 from lorakit.layers import LoraHandle, PatchConfig, patch
 
 __version__ = "0.1.0"
-__all__ = ["LoraHandle", "PatchConfig", "ops", "patch"]
+__all__ = ["AdapterPool", "LoraHandle", "PatchConfig", "PoolFull", "ops", "patch"]

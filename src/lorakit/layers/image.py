@@ -131,13 +131,16 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
     return SlotImage(adapter.name, buffer, tuple(stores))
 
 
+def needs_growth(image: SlotImage) -> bool:
+    """Whether a store lacks room for the image's ranks."""
+    return any(max(s.ranks) > s.store.r_max for s in image.stores)
+
+
 def grow_for(image: SlotImage) -> bool:
     """Grow the padded rank of every store the image needs more room in; True if any grew."""
-    grew = False
+    grew = needs_growth(image)
     for s in image.stores:
-        if max(s.ranks) > s.store.r_max:
-            s.store.grow(max(s.ranks))
-            grew = True
+        s.store.grow(max(s.ranks))
     return grew
 
 

@@ -1,0 +1,422 @@
+"""The adapter pool: many registered adapters, a CPU cache of some, and the model's few GPU slots.
+
+Three tiers, as S-LoRA has them:
+
+- **disk**: ``register(name, path)`` records a PEFT folder under a name. Only the config and the
+  safetensors header are read, and every check that needs no weight values runs then, so a bad adapter
+  is refused at registration. Registering an existing name again is a hot-swap: a new version.
+- **CPU**: ``SlotImage``s (the adapter packed as a slot holds it, in the model's dtype, in pinned memory
+  on a GPU machine), least-recently-used first out under a byte budget.
+- **GPU**: the patched model's ``max_loras`` slots. ``acquire(names)`` returns slot ids for a batch,
+  loading what is missing into free slots or evicting the least recently used adapter that no running
+  request holds and nobody pinned; ``release(slots)`` gives them back.
+
+What is fixed at start (the model's modules, slot count, layout, dtype: the ``LoraHandle``) is kept apart
+from what changes (the registry of versions, the CPU cache and its LRU order, slot occupancy, reference
+counts, pins), all of which lives here, behind one lock.
+
+Uploads are asynchronous: one host-to-device copy and a few batched device copies on a side stream,
+after the slot's last reader (an event recorded when its last holder released it), with an event that
+the compute stream waits on before any later work. So a load overlaps the forward pass already queued,
+and nothing on the compute stream can read a half-written slot. ``prefetch`` starts uploads without
+taking references, for adapters a scheduler knows it will need.
+
+Versions: a running request keeps the version it acquired. A hot-swap or unregister retires the old
+version; its slot is freed when its last holder releases it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lorakit.layers.adapter import AdapterError, AdapterInfo, inspect_peft_adapter
+from lorakit.layers.image import SlotImage, needs_growth
+from lorakit.layers.patch import LoraHandle
+
+logger = logging.getLogger("lorakit")
+
+__all__ = ["AdapterPool", "PoolFull"]
+
+
+class PoolFull(RuntimeError):
+    """Every GPU slot the request would need is held by running requests or pinned; retry after a release."""
+
+
+@dataclass(eq=False)
+class _Version:
+    """One registered version of a named adapter, and where it lives."""
+
+    name: str
+    number: int
+    info: AdapterInfo
+    nbytes: int  # of its packed image
+    slot: int | None = None
+    refs: int = 0
+    retired: bool = False
+    ready: object = None  # the upload's CUDA event until the compute stream has waited for it
+
+    def __repr__(self) -> str:
+        return f"{self.name!r} v{self.number}"
+
+
+@dataclass
+class PoolStats:
+    """Counters since start, for logs and metrics."""
+
+    loads: int = 0  # uploads into a GPU slot
+    evictions: int = 0  # GPU slots taken from an unused adapter
+    cpu_hits: int = 0
+    cpu_misses: int = 0  # reads from disk
+    cpu_evictions: int = 0
+    swaps: int = 0  # registrations that replaced a version
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _CpuCache:
+    budget: int
+    images: OrderedDict = field(default_factory=OrderedDict)  # _Version -> SlotImage, oldest first
+    nbytes: int = 0
+
+
+class AdapterPool:
+    """Adapters by name over the GPU slots of one patched model (see the module docstring).
+
+    ``cpu_budget_bytes``: the CPU cache's size (default 4 GiB). At start, the slot buffers at the model's
+    ``max_rank`` must fit in free device memory, or the pool refuses to start and says what to lower.
+    """
+
+    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = 4 << 30):
+        if not isinstance(handle, LoraHandle):
+            raise TypeError(f"AdapterPool needs the LoraHandle lorakit.patch returned, got {type(handle).__name__}")
+        if handle.adapters:
+            raise ValueError(f"the handle already holds adapters {sorted(handle.adapters)}; create the pool on a "
+                             f"freshly patched model (or unload them first) so it owns every slot")
+        if handle.manager is not None:
+            raise ValueError(f"this model's slots are already managed by {handle.manager!r}")
+        if not isinstance(cpu_budget_bytes, int) or cpu_budget_bytes < 0:
+            raise ValueError(f"cpu_budget_bytes must be a non-negative int, got {cpu_budget_bytes!r}")
+        # Fixed at start.
+        self.handle = handle
+        self.num_slots = handle.config.max_loras
+        self.device = handle.device
+        self._check_memory(cpu_budget_bytes)
+        self._pin = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Changes.
+        self._lock = threading.RLock()
+        self._current: dict[str, _Version] = {}
+        self._slots: list[_Version | None] = [None] * self.num_slots
+        self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
+        self._cpu = _CpuCache(cpu_budget_bytes)
+        self._pins: set[str] = set()
+        self._released: dict[int, object] = {}  # slot -> event recorded when its last holder released it
+        self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
+        self.stats = PoolStats()
+        handle.manager = self
+
+    def __repr__(self) -> str:
+        return f"AdapterPool({len(self._current)} adapters, {self.num_slots} slots)"
+
+    # Registry.
+
+    def register(self, name: str, path: str | Path) -> int:
+        """Register the PEFT folder at ``path`` as ``name``, or as a new version of it (hot-swap: running
+        requests finish on the version they hold). Checks the config and the weights' header now, reading
+        no weights (except for a pinned name, whose new version is loaded now when a slot is free, else at
+        its next use); returns the version number. On error nothing changes."""
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ValueError(f"an adapter name must be a non-empty string without surrounding spaces, got {name!r}")
+        info = inspect_peft_adapter(name, path, self.handle.base_modules)  # outside the lock: file reads
+        where = f"adapter {name!r} at {path}"
+        if info.max_rank > self.handle.config.max_rank:
+            raise AdapterError(f"{where}: rank {info.max_rank} is above this model's max_rank="
+                               f"{self.handle.config.max_rank}; patch the model with a larger max_rank")
+        nbytes = self._image_bytes(info)
+        if nbytes > self._cpu.budget:
+            raise AdapterError(f"{where}: it takes {nbytes / 2**20:.1f} MiB, more than the whole CPU cache "
+                               f"({self._cpu.budget / 2**20:.1f} MiB); raise cpu_budget_bytes")
+        with self._lock:
+            old = self._current.get(name)
+            version = _Version(name, old.number + 1 if old else 1, info, nbytes)
+            image = self._image(version) if name in self._pins else None  # may raise: nothing changed yet
+            self._current[name] = version
+            if old is not None:
+                self.stats.swaps += 1
+                self._retire(old)
+            if image is not None:  # a pinned name's new version takes its pin: loaded now if a slot is free
+                self._cache(version, image)
+                self._make_resident([version], evict=True, strict=False)
+            logger.info("lorakit pool: registered %r (%.1f MiB, rank <= %d)", version, nbytes / 2**20, info.max_rank)
+            return version.number
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name``: new requests cannot use it; running ones finish on the version they hold."""
+        with self._lock:
+            if name not in self._current:
+                raise AdapterError(f"no adapter {name!r} is registered (registered: {self._names()})")
+            self._pins.discard(name)
+            self._retire(self._current.pop(name))
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """Registered names and their current version numbers."""
+        with self._lock:
+            return {name: v.number for name, v in self._current.items()}
+
+    # Slots.
+
+    def acquire(self, names: Sequence[str | None]) -> list[int]:
+        """Slot ids for a batch (one per name, -1 for None: the base model), loading what is missing. Each
+        name counts as one holder until ``release``. The compute stream waits for the uploads (no host sync),
+        so a forward queued afterwards reads complete slots. Raises ``PoolFull`` if slots are lacking and
+        ``AdapterError`` for unknown or unreadable adapters, changing nothing."""
+        with self._lock:
+            versions = self._lookup(names)
+            wanted = list(dict.fromkeys(v for v in versions if v is not None))
+            self._make_resident(wanted, evict=True, strict=True)
+            for v in versions:
+                if v is not None:
+                    v.refs += 1
+            for v in wanted:
+                self._lru.move_to_end(v.slot)
+                self._wait_ready(v)
+            return [-1 if v is None else v.slot for v in versions]
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Give back slots that ``acquire`` returned (one holder each; -1 is ignored)."""
+        slots = list(slots)
+        with self._lock:
+            counts = Counter(s for s in slots if s != -1)
+            for slot, n in counts.items():
+                v = self._slots[slot] if isinstance(slot, int) and 0 <= slot < self.num_slots else None
+                if v is None or v.refs < n:
+                    raise ValueError(f"release({slots}): slot {slot} is not held {n} time(s) (held: "
+                                     f"{0 if v is None else v.refs}); release only what acquire returned")
+            for slot, n in counts.items():
+                v = self._slots[slot]
+                v.refs -= n
+                if v.refs == 0:
+                    self._released[slot] = self._record()
+                    if v.retired:
+                        self._free(v)
+
+    def prefetch(self, names: Iterable[str]) -> list[str]:
+        """Start loading adapters a scheduler will soon need, into free or evictable slots, without taking
+        references or making the compute stream wait. Returns the names now resident or on their way;
+        skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
+        with self._lock:
+            versions = list(dict.fromkeys(v for v in self._lookup(list(names)) if v is not None))
+            self._make_resident(versions, evict=True, strict=False)
+            return [v.name for v in versions if v.slot is not None]
+
+    def pin(self, name: str) -> int:
+        """Keep ``name`` (its current version) in a GPU slot until ``unpin``; loads it now. Returns the slot."""
+        with self._lock:
+            (v,) = self._lookup([name])
+            self._make_resident([v], evict=True, strict=True)
+            self._pins.add(name)
+            self._wait_ready(v)
+            return v.slot
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            if name not in self._pins:
+                raise AdapterError(f"adapter {name!r} is not pinned (pinned: {sorted(self._pins) or 'none'})")
+            self._pins.discard(name)
+
+    def slot_of(self, name: str) -> int | None:
+        """The GPU slot of ``name``'s current version, None when it is not resident."""
+        with self._lock:
+            (v,) = self._lookup([name])
+            return v.slot
+
+    def synchronize(self) -> None:
+        """Block the host until every upload issued so far has landed (tests, benchmarks)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        with self._lock:
+            self._inflight.clear()
+
+    # Accounting.
+
+    def memory(self) -> dict:
+        """Bytes per tier, and what each slot holds."""
+        with self._lock:
+            buffers = self.handle.memory()
+            slots = [
+                None if v is None else {"adapter": v.name, "version": v.number, "bytes": v.nbytes, "holders": v.refs,
+                                        "pinned": self._pinned(v)}
+                for v in self._slots
+            ]
+            return {
+                "gpu_slot_buffers": buffers["slot_buffers"],
+                "gpu_slot_buffers_at_max_rank": self.handle.slot_bytes(self.handle.config.max_rank),
+                "gpu_adapter_bytes": sum(v.nbytes for v in self._slots if v is not None),
+                "cpu_bytes": self._cpu.nbytes,
+                "cpu_budget": self._cpu.budget,
+                "cpu_adapters": len(self._cpu.images),
+                "registered": len(self._current),
+                "slots": slots,
+            }
+
+    # Internals; every one runs under the lock.
+
+    def _names(self) -> str:
+        return ", ".join(sorted(self._current)) or "none"
+
+    def _lookup(self, names: Sequence[str | None]) -> list[_Version | None]:
+        if isinstance(names, str):
+            raise TypeError(f"pass a list of adapter names, got the string {names!r}")
+        unknown = sorted({n for n in names if n is not None and n not in self._current}, key=str)
+        if unknown:
+            raise AdapterError(f"unknown adapter(s) {unknown}; registered: {self._names()}")
+        return [None if n is None else self._current[n] for n in names]
+
+    def _pinned(self, v: _Version) -> bool:
+        return v.name in self._pins and self._current.get(v.name) is v
+
+    def _make_resident(self, versions: list[_Version], evict: bool, strict: bool) -> None:
+        missing = [v for v in versions if v.slot is None]
+        if not missing:
+            return
+        free = [s for s in range(self.num_slots) if self._slots[s] is None]
+        keep = set(versions)
+        victims = [s for s in self._lru if self._slots[s].refs == 0 and not self._pinned(self._slots[s])
+                   and self._slots[s] not in keep] if evict else []
+        room = len(free) + len(victims)
+        if len(missing) > room:
+            if strict:
+                busy = ", ".join(f"{v!r} ({'pinned' if self._pinned(v) else f'{v.refs} holder(s)'})"
+                                 for v in self._slots if v is not None and v not in keep)
+                raise PoolFull(f"{len(missing)} adapter(s) ({', '.join(map(repr, missing))}) need a GPU slot but "
+                               f"only {room} of {self.num_slots} can take one; the others hold {busy or 'this batch'}"
+                               f"; retry after a release, or patch with a larger max_loras")
+            missing = missing[:room]
+        images = [self._image(v) for v in missing]  # may raise: nothing has changed yet
+        for v, image in zip(missing, images):
+            self._cache(v, image)
+        grew = any(needs_growth(image) for image in images)
+        if grew:  # before any eviction; the copies run on the compute stream, after uploads already issued
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            for image in images:
+                self.handle.grow_for(image)
+        for v, image in zip(missing, images):
+            slot = free.pop(0) if free else victims.pop(0)
+            if self._slots[slot] is not None:
+                logger.info("lorakit pool: evicted %r from slot %d", self._slots[slot], slot)
+                self.stats.evictions += 1
+                self._free(self._slots[slot])
+            self._upload(v, slot, image, after_growth=grew)
+
+    def _image(self, v: _Version) -> SlotImage:
+        image = self._cpu.images.get(v)
+        if image is not None:
+            self._cpu.images.move_to_end(v)
+            self.stats.cpu_hits += 1
+            return image
+        self.stats.cpu_misses += 1
+        adapter = self.handle.read_adapter(v.name, v.info.path)
+        if {m: lora.rank for m, lora in adapter.modules.items()} != {m: r for m, (r, _) in v.info.modules.items()}:
+            raise AdapterError(f"adapter {v.name!r} at {v.info.path}: the files changed since it was registered; "
+                               f"register it again")
+        return self.handle.pack(adapter, pin=self._pin)
+
+    def _cache(self, v: _Version, image: SlotImage) -> None:
+        cache = self._cpu
+        v.nbytes = image.nbytes
+        if v in cache.images or image.nbytes > cache.budget:
+            return
+        while cache.images and cache.nbytes + image.nbytes > cache.budget:
+            old, old_image = cache.images.popitem(last=False)
+            cache.nbytes -= old_image.nbytes
+            self.stats.cpu_evictions += 1
+            logger.debug("lorakit pool: dropped %r from the CPU cache", old)
+        cache.images[v] = image
+        cache.nbytes += image.nbytes
+
+    def _upload(self, v: _Version, slot: int, image: SlotImage, after_growth: bool) -> None:
+        if self._stream is None:
+            self.handle.write(slot, image)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            if after_growth:  # the regrown buffers are filled on the compute stream
+                self._stream.wait_stream(compute)
+            released = self._released.pop(slot, None)
+            if released is not None:  # the slot's last reader has run
+                self._stream.wait_event(released)
+            with torch.cuda.stream(self._stream):
+                self.handle.write(slot, image)
+            v.ready = self._record(self._stream)
+            self._inflight = [(e, i) for e, i in self._inflight if not e.query()] + [(v.ready, image)]
+        self._slots[slot] = v
+        v.slot = slot
+        self._lru[slot] = None
+        self.stats.loads += 1
+        logger.info("lorakit pool: loaded %r into slot %d (%.1f MiB)", v, slot, image.nbytes / 2**20)
+
+    def _wait_ready(self, v: _Version) -> None:
+        if v.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(v.ready)
+            v.ready = None
+
+    def _record(self, stream=None):
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    def _free(self, v: _Version) -> None:
+        """Take v out of its slot (the slot's contents are overwritten by the next upload)."""
+        if v.slot is not None:
+            self._slots[v.slot] = None
+            self._lru.pop(v.slot, None)
+            v.slot = None
+        v.ready = None
+
+    def _retire(self, v: _Version) -> None:
+        v.retired = True
+        image = self._cpu.images.pop(v, None)
+        if image is not None:
+            self._cpu.nbytes -= image.nbytes
+        if v.refs == 0:
+            self._free(v)
+
+    def _image_bytes(self, info: AdapterInfo) -> int:
+        """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype."""
+        itemsize = self.handle.dtype.itemsize
+        total = 0
+        for module, (rank, _) in info.modules.items():
+            base = self.handle.base_modules[module]
+            total += rank * (base.in_features + base.out_features) * itemsize
+        return total
+
+    def _check_memory(self, cpu_budget: int) -> None:
+        config = self.handle.config
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            need = self.handle.slot_bytes(config.max_rank) - self.handle.memory()["slot_buffers"]
+            if need > free:
+                raise MemoryError(
+                    f"the LoRA slot buffers would need {need / 2**30:.2f} GiB more at max_rank={config.max_rank} "
+                    f"with max_loras={config.max_loras}, but the GPU has {free / 2**30:.2f} GiB free; patch the "
+                    f"model with a smaller max_rank or max_loras")
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+        if cpu_budget > ram // 2:
+            raise MemoryError(f"cpu_budget_bytes={cpu_budget / 2**30:.1f} GiB is more than half of this machine's "
+                              f"{ram / 2**30:.1f} GiB of memory; lower it")

@@ -1,0 +1,456 @@
+"""The adapter pool: tiers, eviction, hot-swap, pins, bad adapters at every tier, threads, and a stateful
+model of it all (hypothesis), checked against the slot buffers' contents and against PEFT."""
+
+import copy
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+
+import lorakit
+from _lora_cases import rel_err
+from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
+from lorakit import AdapterPool, PoolFull
+from lorakit.layers.adapter import AdapterError, load_peft_adapter
+from lorakit.layers.embedding import LoraEmbedding
+from lorakit.layers.image import store_of
+
+# name -> (rank, targets, use_rslora); "big" makes the padded rank grow past 16.
+SPECS = {
+    "q4": (4, ["q_proj", "v_proj"], False),
+    "all8": (8, TARGETS["llama"], False),
+    "mlp2": (2, ["gate_proj", "down_proj", "lm_head"], True),
+    "big": (20, ["q_proj", "k_proj", "o_proj", "embed_tokens"], False),
+    "emb6": (6, ["embed_tokens", "up_proj"], True),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The base model and good adapter folders (name -> SavedAdapter), plus a NaN one that only its values betray."""
+    tmp = tmp_path_factory.mktemp("pool")
+    base = tiny_model("llama", seed=0)
+    saved = {}
+    for seed, (name, (rank, targets, rslora)) in enumerate(SPECS.items()):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank + seed, target_modules=targets, use_rslora=rslora,
+                         init_lora_weights=False)
+        saved[name] = save_adapter(base, name, cfg, tmp, seed=seed, std=0.1)
+    nan = tmp / "nan"
+    nan.mkdir()
+    (nan / "adapter_config.json").write_text((Path(saved["q4"].path) / "adapter_config.json").read_text())
+    weights = load_file(Path(saved["q4"].path) / "adapter_model.safetensors")
+    next(iter(weights.values()))[0, 0] = float("nan")
+    save_file(weights, nan / "adapter_model.safetensors")
+    return base, saved, nan
+
+
+def fresh_pool(base, max_loras=2, budget=1 << 20):
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=max_loras, max_rank=32)
+    return model, handle, AdapterPool(handle, cpu_budget_bytes=budget)
+
+
+def check_slot(handle, slot: int, path) -> None:
+    """The slot holds exactly the adapter at ``path``: its rows up to each rank, zeros beyond, and rank 0
+    (nothing) in every store it does not target."""
+    adapter = load_peft_adapter("check", path, handle.base_modules, torch.float32)
+    expected = {}
+    for module, lora in adapter.modules.items():
+        store, index = store_of(handle.layers[module])
+        expected[(id(store), index)] = lora
+    for layer in handle.layers.values():
+        store, index = store_of(layer)
+        lora = expected.get((id(store), index))
+        rank = 0 if lora is None else lora.rank
+        assert int(store.ranks[slot, index]) == rank
+        if isinstance(store, LoraEmbedding):
+            a = store.lora_A[slot].T  # [R_max, vocab]
+        else:
+            a = store.lora_A[slot, index]
+        lo, hi = store.out_offsets[index], store.out_offsets[index + 1]
+        b = store.lora_B[slot, :, lo:hi]
+        if lora is not None:
+            scale = lora.scale * (store.embed_scale() if isinstance(store, LoraEmbedding) else 1.0)
+            assert float(store.scales[slot, index]) == pytest.approx(scale, rel=1e-6)
+            assert torch.equal(a[:rank], lora.A.to(a.dtype))
+            assert torch.equal(b[:rank], lora.B.T.to(b.dtype))
+        assert not a[rank:].any() and not b[rank:].any()
+
+
+def test_pool_serves_what_peft_computes_through_evictions(folders):
+    base, saved, _ = folders
+    model, handle, pool = fresh_pool(base, max_loras=2)
+    for name, adapter in saved.items():
+        pool.register(name, adapter.path)
+    gen = torch.Generator().manual_seed(0)
+    batches = [["q4", None, "all8"], ["big", "q4"], ["mlp2", "mlp2", None], ["emb6", "big"], ["all8", "q4", "q4"]]
+    for names in batches:
+        slots = pool.acquire(names)
+        input_ids = torch.randint(0, VOCAB, (len(names), 6), generator=gen)
+        with torch.no_grad():
+            out = model(input_ids=input_ids, lora_ids=torch.tensor(slots), use_cache=False).logits
+            for row, name in enumerate(names):
+                ref_model = base if name is None else saved[name].peft_model
+                ref = ref_model(input_ids=input_ids[row: row + 1], use_cache=False).logits[0]
+                assert rel_err(out[row], ref) < 1e-5, (names, row)
+        pool.release(slots)
+    assert pool.stats.evictions > 0 and pool.stats.loads >= len(batches)
+    assert handle.layout_version >= 1  # "big" grew the padded rank
+
+
+def test_hot_swap_keeps_running_requests_on_their_version(folders):
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=2)
+    assert pool.register("x", saved["q4"].path) == 1
+    (old,) = pool.acquire(["x"])
+    assert pool.register("x", saved["all8"].path) == 2
+    (new,) = pool.acquire(["x"])
+    assert new != old
+    check_slot(handle, old, saved["q4"].path)  # still the old version for the request that holds it
+    check_slot(handle, new, saved["all8"].path)
+    pool.release([old])
+    assert pool.memory()["slots"][old] is None  # retired and released: the slot is free
+    with pytest.raises(PoolFull):  # one slot held by v2, the other free: two new names cannot both fit
+        pool.register("y", saved["mlp2"].path)
+        pool.register("z", saved["emb6"].path)
+        pool.acquire(["y", "z"])
+    pool.unregister("x")
+    check_slot(handle, new, saved["all8"].path)  # unregistered, still held
+    with pytest.raises(AdapterError, match="unknown adapter"):
+        pool.acquire(["x"])
+    pool.release([new])
+    assert all(s is None for s in pool.memory()["slots"])
+
+
+def test_pins_are_never_evicted(folders):
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=2)
+    for name in ("q4", "all8", "mlp2"):
+        pool.register(name, saved[name].path)
+    slot = pool.pin("q4")
+    for name in ("all8", "mlp2", "all8"):
+        pool.release(pool.acquire([name]))
+        assert pool.slot_of("q4") == slot
+    check_slot(handle, slot, saved["q4"].path)
+    held = pool.acquire(["all8"])
+    with pytest.raises(PoolFull, match=r"'q4' v1 \(pinned\).*'all8' v1 \(1 holder"):
+        pool.acquire(["mlp2"])
+    pool.unpin("q4")
+    pool.release(pool.acquire(["mlp2"]))  # q4 was the only one evictable
+    assert pool.slot_of("q4") is None
+    pool.release(held)
+
+
+def test_prefetch_loads_without_holding(folders):
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=2)
+    for name in ("q4", "all8", "mlp2"):
+        pool.register(name, saved[name].path)
+    assert pool.prefetch(["q4", "all8", "mlp2"]) == ["q4", "all8"]  # two slots
+    loads = pool.stats.loads
+    slots = pool.acquire(["all8", "q4"])
+    assert pool.stats.loads == loads  # already there
+    check_slot(handle, slots[0], saved["all8"].path)
+    assert pool.prefetch(["mlp2"]) == []  # both slots held
+    pool.release(slots)
+
+
+def test_bad_adapters_are_refused_at_every_tier_and_change_nothing(folders, tmp_path):
+    base, saved, nan = folders
+    _, handle, pool = fresh_pool(base, max_loras=2, budget=16 << 10)
+    pool.register("ok", saved["q4"].path)
+    held = pool.acquire(["ok"])
+    before = pool.memory()
+
+    # Disk tier: refused at registration, from the config and header alone; a bad new version keeps the old.
+    with pytest.raises(AdapterError, match="no such folder"):
+        pool.register("ok", tmp_path / "missing")
+    bad = tmp_path / "pickle"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((Path(saved["q4"].path) / "adapter_config.json").read_text())
+    (bad / "adapter_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(AdapterError, match="pickle"):
+        pool.register("ok", bad)
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    (lacking / "adapter_config.json").write_text((Path(saved["q4"].path) / "adapter_config.json").read_text())
+    weights = load_file(Path(saved["q4"].path) / "adapter_model.safetensors")
+    save_file({k.replace("layers.0.", "layers.7."): v for k, v in weights.items()}, lacking / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="the model has no module 'model.layers.7.self_attn"):
+        pool.register("lacking", lacking)
+    with pytest.raises(AdapterError, match="more than the whole CPU cache"):
+        pool.register("huge", saved["all8"].path)
+    with pytest.raises(ValueError, match="non-empty string"):
+        pool.register("", saved["q4"].path)
+    assert pool.adapters == {"ok": 1}
+
+    # CPU tier: values are read only when the adapter is first needed.
+    pool.register("nan", nan)
+    with pytest.raises(AdapterError, match="'nan'.*NaN"):
+        pool.acquire(["ok", "nan"])
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (changed / f).write_bytes((Path(saved["q4"].path) / f).read_bytes())
+    pool.register("changed", changed)
+    (changed / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(AdapterError, match="'changed'.*not a readable safetensors"):
+        pool.acquire(["changed"])
+    cfg = json.loads((changed / "adapter_config.json").read_text())
+    (changed / "adapter_model.safetensors").write_bytes((Path(saved["all8"].path) / "adapter_model.safetensors")
+                                                        .read_bytes())
+    (changed / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8, "target_modules": TARGETS["llama"]}))
+    with pytest.raises(AdapterError, match="changed since it was registered"):
+        pool.acquire(["changed"])
+
+    # GPU tier and bad calls.
+    pool.register("other", saved["mlp2"].path)
+    pool.register("third", saved["emb6"].path)
+    with pytest.raises(PoolFull, match="2 adapter"):
+        pool.acquire(["other", "third"])
+    with pytest.raises(ValueError, match="slot 1 is not held"):
+        pool.release([1])
+    with pytest.raises(ValueError, match="not held 2 time"):
+        pool.release(held * 2)
+    with pytest.raises(TypeError, match="list of adapter names"):
+        pool.acquire("ok")
+    with pytest.raises(RuntimeError, match="managed by AdapterPool"):
+        handle.load_adapter("direct", saved["q4"].path)
+
+    after = pool.memory()
+    assert after["slots"] == before["slots"] and after["cpu_bytes"] == before["cpu_bytes"]
+    check_slot(handle, held[0], saved["q4"].path)
+    pool.release(held)
+
+
+def test_pool_refuses_to_start_on_what_would_not_fit(folders):
+    base, saved, _ = folders
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    with pytest.raises(MemoryError, match="cpu_budget_bytes"):
+        AdapterPool(handle, cpu_budget_bytes=1 << 60)
+    handle.load_adapter("a", saved["q4"].path)
+    with pytest.raises(ValueError, match="already holds adapters"):
+        AdapterPool(handle)
+    handle.unload_adapter("a")
+    pool = AdapterPool(handle)
+    with pytest.raises(ValueError, match="already managed"):
+        AdapterPool(handle)
+    assert pool.memory()["gpu_slot_buffers_at_max_rank"] == handle.slot_bytes(256)
+
+
+def test_register_while_acquiring_from_threads(folders):
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=3)
+    versions = [saved["q4"].path, saved["all8"].path, saved["mlp2"].path]
+    pool.register("x", versions[0])
+    pool.register("steady", saved["emb6"].path)
+    errors, stop = [], threading.Event()
+
+    def swapper():
+        try:
+            for i in range(40):
+                pool.register("x", versions[i % 3])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def user():
+        try:
+            while not stop.is_set():
+                try:
+                    slots = pool.acquire(["x", "steady", None])
+                except PoolFull:
+                    continue
+                slot = slots[0]
+                ranks = int(handle.layers["model.layers.0.self_attn.v_proj"].group.ranks[slot, 2])
+                path = {4: versions[0], 8: versions[1], 0: versions[2]}[ranks]
+                check_slot(handle, slot, path)  # whole and of one version while held
+                check_slot(handle, slots[1], saved["emb6"].path)
+                pool.release(slots)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=swapper)] + [threading.Thread(target=user) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert pool.adapters["x"] == 41 and all(s is None or s["holders"] == 0 for s in pool.memory()["slots"])
+
+
+NAMES = ("a", "b", "c", "d")
+FOLDERS = tuple(SPECS) + ("nan",)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Drives the pool against a model: the registry (name -> version), who holds what, and the pins. After
+    every step: each held slot holds exactly the version that was current when it was acquired, no slot holds
+    two versions, reference counts match, budgets hold, pinned adapters are resident."""
+
+    SLOTS = 2
+
+    @initialize()
+    def setup(self):
+        base, self.saved, self.nan = _MACHINE_FOLDERS
+        self.model, self.handle, self.pool = fresh_pool(base, max_loras=self.SLOTS, budget=45 << 10)
+        self.current: dict[str, tuple[int, str]] = {}  # name -> (version id, folder)
+        self.next_id = 0
+        self.leases: list[tuple[list[int], list]] = []  # (slots, [(version id, folder) or None])
+        self.pins: set[str] = set()
+        self.kept: set[int] = set()  # pinned versions seen resident: they must stay
+        for name, folder in zip(NAMES, ("all8", "q4", "big")):  # start with work to do
+            self.register(name, folder)
+
+    def path(self, folder):
+        return self.nan if folder == "nan" else self.saved[folder].path
+
+    def busy(self) -> set[int]:
+        """Versions that take a slot no other adapter can have: held ones, and resident pinned ones (a pinned
+        name's new version is resident only once a slot was free for it)."""
+        held = {v[0] for _, versions in self.leases for v in versions if v is not None}
+        return held | {self.current[n][0] for n in self.pins if self.pool.slot_of(n) is not None}
+
+    @rule(name=st.sampled_from(NAMES), folder=st.sampled_from(FOLDERS))
+    def register(self, name, folder):
+        try:
+            self.pool.register(name, self.path(folder))
+        except AdapterError as e:
+            assert name in self.pins and folder == "nan" and "NaN" in str(e)  # a pinned name's is read now
+            return
+        assert not (name in self.pins and folder == "nan")
+        self.current[name] = (self.next_id, folder)
+        self.next_id += 1
+
+    @rule(name=st.sampled_from(NAMES))
+    def unregister(self, name):
+        if name not in self.current:
+            with pytest.raises(AdapterError, match="no adapter"):
+                self.pool.unregister(name)
+            return
+        self.pool.unregister(name)
+        del self.current[name]
+        self.pins.discard(name)
+
+    @rule(names=st.lists(st.sampled_from(NAMES + (None,)), min_size=1, max_size=4))
+    def acquire(self, names):
+        if any(n is not None and n not in self.current for n in names):
+            with pytest.raises(AdapterError, match="unknown adapter"):
+                self.pool.acquire(names)
+            return
+        versions = [None if n is None else self.current[n] for n in names]
+        wanted = {v[0] for v in versions if v is not None}
+        full = len(wanted | self.busy()) > self.SLOTS
+        resident = {self.current[n][0] for n in self.current if self.pool.slot_of(n) is not None}
+        broken = any(v[1] == "nan" for v in versions if v is not None)  # never resident: its values are bad
+        try:
+            slots = self.pool.acquire(names)
+        except PoolFull:
+            assert full
+            return
+        except AdapterError as e:
+            assert broken and not full and "NaN" in str(e)
+            return
+        assert not full and not broken, (names, resident)
+        self.leases.append((slots, versions))
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data):
+        slots, _ = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        self.pool.release(slots)
+
+    @rule(name=st.sampled_from(NAMES))
+    def pin(self, name):
+        if name not in self.current:
+            with pytest.raises(AdapterError):
+                self.pool.pin(name)
+            return
+        full = len({self.current[name][0]} | self.busy()) > self.SLOTS
+        try:
+            self.pool.pin(name)
+        except PoolFull:
+            assert full
+            return
+        except AdapterError:
+            assert self.current[name][1] == "nan"
+            return
+        assert not full
+        self.pins.add(name)
+
+    @rule(name=st.sampled_from(NAMES))
+    def unpin(self, name):
+        if name in self.pins:
+            self.pool.unpin(name)
+            self.pins.discard(name)
+        else:
+            with pytest.raises(AdapterError, match="not pinned"):
+                self.pool.unpin(name)
+
+    @rule(names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=3))
+    def prefetch(self, names):
+        try:
+            self.pool.prefetch(names)
+        except AdapterError as e:
+            assert "unknown adapter" in str(e) or "NaN" in str(e)
+
+    @invariant()
+    def held_slots_hold_their_version(self):
+        if not hasattr(self, "pool"):
+            return
+        holders: dict[int, int] = {}
+        for slots, versions in self.leases:
+            for slot, v in zip(slots, versions):
+                if v is None:
+                    assert slot == -1
+                    continue
+                check_slot(self.handle, slot, self.path(v[1]))
+                holders[slot] = holders.get(slot, 0) + 1
+        mem = self.pool.memory()
+        for slot, info in enumerate(mem["slots"]):
+            assert (info["holders"] if info else 0) == holders.get(slot, 0)
+        occupants = [v for v in self.pool._slots if v is not None]
+        assert len(set(map(id, occupants))) == len(occupants)
+        assert all(self.pool._slots[v.slot] is v for v in occupants)
+        assert all(v.refs > 0 or self.pool._current.get(v.name) is v for v in occupants)  # retired: freed
+        assert mem["cpu_bytes"] <= mem["cpu_budget"]
+        for name in self.pins:
+            version = self.current[name][0]
+            if version in self.kept:
+                assert self.pool.slot_of(name) is not None
+            elif self.pool.slot_of(name) is not None:
+                self.kept.add(version)
+        assert self.pool.adapters == {n: self.pool.adapters[n] for n in self.current}
+
+    def teardown(self):
+        if hasattr(self, "pool"):
+            for slots, _ in self.leases:
+                self.pool.release(slots)
+            assert all(s is None or s["holders"] == 0 for s in self.pool.memory()["slots"])
+
+
+_MACHINE_FOLDERS = None
+
+
+@pytest.fixture(scope="module")
+def machine_folders(folders):
+    global _MACHINE_FOLDERS
+    base, saved, nan = folders
+    _MACHINE_FOLDERS = (base, saved, nan)
+    yield
+    _MACHINE_FOLDERS = None
+
+
+def test_pool_state_machine(machine_folders):
+    PoolMachine.TestCase.settings = settings(settings.default, max_examples=60, stateful_step_count=40,
+                                             suppress_health_check=list(HealthCheck))
+    PoolMachine.TestCase().runTest()
