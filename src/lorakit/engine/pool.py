@@ -263,6 +263,7 @@ class AdapterPool:
                 "gpu_slot_buffers": buffers["slot_buffers"],
                 "gpu_slot_buffers_at_max_rank": self.handle.slot_bytes(self.handle.config.max_rank),
                 "gpu_adapter_bytes": sum(v.nbytes for v in self._slots if v is not None),
+                "gpu_staging_bytes": self.handle.staging_bytes,
                 "cpu_bytes": self._cpu.nbytes,
                 "cpu_budget": self._cpu.budget,
                 "cpu_adapters": len(self._cpu.images),

@@ -3,7 +3,7 @@
 ``pack_adapter`` turns a loaded PEFT adapter into a ``SlotImage``: one flat byte buffer (pinned when the
 model is on a GPU) holding, for every slot store the adapter touches, each slice's A rows, the B rows
 of all its slices, and the per-slice ranks and scales, each part in the layout of one slot of that
-store. ``write_slot`` puts an image into a slot with a fixed, small number of launches whatever the
+store. ``SlotWriter`` puts an image into a slot with a fixed, small number of launches whatever the
 number of layers: on a GPU one host-to-device copy of the whole buffer into a staging buffer, then
 batched device copies (``torch._foreach_copy_``) to the parts' places and batched zeroing of the rank
 padding, all on the current stream. So an upload is one copy at the host link's speed, and the caller
@@ -15,7 +15,7 @@ leaves it.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -69,6 +69,12 @@ class SlotImage:
     stores: tuple[StoreImage, ...]
 
     @property
+    def signature(self) -> tuple:
+        """Equal for images of equal layout (same stores and ranks): such images have the same parts at
+        the same offsets, so one list of views serves them all."""
+        return tuple((id(s.store), s.ranks) for s in self.stores)
+
+    @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
@@ -88,11 +94,13 @@ def store_of(layer: nn.Module) -> tuple[LoraSlots, int]:
 
 def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: bool) -> SlotImage:
     """Lay ``adapter`` out as its slots hold it, cast to each store's dtype, in one (pinned) CPU buffer."""
-    by_store: dict[LoraSlots, dict[int, tuple]] = defaultdict(dict)
-    for module, lora in adapter.modules.items():
-        store, index = store_of(layers[module])
-        scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
-        by_store[store][index] = (lora, scale)
+    by_store: dict[LoraSlots, dict[int, tuple]] = {}
+    for module, layer in layers.items():  # the model's order, so equal targets and ranks give equal layouts
+        if module in adapter.modules:
+            lora = adapter.modules[module]
+            store, index = store_of(layer)
+            scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
+            by_store.setdefault(store, {})[index] = (lora, scale)
 
     offset = 0
 
@@ -144,47 +152,94 @@ def grow_for(image: SlotImage) -> bool:
     return grew
 
 
-def write_slot(slot: int, image: SlotImage | None, clear: Iterable[LoraSlots] = ()) -> None:
-    """On the current stream: zero ``slot`` in the ``clear`` stores, then write ``image`` (None: nothing)
-    into it. The stores must already have room (``grow_for``)."""
+class SlotWriter:
+    """Writes images into slots on the current stream: zero the slot in the stores a previous adapter used
+    and this one does not, then the image. On a GPU, one host-to-device copy of the image into a staging
+    buffer (one per stream, kept), then batched device copies and zeroing. The lists of views that
+    scatter a layout into a slot are kept per (slot, signature, buffers), so rewriting a slot with an
+    adapter of a known layout costs little host time, whatever the number of layers."""
+
+    def __init__(self, max_plans: int = 64):
+        self._staging: dict[int, torch.Tensor] = {}
+        self._plans: OrderedDict[tuple, tuple] = OrderedDict()
+        self._max_plans = max_plans
+        self._layout_version = 0
+
+    def write(self, slot: int, image: SlotImage | None, clear: Iterable[LoraSlots] = (), layout_version: int = 0):
+        zeros = [t for store in clear for t in (store.ranks[slot], store.scales[slot], store.lora_A[slot],
+                                                store.lora_B[slot]) if t.numel()]
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if image is None:
+            return
+        device = image.stores[0].store.lora_B.device
+        if layout_version != self._layout_version:  # views of reallocated buffers: drop them (and their memory)
+            self._plans.clear()
+            self._layout_version = layout_version
+        # The CPU takes the same path (with a plain copy), so the tests on the CPU cover it.
+        stream_id = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        staging = self._staging.get(stream_id)
+        if staging is None or staging.numel() < image.nbytes:
+            staging = torch.empty(max(image.nbytes, 2 * (0 if staging is None else staging.numel())),
+                                  dtype=torch.uint8, device=device)
+            self._staging[stream_id] = staging
+            self._plans = OrderedDict((k, v) for k, v in self._plans.items() if k[2] != stream_id)
+        staging[: image.nbytes].copy_(image.buffer, non_blocking=True)
+        key = (slot, image.signature, stream_id)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _plan(slot, image, staging)
+            if len(self._plans) > self._max_plans:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        self._run(plan)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(t.nbytes for t in self._staging.values())
+
+    def drop_staging(self) -> None:
+        """Free the staging buffers (and the views into them), e.g. after a one-off load."""
+        self._staging.clear()
+        self._plans.clear()
+
+    @staticmethod
+    def _run(plan) -> None:
+        zeros, copies, strided = plan
+        if zeros:
+            torch._foreach_zero_(zeros)
+        for dsts, srcs in copies:
+            torch._foreach_copy_(dsts, srcs)
+        for dst, src in strided:
+            dst.copy_(src)
+
+
+def _plan(slot: int, image: SlotImage, src: torch.Tensor) -> tuple:
+    """(tensors to zero, [(destinations, sources)] per dtype, [(destination, source)] strided) that write
+    ``image``, whose bytes are at the start of ``src``, into ``slot``: rows up to each rank, zeros beyond."""
     zeros: list[torch.Tensor] = []
     copies: dict[torch.dtype, tuple[list, list]] = defaultdict(lambda: ([], []))
     strided: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    for store in clear:
-        zeros += [store.ranks[slot], store.scales[slot], store.lora_A[slot], store.lora_B[slot]]
-    if image is not None:
-        device = image.stores[0].store.lora_B.device
-        src = image.buffer
-        if device.type != "cpu":
-            src = torch.empty(src.shape, dtype=src.dtype, device=device)
-            src.copy_(image.buffer, non_blocking=True)
+    def copy(dst: torch.Tensor, part: Part) -> None:
+        dsts, srcs = copies[part.dtype]
+        dsts.append(dst)
+        srcs.append(part.view(src))
 
-        def copy(dst: torch.Tensor, part: Part) -> None:
-            dsts, srcs = copies[part.dtype]
-            dsts.append(dst)
-            srcs.append(part.view(src))
-
-        for s in image.stores:
-            store = s.store
-            copy(store.ranks[slot], s.rank_part)
-            copy(store.scales[slot], s.scale_part)
-            if isinstance(store, LoraEmbedding):  # A is [S, vocab, R_max]: the rank columns are strided
-                zeros.append(store.lora_A[slot])
-                strided.append((store.lora_A[slot, :, : s.ranks[0]], s.a[0].view(src)))
-            else:
-                for i, (rank, part) in enumerate(zip(s.ranks, s.a)):
-                    rows = store.lora_A[slot, i]
-                    if part is not None:
-                        copy(rows[:rank], part)
-                    zeros.append(rows[rank:])
-            copy(store.lora_B[slot, : s.b.shape[0]], s.b)
-            zeros.append(store.lora_B[slot, s.b.shape[0]:])
-
-    zeros = [t for t in zeros if t.numel()]
-    if zeros:
-        torch._foreach_zero_(zeros)
-    for dsts, srcs in copies.values():
-        torch._foreach_copy_(dsts, srcs)
-    for dst, part in strided:
-        dst.copy_(part)
+    for s in image.stores:
+        store = s.store
+        copy(store.ranks[slot], s.rank_part)
+        copy(store.scales[slot], s.scale_part)
+        if isinstance(store, LoraEmbedding):  # A is [S, vocab, R_max]: the rank columns are strided
+            zeros.append(store.lora_A[slot])
+            strided.append((store.lora_A[slot, :, : s.ranks[0]], s.a[0].view(src)))
+        else:
+            for i, (rank, part) in enumerate(zip(s.ranks, s.a)):
+                rows = store.lora_A[slot, i]
+                if part is not None:
+                    copy(rows[:rank], part)
+                zeros.append(rows[rank:])
+        copy(store.lora_B[slot, : s.b.shape[0]], s.b)
+        zeros.append(store.lora_B[slot, s.b.shape[0]:])
+    return [t for t in zeros if t.numel()], list(copies.values()), strided

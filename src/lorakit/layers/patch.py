@@ -22,7 +22,7 @@ from torch import nn
 from lorakit.layers.adapter import AdapterError, BaseModule, PeftAdapter, load_peft_adapter
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
-from lorakit.layers.image import SlotImage, grow_for, pack_adapter, store_of, write_slot
+from lorakit.layers.image import SlotImage, SlotWriter, grow_for, pack_adapter, store_of
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.ops._checks import MAX_SLICES
@@ -166,6 +166,7 @@ class LoraHandle:
         self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
         self._slot_stores: list[set[LoraSlots]] = [set() for _ in range(config.max_loras)]
         self.layout_version = 0  # bumped whenever a slot buffer is reallocated (rank growth)
+        self._writer = SlotWriter()
         self.manager = None  # an AdapterPool that owns the slots, if any
 
     @property
@@ -191,6 +192,7 @@ class LoraHandle:
         adapter = self.read_adapter(name, path)
         slot = self._slots.index(None)
         self.write(slot, self.pack(adapter, pin=False))
+        self._writer.drop_staging()  # one-off loads keep no staging memory; the pool keeps its own
         self._slots[slot] = name
         self._adapters[name] = adapter
         return slot
@@ -241,8 +243,13 @@ class LoraHandle:
         if image is not None:
             self.grow_for(image)
         new = {s.store for s in image.stores} if image is not None else set()
-        write_slot(slot, image, clear=[s for s in self._slot_stores[slot] if s not in new])
+        self._writer.write(slot, image, [s for s in self._slot_stores[slot] if s not in new], self.layout_version)
         self._slot_stores[slot] = new
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory kept for staging uploads (about the largest adapter uploaded)."""
+        return self._writer.staging_bytes
 
     def slot_bytes(self, rank: int) -> int:
         """Bytes of the slot buffers of every store (all slots) if every store were padded to ``rank``."""
