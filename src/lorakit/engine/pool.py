@@ -124,6 +124,10 @@ class AdapterPool:
         self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
         self.stats = PoolStats()
         handle.manager = self
+        logger.info("lorakit pool: %d slots on %s; slot buffers %.1f MiB now, %.1f MiB at max_rank=%d; CPU cache "
+                    "%.1f MiB", self.num_slots, self.device, handle.memory()["slot_buffers"] / 2**20,
+                    handle.slot_bytes(handle.config.max_rank) / 2**20, handle.config.max_rank,
+                    cpu_budget_bytes / 2**20)
 
     def __repr__(self) -> str:
         return f"AdapterPool({len(self._current)} adapters, {self.num_slots} slots)"
