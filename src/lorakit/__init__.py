@@ -5,8 +5,10 @@ Layers, from the bottom up: ``lorakit.ops`` (custom ops: shrink and expand), ``l
 """
 
 from lorakit import ops
-from lorakit.engine import AdapterPool, PoolFull
+from lorakit.engine import LLM, AdapterPool, AsyncEngine, Engine, PoolFull, SamplingParams
 from lorakit.layers import LoraHandle, PatchConfig, patch
+from lorakit.layers.adapter import AdapterError
 
 __version__ = "0.1.0"
-__all__ = ["AdapterPool", "LoraHandle", "PatchConfig", "PoolFull", "ops", "patch"]
+__all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "LoraHandle", "PatchConfig", "PoolFull",
+           "SamplingParams", "ops", "patch"]

@@ -1,5 +1,8 @@
-"""Adapter pool, scheduler, model runner and server (built on lorakit.layers)."""
+"""Adapter pool, scheduler, model runner, engine and sampling (built on lorakit.layers)."""
 
+from lorakit.engine.engine import LLM, AsyncEngine, CompletionOutput, Engine, RequestOutput
 from lorakit.engine.pool import AdapterPool, PoolFull
+from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["AdapterPool", "PoolFull"]
+__all__ = ["LLM", "AdapterPool", "AsyncEngine", "CompletionOutput", "Engine", "PoolFull", "RequestOutput",
+           "SamplingParams"]

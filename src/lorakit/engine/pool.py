@@ -239,6 +239,13 @@ class AdapterPool:
                 raise AdapterError(f"adapter {name!r} is not pinned (pinned: {sorted(self._pins) or 'none'})")
             self._pins.discard(name)
 
+    def ready(self, name: str) -> bool:
+        """Whether ``name``'s current version is in a slot and its upload has landed (no waiting, no sync):
+        a scheduler admits a request once its adapter is ready, so loads never stall the running batch."""
+        with self._lock:
+            (v,) = self._lookup([name])
+            return v.slot is not None and (v.ready is None or v.ready.query())
+
     def slot_of(self, name: str) -> int | None:
         """The GPU slot of ``name``'s current version, None when it is not resident."""
         with self._lock:

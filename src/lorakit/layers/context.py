@@ -22,6 +22,7 @@ class LoraContext:
         self.num_slots = num_slots
         self.ids: torch.Tensor | None = None
         self.default_ids: torch.Tensor | None = None  # used by forward passes given no lora_ids (handle.using)
+        self.keep: torch.Tensor | None = None
         self._metas: dict[tuple[int, ...], LoraMeta] = {}
         self._on_reset: list[Callable[[], None]] = []
 
@@ -29,8 +30,10 @@ class LoraContext:
         """Call fn at the start and end of every forward pass (layers drop per-pass caches there)."""
         self._on_reset.append(fn)
 
-    def begin(self, ids: torch.Tensor | None) -> None:
-        """Start a forward pass with these ids (None: the default ids, else every token uses the base model)."""
+    def begin(self, ids: torch.Tensor | None, keep: torch.Tensor | None = None) -> None:
+        """Start a forward pass with these ids (None: the default ids, else every token uses the base model).
+        ``keep``: the positions whose hidden states reach the head, when the model was given them as a tensor
+        ``logits_to_keep`` (packed batches keep the last position of each sequence)."""
         ids = self.default_ids if ids is None else ids
         if ids is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             warnings.warn("lorakit's LoRA ops are inference-only: gradients do not flow through adapter deltas; "
@@ -44,6 +47,7 @@ class LoraContext:
                     f"got shape {tuple(ids.shape)}"
                 )
         self.ids = ids
+        self.keep = keep if isinstance(keep, torch.Tensor) and keep.dim() == 1 else None
         self._reset()
 
     def end(self) -> None:
@@ -79,7 +83,9 @@ class LoraContext:
             return ids[:, None].expand(batch, seq).reshape(-1)
         if ids.shape[1] == seq:
             return ids.reshape(-1)
-        if ids.shape[1] > seq:  # the head sees only the last positions (logits_to_keep)
+        if ids.shape[1] > seq and self.keep is not None and self.keep.numel() == seq:  # logits_to_keep=index
+            return ids[:, self.keep].reshape(-1)
+        if ids.shape[1] > seq:  # the head sees only the last positions (logits_to_keep=int)
             return ids[:, ids.shape[1] - seq:].reshape(-1)
         raise ValueError(
             f"lora_ids gives {ids.shape[1]} positions per sequence but a LoRA layer got {seq}; "

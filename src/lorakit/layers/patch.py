@@ -142,7 +142,7 @@ def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]
 
 def _take_lora_ids(ctx: LoraContext):
     def hook(module, args, kwargs):
-        ctx.begin(kwargs.pop("lora_ids", None))
+        ctx.begin(kwargs.pop("lora_ids", None), kwargs.get("logits_to_keep"))
         return args, kwargs
 
     return hook

@@ -1,0 +1,116 @@
+"""Incremental detokenization with stop conditions: one request's tokens in, safe-to-show text deltas out.
+
+Text is emitted only once it is final: a character whose bytes are not all decoded yet, and any tail of the
+text that could still become a stop string, are held back until they complete or can no longer match.
+"""
+
+from __future__ import annotations
+
+from lorakit.engine.sampling import SamplingParams
+
+__all__ = ["IncrementalDetokenizer"]
+
+# Prompt tokens decoded ahead of the output, so tokenizers that render a token by its left neighbour
+# (SentencePiece's leading space) give the output's first token its in-context text (as vLLM does).
+_PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    """Decodes one request's generated tokens as they come and decides when it finishes.
+
+    ``append(token_id)`` returns the text that became final with this token and a finish reason: "stop" for
+    eos (unless ``params.ignore_eos``), a ``params.stop_token_ids`` token or a ``params.stop`` string; "length"
+    at ``params.max_tokens`` tokens; else None. A stop token is kept in ``token_ids`` but its text is not
+    emitted; a stop string and everything after it are dropped. Before ``params.min_tokens`` tokens nothing
+    stops: eos and stop tokens count only from token ``min_tokens + 1`` on (as in vLLM), stop strings are
+    looked for from token ``min_tokens`` on. On finishing, all held-back text not cut by a stop string is
+    emitted, an incomplete character as "\\ufffd".
+
+    Decoding follows vLLM: ``tokenizer.decode(ids, skip_special_tokens=True)`` of a short window of recent
+    tokens, diffed against the decode of the window without the newest ones; the window moves on once its
+    text no longer ends in "\\ufffd", and until then the text before the trailing "\\ufffd" is already final.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 eos_token_id: int | list[int] | None):
+        self._tokenizer = tokenizer
+        self._params = params
+        eos = [] if eos_token_id is None or params.ignore_eos else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
+        self._ids: list[int] = []
+        self._window = list(prompt_ids[-_PROMPT_CONTEXT:])  # tokens from the decode window's start on
+        self._read = len(self._window)  # window[:read] is already in self._decoded
+        self._taken = 0  # characters of window[read:]'s text already in self._decoded
+        self._decoded = ""  # final text of the output so far (incomplete characters excluded)
+        self._emitted = 0  # self._decoded[:emitted] has been returned
+        self._finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far; never a stop string nor anything after one."""
+        return self._decoded[: self._emitted]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All generated tokens, a final stop token included."""
+        return list(self._ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length", or None while the request runs."""
+        return self._finish_reason
+
+    def append(self, token_id: int) -> tuple[str, str | None]:
+        """Add the next generated token; return (text delta safe to emit now, finish reason or None)."""
+        if self._finish_reason is not None:
+            raise RuntimeError(
+                f"IncrementalDetokenizer.append({token_id}) after the request finished "
+                f"({self._finish_reason!r}); start a new detokenizer for a new request"
+            )
+        self._ids.append(token_id)
+        n = len(self._ids)
+        stop_token = n > self._params.min_tokens and token_id in self._stop_ids
+        if not stop_token:
+            self._window.append(token_id)
+        reason = "stop" if stop_token else "length" if n >= self._params.max_tokens else None
+        self._decoded += self._decode_new(flush=reason is not None)
+        end = len(self._decoded)
+        if n >= self._params.min_tokens:
+            cut = self._find_stop_string()
+            if cut is not None:
+                end, reason = cut, "stop"
+                self._decoded = self._decoded[:cut]
+        if reason is None:
+            end -= self._stop_prefix_len()
+        delta = self._decoded[self._emitted : end]
+        self._emitted = end
+        self._finish_reason = reason
+        return delta, reason
+
+    def _decode_new(self, flush: bool) -> str:
+        """Text the newest tokens add, up to an incomplete last character (all of it when flushing)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._window[: self._read], skip_special_tokens=True)
+        full_text = decode(self._window, skip_special_tokens=True)
+        complete = not full_text.endswith("\ufffd")
+        new_text = full_text[len(prefix_text) :]
+        ready = new_text if complete or flush else new_text.rstrip("\ufffd")
+        delta = ready[self._taken :]
+        if complete and len(full_text) > len(prefix_text):
+            del self._window[: self._read]
+            self._read, self._taken = len(self._window), 0
+        else:
+            self._taken = max(self._taken, len(ready))
+        return delta
+
+    def _find_stop_string(self) -> int | None:
+        """Start of the earliest stop string in the unemitted text, or None."""
+        starts = [i for s in self._params.stop if (i := self._decoded.find(s, self._emitted)) >= 0]
+        return min(starts, default=None)
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest unemitted suffix of the text that is a proper prefix of a stop string."""
+        tail = self._decoded[self._emitted :]
+        lengths = (j for s in self._params.stop for j in range(1, min(len(s), len(tail) + 1)) if tail.endswith(s[:j]))
+        return max(lengths, default=0)

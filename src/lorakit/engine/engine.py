@@ -1,0 +1,381 @@
+"""The engine: requests in, tokens out, many adapters in every batch.
+
+``Engine`` owns the patched model, the adapter pool, the scheduler and the runner. ``add_request`` queues a
+prompt for an adapter (or the base model); each ``step()`` schedules a batch, runs it, samples one token
+per finishing position on the device, and returns what each request gained (``RequestOutput``).
+``AsyncEngine`` runs the steps on a thread and streams outputs to asyncio code (the server); ``LLM`` is the
+offline front door::
+
+    llm = LLM("path/to/model", max_loras=8, adapters={"sql": "/adapters/sql"})
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=64, temperature=0.0), adapters=["sql", None])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.pool import AdapterPool
+from lorakit.engine.runner import ModelRunner, kv_shape
+from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
+from lorakit.engine.scheduler import BlockManager, Request, Scheduler
+from lorakit.layers.adapter import AdapterError
+from lorakit.layers.patch import LoraHandle, patch
+
+logger = logging.getLogger("lorakit")
+
+__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "LLM", "RequestOutput"]
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top tokens' logprobs (empty unless asked for)
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step: new text and tokens, and whether it finished."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class _NoText:
+    """The tokenizer of an engine given none: token ids only, no text (stop strings never match)."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()
+
+
+@dataclass
+class _State:
+    detok: IncrementalDetokenizer
+    params: SamplingParams
+    logprobs: list[TokenLogprob] | None = field(default=None)
+
+
+class Engine:
+    """See the module docstring. ``model`` is a transformers causal LM (patched here unless it already is).
+
+    max_num_seqs: requests running at once; max_seq_len: prompt + output tokens of one request;
+    max_num_batched_tokens: tokens per step (prompts longer than this are prefilled in chunks);
+    num_blocks: KV cache blocks of ``block_size`` tokens (default: room for max_num_seqs full-length requests,
+    or half the free GPU memory if less); patience: steps the oldest waiting request may be bypassed.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, *, max_loras: int = 8, max_rank: int = 64,
+                 adapters: dict[str, str | Path] | None = None, max_num_seqs: int = 64, max_seq_len: int | None = None,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
+                 cuda_graphs: bool = True, patience: int = 16, cpu_budget_bytes: int = 2 << 30):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        handle = getattr(model, "_lorakit_handle", None) or patch(model, max_loras, max_rank=max_rank)
+        if not isinstance(handle, LoraHandle):
+            raise TypeError("the model's lorakit handle is not a LoraHandle")
+        self.handle = handle
+        self.pool = handle.manager or AdapterPool(handle, cpu_budget_bytes=cpu_budget_bytes)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = config.vocab_size
+        limit = getattr(config, "max_position_embeddings", None) or 4096
+        self.max_seq_len = min(limit, 4096) if max_seq_len is None else max_seq_len
+        if self.max_seq_len < 2 or self.max_seq_len > limit:
+            raise ValueError(f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), "
+                             f"got {self.max_seq_len}")
+        blocks_per_seq = -(-self.max_seq_len // block_size)
+        if num_blocks is None:
+            num_blocks = max_num_seqs * blocks_per_seq
+            if handle.device.type == "cuda":
+                layers, kv_heads, head_dim = kv_shape(model)
+                per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
+                free, _ = torch.cuda.mem_get_info(handle.device)
+                num_blocks = max(min(num_blocks, int(0.5 * free) // per_block), blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={self.max_seq_len} "
+                             f"({blocks_per_seq} blocks of {block_size}); raise num_blocks or lower max_seq_len")
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, patience=patience)
+        self.runner = ModelRunner(model, handle, num_blocks=num_blocks, block_size=block_size,
+                                  max_num_seqs=max_num_seqs, max_seq_len=self.max_seq_len, cuda_graphs=cuda_graphs)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+        for name, path in (adapters or {}).items():
+            self.pool.register(name, path)
+        logger.info("lorakit engine: %d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
+                    num_blocks, block_size, self.runner.kv_bytes / 2**30, max_num_seqs, self.max_seq_len)
+
+    # Requests.
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Bad requests raise ValueError (or AdapterError) and change nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        if adapter is not None and adapter not in self.pool.adapters:
+            raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
+        room = self.max_seq_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.max_seq_len - 1} fit "
+                             f"(max_seq_len={self.max_seq_len}); shorten it")
+        limited = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
+                          params=limited, seed=seed)
+        detok = IncrementalDetokenizer(self.tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
+        request.state = _State(detok, limited, [] if params.logprobs is not None else None)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("a prompt must be a string or a list of int token ids")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its last output (finish_reason 'abort') comes with the next step."""
+        request = self._requests.pop(str(request_id), None)
+        if request is None:
+            return
+        self.scheduler.abort(request)
+        self._aborted.append(RequestOutput(request.request_id, "", [], True, "abort",
+                                           num_prompt_tokens=len(request.prompt_ids),
+                                           num_output_tokens=len(request.output_ids)))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    # Steps.
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            return outputs
+        logits = self.runner.execute(plan)
+        items = [item for item in plan.items if item.sample]
+        requests = [item.request for item in items]
+        batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
+                                    [len(r.output_ids) for r in requests], logits.device)
+        result = sample(logits.float(), batch)
+        tokens = result.token_ids.tolist()  # the step's one host sync
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        sampled, finished = {}, {}
+        for row, (request, token) in enumerate(zip(requests, tokens)):
+            state = request.state
+            sampled[request] = token
+            delta, reason = state.detok.append(token)
+            logprobs = None
+            if state.logprobs is not None:
+                k = state.params.logprobs
+                top = {} if not k else dict(zip(top_ids[row][:k], top_lps[row][:k]))
+                logprobs = [TokenLogprob(token, chosen[row], top)]
+                state.logprobs += logprobs
+            if reason is not None:
+                finished[request] = reason
+                self._requests.pop(request.request_id, None)
+            outputs.append(RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
+                                         len(request.prompt_ids), len(request.output_ids) + 1))
+        self.scheduler.postprocess(plan, sampled, finished)
+        return outputs
+
+    # Adapters at run time (the server's load/unload endpoints).
+
+    def register_adapter(self, name: str, path: str | Path) -> int:
+        return self.pool.register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.pool.unregister(name)
+
+
+class AsyncEngine:
+    """Runs an Engine's steps on a background thread and streams each request's outputs to asyncio code."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lorakit-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; leaving early (a client gone) aborts it."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._work:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            request_id = self.engine.add_request(prompt, params, adapter, request_id)
+            self._streams[request_id] = (loop, queue)
+            self._work.notify()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._work:
+            self.engine.abort(request_id)
+            self._work.notify()
+
+    def call(self, fn, *args):
+        """Run fn(*args) between steps (e.g. engine.register_adapter)."""
+        with self._work:
+            return fn(*args)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let running requests finish (up to ``timeout`` seconds), then stop; the rest get an error."""
+        with self._work:
+            self._stopping = True
+            self._work.notify()
+        self._thread.join(timeout)
+        with self._work:
+            for request_id in list(self.engine._requests):
+                self.engine.abort(request_id)
+            error = RuntimeError("the engine shut down before this request finished")
+            for loop, queue in self._streams.values():
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            self._streams.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not self.engine.has_unfinished():
+                    if self._stopping:
+                        return
+                    self._work.wait()
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - every waiting stream gets it
+                    logger.exception("lorakit engine: a step failed")
+                    for request_id in list(self.engine._requests):
+                        self.engine.abort(request_id)
+                    self.engine._aborted.clear()
+                    for loop, queue in self._streams.values():
+                        loop.call_soon_threadsafe(queue.put_nowait, e)
+                    self._streams.clear()
+                    continue
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+                        if out.finished:
+                            del self._streams[out.request_id]
+
+
+class LLM:
+    """Offline generation with adapters: a model (a path or a loaded transformers model) and a tokenizer."""
+
+    def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, max_loras: int = 8,
+                 adapters: dict[str, str | Path] | None = None, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, **engine_kwargs):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model, (str, Path)):
+            import transformers
+
+            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(model)
+            model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+        self.engine = Engine(model, tokenizer, max_loras=max_loras, adapters=adapters, **engine_kwargs)
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: str | None | Sequence[str | None] = None) -> list[CompletionOutput]:
+        """One CompletionOutput per prompt, in order. ``adapters``: one name (or None) per prompt, or one for all."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
+        names = adapters if isinstance(adapters, Sequence) and not isinstance(adapters, str) else [adapters] * n
+        if len(params) != n or len(names) != n:
+            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} adapters")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p, name in zip(prompts, params, names):
+                ids.append(engine.add_request(prompt, p, name))
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            engine.step()
+            raise
+        results = {request_id: CompletionOutput(request_id, name, engine._requests[request_id].prompt_ids, "", [],
+                                                None) for request_id, name in zip(ids, names)}
+        while any(r.finish_reason is None for r in results.values()):
+            for out in engine.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.text += out.text
+                result.token_ids += out.token_ids
+                if out.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + out.logprobs
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        return [results[request_id] for request_id in ids]

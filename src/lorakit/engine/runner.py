@@ -1,0 +1,204 @@
+"""The model runner: lorakit's paged KV cache and attention inside any transformers causal LM.
+
+The model is not changed: lorakit registers an attention function with transformers' attention interface
+("lorakit") and switches the model to it. Each step's tokens, from every scheduled request, go through the
+model as one packed sequence ``[1, T]`` with their own positions and adapter ids; the attention function
+writes each layer's new keys and values into the paged cache (``lorakit::write_kv``) and attends over each
+request's cached tokens (``lorakit::paged_attention``). No per-architecture code: the layer index comes from
+the attention module's ``layer_idx``, and scaling, softcap and sliding window from the arguments transformers
+passes.
+
+A step whose requests all decode one token replays a CUDA graph captured for the smallest batch-size
+bucket that fits, from static input buffers; other steps (prefill chunks) run eagerly. The step's metadata
+goes to the device in one pinned copy; the only host sync is reading the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+
+from lorakit.engine.attention import paged_attention, write_kv
+from lorakit.engine.scheduler import StepPlan
+
+logger = logging.getLogger("lorakit")
+
+ATTENTION_NAME = "lorakit"
+
+
+@dataclass
+class AttentionBatch:
+    """What the attention function reads for the current forward pass."""
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, KV length including the new tokens
+    query_start: torch.Tensor  # [S + 1] int32
+
+
+_active: AttentionBatch | None = None
+
+
+def lorakit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
+                      softcap: float | None = None, sliding_window: int | None = None, **kwargs):
+    """transformers' attention interface: query [1, Hq, T, D], key/value [1, Hkv, T, D] of the new tokens."""
+    batch = _active
+    if batch is None:
+        raise RuntimeError("the 'lorakit' attention runs only inside lorakit's engine, which sets up the KV cache; "
+                           "switch the model back with model.set_attn_implementation('sdpa') to use it alone")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx; lorakit needs it to find the layer's KV cache")
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    write_kv(batch.k_caches[layer], batch.v_caches[layer], k, v, batch.slot_mapping)
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, batch.k_caches[layer], batch.v_caches[layer], batch.block_tables, batch.seq_lens,
+                          batch.query_start, scale, float(softcap or 0.0), int(sliding_window or 0))
+    return out.unsqueeze(0), None
+
+
+transformers.AttentionInterface.register(ATTENTION_NAME, lorakit_attention)
+
+
+def kv_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) from the model's config."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    """Runs a scheduled step through the model and returns the logits of the positions that sample."""
+
+    def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None):
+        self.model = model
+        self.handle = handle
+        self.device = handle.device
+        self.block_size = block_size
+        self.max_blocks = -(-max_seq_len // block_size)
+        layers, kv_heads, head_dim = kv_shape(model)
+        dtype = next(model.parameters()).dtype
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.kv_bytes = 2 * layers * self.k_caches[0].nbytes
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        sizes = graph_sizes or [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+        self.graph_sizes = sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_layout = handle.layout_version
+        self._static: dict[str, torch.Tensor] | None = None
+        self._graph_pool = None
+
+    # Host side: the step's metadata as one int64 vector, copied once.
+
+    def _metadata(self, plan: StepPlan, rows: int, tokens: int) -> dict[str, torch.Tensor]:
+        ids, pos, lora, slots, seq_lens, starts, keep = [], [], [], [], [], [0], []
+        tables = []
+        for item in plan.items:
+            r = item.request
+            n = len(item.tokens)
+            ids += item.tokens
+            pos += range(item.start, item.start + n)
+            lora += [r.slot] * n
+            slots += [r.blocks[p // self.block_size] * self.block_size + p % self.block_size
+                      for p in range(item.start, item.start + n)]
+            seq_lens.append(item.start + n)
+            starts.append(starts[-1] + n)
+            if item.sample:
+                keep.append(starts[-1] - 1)
+            tables += r.blocks + [0] * (self.max_blocks - len(r.blocks))
+        pad_t, pad_s = tokens - len(ids), rows - len(plan.items)
+        flat = (ids + [0] * pad_t, pos + [0] * pad_t, lora + [-1] * pad_t, slots + [-1] * pad_t,
+                seq_lens + [0] * pad_s, starts + [starts[-1]] * pad_s, tables + [0] * (pad_s * self.max_blocks),
+                keep or [max(len(ids) - 1, 0)])
+        sizes = [len(f) for f in flat]
+        host = torch.tensor([x for f in flat for x in f], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        parts = dict(zip(("input_ids", "positions", "lora_ids", "slot_mapping", "seq_lens", "query_start",
+                          "block_tables", "keep"), torch.split(dev, sizes)))
+        for name in ("seq_lens", "query_start", "block_tables"):
+            parts[name] = parts[name].to(torch.int32)
+        parts["block_tables"] = parts["block_tables"].view(rows, self.max_blocks)
+        parts["num_keep"] = len(keep)
+        return parts
+
+    def _forward(self, m: dict[str, torch.Tensor], keep: torch.Tensor | None) -> torch.Tensor:
+        global _active
+        _active = AttentionBatch(self.k_caches, self.v_caches, m["slot_mapping"], m["block_tables"], m["seq_lens"],
+                                 m["query_start"])
+        try:
+            kwargs = {} if keep is None else {"logits_to_keep": keep}
+            return self.model(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
+                              lora_ids=m["lora_ids"][None], use_cache=False, **kwargs).logits[0]
+        finally:
+            _active = None
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order."""
+        n = len(plan.items)
+        if self.cuda_graphs and plan.is_decode and n <= self.graph_sizes[-1]:
+            size = next(s for s in self.graph_sizes if s >= n)
+            m = self._metadata(plan, size, size)
+            graph, out = self._graph(size)
+            static = self._static
+            for name in ("input_ids", "positions", "lora_ids", "slot_mapping", "seq_lens", "query_start"):
+                static[name][: m[name].numel()].copy_(m[name])
+            static["block_tables"][:size].copy_(m["block_tables"])
+            graph.replay()
+            return out[m["keep"]]
+        m = self._metadata(plan, n, plan.num_tokens)
+        return self._forward(m, m["keep"])
+
+    def _graph(self, size: int):
+        if self.handle.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
+            self._graphs.clear()
+            self._graph_layout = self.handle.layout_version
+        if size in self._graphs:
+            return self._graphs[size]
+        biggest = self.graph_sizes[-1]
+        if self._static is None:
+            z = dict(device=self.device)
+            self._static = dict(input_ids=torch.zeros(biggest, dtype=torch.int64, **z),
+                                positions=torch.zeros(biggest, dtype=torch.int64, **z),
+                                lora_ids=torch.full((biggest,), -1, dtype=torch.int64, **z),
+                                slot_mapping=torch.full((biggest,), -1, dtype=torch.int64, **z),
+                                seq_lens=torch.zeros(biggest, dtype=torch.int32, **z),
+                                query_start=torch.zeros(biggest + 1, dtype=torch.int32, **z),
+                                block_tables=torch.zeros(biggest, self.max_blocks, dtype=torch.int32, **z))
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        s = self._static
+        view = dict(input_ids=s["input_ids"][:size], positions=s["positions"][:size], lora_ids=s["lora_ids"][:size],
+                    slot_mapping=s["slot_mapping"][:size], seq_lens=s["seq_lens"][:size],
+                    query_start=s["query_start"][: size + 1], block_tables=s["block_tables"][:size])
+        view["slot_mapping"].fill_(-1)
+        view["seq_lens"].zero_()
+        view["query_start"].zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(view, None)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._forward(view, None)
+        self._graphs[size] = (graph, out)
+        logger.info("lorakit runner: captured the decode graph for batch %d", size)
+        return self._graphs[size]

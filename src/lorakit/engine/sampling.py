@@ -1,0 +1,218 @@
+"""Per-request sampling parameters and a batched sampler: one token per row of a [B, V] logits tensor.
+
+A row's token depends only on its logits, its parameters, its seed and its step, never on the rest of the
+batch. ``sample`` has no per-row Python loop, no host sync and no data-dependent shapes, so it can be
+captured in a CUDA graph; it branches only on flags that ``SamplingBatch.build`` computed on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingBatch", "SamplingParams", "gumbel_noise", "sample"]
+
+MAX_LOGPROBS = 20
+# Temperatures below this sample greedily: logits / T would overflow float32 long before T reaches 0.
+MIN_TEMPERATURE = 1e-5
+_M32 = 0xFFFFFFFF
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None, allowed: str | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        allowed = allowed or (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def _check_float(name: str, value, allowed: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop.
+
+    ``temperature`` 0 (or below 1e-5) is greedy. ``top_k`` 0 or -1 is off (-1 is stored as 0). ``top_p`` 1 is
+    off. ``seed`` makes the request reproducible whatever else runs beside it. ``stop`` strings,
+    ``stop_token_ids`` and eos (unless ``ignore_eos``) end the request, but only after ``min_tokens``
+    tokens. ``logprobs`` k returns the chosen token's log-probability and the k most likely (k <= 20).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, "a finite float >= 0", lambda t: t >= 0)
+        _check_int("top_k", self.top_k, -1, allowed="0 or -1 (off) or an int >= 1")
+        _check_float("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1, allowed="None or an int in [0, 2**63)")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"SamplingParams.stop must be a non-empty str or a list of them, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allowed=f"None or an int in [0, {MAX_LOGPROBS}]")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   allowed=f"an int in [0, max_tokens={self.max_tokens}]")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+
+@dataclass
+class SamplingBatch:
+    """The per-row tensors ``sample`` reads, and the host-side flags that pick its code path.
+
+    ``temperature`` is 0 for greedy rows; ``top_k`` 0 is off; ``steps[b]`` counts the tokens row b's request
+    generated before this one. ``max_logprobs`` is the largest ``logprobs`` asked for, None if no row asked.
+    """
+
+    temperature: Tensor  # [B] float32
+    top_k: Tensor  # [B] int64
+    top_p: Tensor  # [B] float32
+    seeds: Tensor  # [B] int64
+    steps: Tensor  # [B] int64
+    all_greedy: bool
+    any_top_k_or_p: bool
+    max_logprobs: int | None
+
+    @staticmethod
+    def build(
+        params: list[SamplingParams], seeds: list[int], steps: list[int], device: torch.device | str
+    ) -> SamplingBatch:
+        """Rows in ``params`` order; ``seeds`` in [0, 2**63) (the engine draws one for unseeded requests)."""
+        if not len(params) == len(seeds) == len(steps):
+            raise ValueError(
+                f"SamplingBatch.build needs one seed and one step per request, got {len(params)} params, "
+                f"{len(seeds)} seeds, {len(steps)} steps"
+            )
+        for name, values in (("seeds", seeds), ("steps", steps)):
+            bad = [v for v in values if isinstance(v, bool) or not (isinstance(v, int) and 0 <= v < 2**63)]
+            if bad:
+                raise ValueError(f"SamplingBatch.build: {name} must be ints in [0, 2**63), got {bad[0]!r}")
+        temps = [0.0 if p.temperature < MIN_TEMPERATURE else float(p.temperature) for p in params]
+        sampled = [p for p, t in zip(params, temps) if t > 0]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        pin = torch.device(device).type == "cuda"
+        floats = torch.tensor([temps, [float(p.top_p) for p in params]], dtype=torch.float32, pin_memory=pin)
+        ints = torch.tensor([[p.top_k for p in params], seeds, steps], dtype=torch.int64, pin_memory=pin)
+        floats = floats.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        return SamplingBatch(
+            temperature=floats[0], top_p=floats[1], top_k=ints[0], seeds=ints[1], steps=ints[2],
+            all_greedy=not sampled,
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            max_logprobs=max(asked) if asked else None,
+        )
+
+
+@dataclass
+class SampleOutput:
+    """One token per row; log-probabilities are of the raw logits (before temperature, top-k and top-p)."""
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor | None  # [B] float32, at the chosen token
+    top_ids: Tensor | None  # [B, k] int64, k = min(max_logprobs, V)
+    top_logprobs: Tensor | None  # [B, k] float32, descending
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, exact: no product reaches 2**63."""
+    if c < 2**31:
+        return (x * c) & _M32
+    return (x * (c - 2**31) + ((x & 1) << 31)) & _M32  # x * 2**31 mod 2**32 == (x & 1) << 31
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """Chris Wellons' lowbias32, a bijection of [0, 2**32) with good avalanche, on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _random_u32(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] int64 in [0, 2**32): hash(seeds[b], steps[b], v), identical on every device and batch layout."""
+    key = torch.full_like(seeds, 0x9E3779B9)
+    for word in (seeds & _M32, (seeds >> 32) & _M32, steps & _M32, (steps >> 32) & _M32):
+        key = _hash32(key ^ word)
+    col = _hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x5BD1E995)
+    return _hash32(key[:, None] ^ col)
+
+
+def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] float32 standard Gumbel noise, a pure function of (seeds[b], steps[b], v).
+
+    Semantics: ``g[b, v] = -log(-log(1 - w))``, ``w = (hash(seeds[b], steps[b], v) + 0.5) / 2**32`` clamped
+    below 1; ``-log1p(-w)`` keeps full relative precision for small w, where the winning tokens' noise is.
+    """
+    w = (_random_u32(seeds, steps, vocab_size).to(torch.float32) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log1p(-w.clamp_(max=1 - 2.0**-24)))
+
+
+def _mask_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Set to -inf all but each row's top_k largest, then all but the smallest top set with mass >= top_p.
+
+    The top token always stays; top_k 0 and top_p 1 mask nothing. Ties are ordered by index (stable sort).
+    """
+    vocab = scaled.shape[-1]
+    vals, idx = scaled.sort(dim=-1, descending=True, stable=True)
+    pos = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, vocab)
+    vals = vals.masked_fill(pos >= k[:, None], float("-inf"))
+    probs = vals.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p[:, None]
+    vals = vals.masked_fill((mass_before >= p) & (p < 1), float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, idx, vals)
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    """One token per row of ``logits`` [B, V] (any float dtype; computed in float32).
+
+    Semantics: greedy rows (temperature 0) take ``argmax(logits[b])`` (ties: lowest index). Other rows take
+    ``argmax(mask(logits[b] / T[b]) + gumbel_noise(seeds, steps, V)[b])`` where ``mask`` applies top-k then
+    top-p (``-inf`` outside), i.e. a draw from softmax(mask(logits / T)).
+    """
+    if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
+        raise ValueError(
+            f"sample expects logits of shape [B, V] with B = {batch.temperature.shape[0]} rows in the batch, "
+            f"got {tuple(logits.shape)}"
+        )
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    if not batch.all_greedy:
+        greedy = batch.temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
+        if batch.any_top_k_or_p:
+            scaled = _mask_top_k_top_p(scaled, batch.top_k, batch.top_p)
+        sampled = (scaled + gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])).argmax(dim=-1)
+        token_ids = torch.where(greedy, token_ids, sampled)
+    if batch.max_logprobs is None:
+        return SampleOutput(token_ids, None, None, None)
+    logprobs = logits.log_softmax(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(min(batch.max_logprobs, logits.shape[-1]), dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    return SampleOutput(token_ids, chosen, top_ids, top_logprobs)

@@ -1,0 +1,256 @@
+"""Continuous batching with adapters: which requests run each step, and with how many tokens.
+
+Each step, ``schedule()`` gives every running request its next tokens (one to decode, or the next chunk of
+its prompt), then admits waiting requests in arrival order while the token budget, the sequence limit, the
+KV cache and the adapter slots allow. The runner executes the batch; ``postprocess()`` appends the sampled
+tokens and retires finished requests.
+
+Adapters: a request holds its adapter's pool slot from admission to its end, so the running requests never
+use more than ``max_loras`` distinct adapters (base requests need no slot). A waiting request whose adapter
+is not resident starts its upload (``pool.prefetch``) and is admitted once it has landed (``pool.ready``),
+so a load never stalls the batch already running.
+
+No starvation: a waiting request may be bypassed by later ones (so resident adapters keep the GPU busy)
+only while the oldest waiting request has waited fewer than ``patience`` steps. After that, nothing
+bypasses it: running requests drain (each finishes within its max_tokens, or is preempted behind it), a
+slot and KV blocks free up, and it starts. With one slot and arrivals A, B, A, A, ..., B waits at most
+``patience`` steps plus the time the running A requests take to finish.
+
+Preemption: when a running request needs a KV block and none is free, the most recently admitted running
+request is preempted: its blocks and slot are released and it goes back to the queue in arrival order; it
+later recomputes its prompt and the tokens it had generated (kept), then continues.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs of the adapter pool (``AdapterPool`` has it)."""
+
+    def ready(self, name: str) -> bool: ...
+
+    def prefetch(self, names: Iterable[str]) -> list[str]: ...
+
+    def acquire(self, names: list[str | None]) -> list[int]: ...
+
+    def release(self, slots: Iterable[int]) -> None: ...
+
+
+class BlockManager:
+    """The KV cache's blocks: a free list, and each request's blocks in order."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_grow(self, blocks: list[int], num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(blocks) <= len(self._free)
+
+    def grow(self, blocks: list[int], num_tokens: int) -> None:
+        """Extend ``blocks`` in place to hold ``num_tokens`` tokens (call ``can_grow`` first)."""
+        need = self.blocks_for(num_tokens) - len(blocks)
+        if need > len(self._free):
+            raise RuntimeError(f"KV cache: {need} blocks needed, {len(self._free)} free")
+        for _ in range(need):
+            blocks.append(self._free.pop())
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+        blocks.clear()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress. ``seq`` counts arrivals (the fairness order)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    max_tokens: int
+    seq: int
+    params: Any = None  # SamplingParams, opaque to the scheduler
+    seed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose keys and values are in the KV cache
+    blocks: list[int] = field(default_factory=list)
+    slot: int = -1  # the adapter's pool slot while running, -1 for the base model
+    waited: int = 0  # steps spent waiting since arrival or preemption
+    preemptions: int = 0
+    finish_reason: str | None = None
+    state: Any = None  # the engine's per-request state (detokenizer, ...)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step: ``tokens`` are fed at positions ``start`` ..; ``sample`` is whether its
+    last position's logits give a new token (False for a chunk in the middle of a prompt)."""
+
+    request: Request
+    start: int
+    tokens: list[int]
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    items: list[Scheduled]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.tokens) for i in self.items)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(len(i.tokens) == 1 for i in self.items)
+
+
+class Scheduler:
+    def __init__(self, pool: AdapterSlots | None, blocks: BlockManager, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, patience: int = 16):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or patience < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, patience >= 0")
+        self.pool = pool
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.patience = patience
+        self.waiting: list[Request] = []  # sorted by arrival (seq)
+        self.running: list[Request] = []  # in admission order
+        self._seq = itertools.count()
+        self.num_preemptions = 0
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=lambda r: r.seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request: Request) -> None:
+        """Drop a request wherever it is, freeing its blocks and slot."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self._release(request)
+
+    # One step.
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        items: list[Scheduled] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if request not in self.running:  # preempted by an earlier one in this loop
+                continue
+            n = min(request.num_tokens - request.num_computed, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.can_grow(request.blocks, request.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                items = [i for i in items if i.request is not victim]
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            self.blocks.grow(request.blocks, request.num_computed + n)
+            items.append(self._item(request, n))
+            budget -= n
+        if not preempted:
+            budget = self._admit(items, budget)
+        for request in self.waiting:
+            request.waited += 1
+        return StepPlan(items, preempted)
+
+    def _admit(self, items: list[Scheduled], budget: int) -> int:
+        head = self.waiting[0] if self.waiting else None
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if request is not head and head.waited > self.patience:
+                break  # the oldest has waited long enough: nobody bypasses it any more
+            n = min(request.num_tokens, budget)
+            if not self._adapter_ready(request) or not self.blocks.can_grow(request.blocks, n):
+                continue
+            if request.adapter is not None:
+                try:
+                    (request.slot,) = self.pool.acquire([request.adapter])
+                except RuntimeError:  # PoolFull: every slot held; keep waiting
+                    continue
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.waited = 0
+            self.blocks.grow(request.blocks, n)
+            items.append(self._item(request, n))
+            budget -= n
+        return budget
+
+    def _adapter_ready(self, request: Request) -> bool:
+        if request.adapter is None:
+            return True
+        if self.pool.ready(request.adapter):
+            return True
+        self.pool.prefetch([request.adapter])  # starts the upload if a slot is free; admitted once landed
+        return self.pool.ready(request.adapter)
+
+    def _item(self, request: Request, n: int) -> Scheduled:
+        start = request.num_computed
+        return Scheduled(request, start, request.all_ids[start: start + n], start + n == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0
+        request.preemptions += 1
+        self.num_preemptions += 1
+        request.waited = 0
+        self.add(request)
+
+    def _release(self, request: Request) -> None:
+        self.blocks.free(request.blocks)
+        if request.slot != -1:
+            self.pool.release([request.slot])
+            request.slot = -1
+
+    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str]) -> None:
+        """After the step ran: count the fed tokens as computed, append sampled tokens, retire finished ones
+        (``finished`` maps a request to its finish reason, decided by the engine from the new token)."""
+        for item in plan.items:
+            request = item.request
+            request.num_computed = item.start + len(item.tokens)
+            if request in sampled:
+                request.output_ids.append(sampled[request])
+        for request, reason in finished.items():
+            request.finish_reason = reason
+            if request in self.running:
+                self.running.remove(request)
+                self._release(request)

@@ -1,0 +1,116 @@
+"""The engine against Hugging Face generate with PEFT, request by request: a mixed batch (the base model and
+adapters of different ranks, prompts of different lengths arriving at different steps, prefilled in chunks,
+with preemption) gives each request exactly the greedy tokens it gets alone."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
+from lorakit import AdapterError
+from lorakit.engine import LLM, Engine, SamplingParams
+
+RANKS = {"r4": 4, "r8": 8, "r16": 16}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    base = tiny_model("llama", seed=3)
+    saved = {}
+    for seed, (name, rank) in enumerate(RANKS.items()):
+        targets = TARGETS["llama"] if rank == 8 else ["q_proj", "v_proj", "down_proj", "lm_head"]
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        saved[name] = save_adapter(base, name, cfg, tmp, seed=seed, std=0.2)
+    return base, saved
+
+
+def reference(base, saved, prompt, adapter, max_tokens):
+    model = base if adapter is None else saved[adapter].peft_model
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+REQUESTS = [  # (arrival step, prompt length, adapter, max_tokens)
+    (0, 5, None, 8), (0, 23, "r8", 10), (1, 3, "r4", 12), (2, 40, "r16", 6), (2, 11, None, 9), (4, 17, "r4", 7),
+    (6, 30, "r8", 11), (9, 2, "r16", 5),
+]
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "preempting"])
+def test_mixed_batch_equals_generate_alone(setup, tight):
+    base, saved = setup
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for _, n, _, _ in REQUESTS]
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                    num_blocks=20 if tight else 200, adapters={n: a.path for n, a in saved.items()}, patience=3)
+    got, step, pending = {}, 0, list(enumerate(REQUESTS))
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, _, adapter, max_tokens) = pending.pop(0)
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter,
+                                     request_id=str(i))
+            got[rid] = []
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+        step += 1
+        assert step < 500
+    for i, (_, _, adapter, max_tokens) in enumerate(REQUESTS):
+        assert got[str(i)] == reference(base, saved, prompts[i], adapter, max_tokens), (i, adapter)
+    assert (engine.scheduler.num_preemptions > 0) == tight
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_llm_generate_and_bad_requests(setup):
+    base, saved = setup
+    llm = LLM(copy.deepcopy(base), max_loras=2, adapters={"r4": saved["r4"].path}, max_num_seqs=4, block_size=4)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)  # eos (2) stops it, as it stops generate
+    outs = llm.generate(prompts, greedy, adapters=["r4", None])
+    assert [o.token_ids for o in outs] == [reference(base, saved, prompts[0], "r4", 6),
+                                           reference(base, saved, prompts[1], None, 6)]
+    assert [o.finish_reason for o in outs] == ["length", "stop"]  # the base request ends on eos
+    # Seeded sampling is reproducible whatever else shares the batch.
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded, adapters=["r4"])[0].token_ids
+    mixed = llm.generate([prompts[1], prompts[0], prompts[0]], [greedy, seeded, seeded], adapters=[None, "r4", "r4"])
+    assert mixed[1].token_ids == alone and mixed[2].token_ids == alone
+    # Logprobs of the chosen token and the top ones.
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True))[0]
+    assert len(out.logprobs) == 3 and all(len(t.top) == 2 and max(t.top.values()) == pytest.approx(t.logprob)
+                                          for t in out.logprobs)
+    # Bad requests are refused and disturb nothing.
+    engine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], greedy)
+    with pytest.raises(ValueError, match="at most 63 fit"):
+        engine.add_request([1] * 64, greedy)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([VOCAB], greedy)
+    with pytest.raises(AdapterError, match="unknown adapter 'nope'"):
+        engine.add_request([1], greedy, adapter="nope")
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert not engine.has_unfinished()
+    assert llm.generate(prompts, greedy, adapters=["r4", None])[0].token_ids == outs[0].token_ids
+
+
+def test_abort_frees_everything(setup):
+    base, saved = setup
+    engine = Engine(copy.deepcopy(base), max_loras=1, adapters={"r4": saved["r4"].path}, block_size=4,
+                    num_blocks=64)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), "r4")
+    b = engine.add_request([4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.abort(a)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.finish_reason for o in outs if o.request_id == a] == ["abort"]
+    assert [o.finish_reason for o in outs if o.finished and o.request_id == b] == ["length"]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
