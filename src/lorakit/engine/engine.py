@@ -160,7 +160,8 @@ class Engine:
         if room < 1:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.max_seq_len - 1} fit "
                              f"(max_seq_len={self.max_seq_len}); shorten it")
-        limited = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        max_tokens = min(params.max_tokens, room)
+        limited = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
                           params=limited, seed=seed)
@@ -209,6 +210,9 @@ class Engine:
         logits = self.runner.execute(plan)
         items = [item for item in plan.items if item.sample]
         requests = [item.request for item in items]
+        if not requests:  # only prompt chunks that do not end a prompt
+            self.scheduler.postprocess(plan, {}, {})
+            return outputs
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                     [len(r.output_ids) for r in requests], logits.device)
         result = sample(logits.float(), batch)

@@ -1,0 +1,190 @@
+"""Decode throughput of the engine: a Llama-3-8B-shaped model with random bf16 weights, many adapters per batch.
+
+For batch 1, 16 and 64, each request a 128-token prompt then ``--decode`` greedy tokens: the base model alone;
+8 and 32 distinct rank-16 adapters on all 7 projections (requests spread evenly over them); ranks mixed in
+8..64; and, as the baseline users have today, transformers + PEFT ``generate`` with ``adapter_names=``.
+Decode steps only are timed (prefill excluded), wall clock per step (each step ends by reading the sampled
+tokens). Roofline per row: (weight bytes + KV bytes read per step + the used adapters' bytes) / the copy
+bandwidth measured in the same run.
+
+    PYTHONPATH=src python bench/bench_engine.py --out DIR [--decode 64] [--quick]
+    PYTHONPATH=src python bench/bench_engine.py --out DIR --device cpu --tiny   # a smoke run, no timing value
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_patch import TARGETS, copy_gbps, make_model, write_adapter  # noqa: E402
+
+from lorakit.engine import Engine, SamplingParams  # noqa: E402
+
+PROMPT = 128
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every parameter but the embedding table (only a few rows are read)."""
+    emb = model.get_input_embeddings().weight
+    return sum(p.nbytes for p in model.parameters() if p is not emb) + (
+        emb.nbytes if model.get_output_embeddings().weight is emb else 0)
+
+
+def adapter_bytes(model, rank: int) -> int:
+    return sum(m.in_features + m.out_features for n, m in model.named_modules()
+               if n.rsplit(".", 1)[-1] in TARGETS and isinstance(m, torch.nn.Linear)) * rank * 2
+
+
+def run_engine(engine: Engine, batch: int, names: list, decode: int, vocab: int, sync) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True),
+                           names[i % len(names)])
+    steps = []
+    while engine.has_unfinished():
+        decode_step = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
+            r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
+        start = time.perf_counter()
+        engine.step()
+        if decode_step and len(engine.scheduler.running) == batch:
+            steps.append(time.perf_counter() - start)
+    sync()
+    step = statistics.median(steps[2:] or steps)
+    return dict(step_ms=1e3 * step, tok_s=batch / step, steps=len(steps))
+
+
+def run_peft(model_fn, folders: list[Path], batch: int, decode: int, vocab: int, sync) -> dict:
+    """transformers + PEFT generate with adapter_names= (a mixed batch), eager: what users have today."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model_fn(), folders[0], adapter_name="a0")
+    for i, folder in enumerate(folders[1:], 1):
+        model.load_adapter(folder, adapter_name=f"a{i}")
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, PROMPT), generator=gen).to(model.device)
+    names = [f"a{i % len(folders)}" for i in range(batch)]
+    with torch.no_grad():
+        def go(n):
+            sync()
+            start = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, adapter_names=names)
+            sync()
+            return time.perf_counter() - start
+        go(2)
+        t_short, t_long = go(2), go(2 + decode)
+    model = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    step = (t_long - t_short) / decode
+    return dict(step_ms=1e3 * step, tok_s=batch / step, steps=decode)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (smoke run)")
+    p.add_argument("--decode", type=int, default=64, help="decode tokens per request")
+    p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
+    p.add_argument("--quick", action="store_true", help="batch 64 only")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_engine.py needs a CUDA device (or --device cpu --tiny for a smoke run)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    layers = 2 if args.tiny else 32
+    gbps = copy_gbps(args.device) if cuda else float("nan")
+    batches = (64,) if args.quick else (1, 16, 64)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        model = make_model(layers, args.tiny, args.device)
+        vocab = model.config.vocab_size
+        uniform = [write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(32)]
+        mixed_ranks = [8, 16, 32, 64, 8, 24, 48, 16]
+        mixed = [write_adapter(model, Path(tmp) / f"m{i}", r, seed=100 + i) for i, r in enumerate(mixed_ranks)]
+        base_bytes = weight_bytes(model)
+        cases = [("base", [None], 0), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], 8),
+                 ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 32),
+                 ("8 adapters, ranks 8..64", [f"m{i}" for i in range(8)], 8)]
+        for k, (label, names, count) in enumerate(cases):
+            if k:  # a fresh, unpatched model for each case
+                torch.manual_seed(0)
+                model = make_model(layers, args.tiny, args.device)
+            engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, max_seq_len=PROMPT + args.decode + 8,
+                            max_num_batched_tokens=4096,
+                            adapters={f"u{i}": f for i, f in enumerate(uniform)} | {f"m{i}": f for i, f in enumerate(mixed)})
+            cfg = model.config
+            kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+            for batch in batches:
+                used = names[: min(len(names), batch)]
+                if count:
+                    ranks = [16] * len(used) if "rank 16" in label else mixed_ranks[: len(used)]
+                    lora = sum(adapter_bytes_cached(model, r) for r in ranks)
+                else:
+                    lora = 0
+                result = run_engine(engine, batch, used, args.decode, vocab, sync)
+                kv = batch * kv_per_token * (PROMPT + args.decode // 2)
+                floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
+                rows.append(dict(what=f"lorakit, {label}", batch=batch, adapters=len([n for n in used if n]),
+                                 **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
+                print(rows[-1], flush=True)
+            engine = model = None
+            gc.collect()  # the patched model and its handle refer to each other
+            if cuda:
+                torch.cuda.empty_cache()
+        if cuda and not args.tiny:
+            for n in (8, 32):
+                result = run_peft(lambda: make_model(layers, args.tiny, args.device), uniform[:n], 64,
+                                  args.peft_decode, vocab, sync)
+                rows.append(dict(what=f"transformers + PEFT generate, {n} adapters", batch=64, adapters=n, **result,
+                                 floor_ms=float("nan"), roofline_pct=float("nan")))
+                print(rows[-1], flush=True)
+    base64 = next((r for r in rows if r["what"] == "lorakit, base" and r["batch"] == 64), None)
+    for r in rows:
+        r["vs_base"] = r["tok_s"] / base64["tok_s"] if base64 and r["batch"] == 64 else float("nan")
+    setup = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                 transformers=transformers.__version__, commit=os.environ.get("LORAKIT_COMMIT", "unknown"),
+                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), layers=layers,
+                 copy_gbps=gbps, prompt=PROMPT, decode=args.decode)
+    table = ["| what | batch | decode tok/s | step (ms) | byte floor (ms) | % of roofline | vs base at batch 64 |",
+             "|---|---|---|---|---|---|---|"]
+    table += [f"| {r['what']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
+              f"{r['roofline_pct']:.0f} | {r['vs_base']:.2f} |" for r in rows]
+    header = (f"# Engine decode throughput: Llama-3-8B shape ({layers} layers), random bf16 weights\n\n"
+              f"{setup['device']}, torch {setup['torch']}, transformers {setup['transformers']}, commit "
+              f"{setup['commit']}, {setup['date_utc']} UTC; prompt {PROMPT}, {args.decode} greedy tokens per "
+              f"request, decode steps only; CUDA graphs; copy {gbps:.0f} GB/s measured in the same run.\n\n")
+    (args.out / "bench_engine.md").write_text(header + "\n".join(table) + "\n")
+    (args.out / "bench_engine.json").write_text(json.dumps(dict(setup=setup, rows=rows), indent=1))
+    print(header + "\n".join(table))
+    return 0
+
+
+_ADAPTER_BYTES: dict[int, int] = {}
+
+
+def adapter_bytes_cached(model, rank: int) -> int:
+    if not _ADAPTER_BYTES:
+        per_rank = adapter_bytes(model, 1) if any(isinstance(m, torch.nn.Linear) for m in model.modules()) else 0
+        _ADAPTER_BYTES[1] = per_rank
+    return _ADAPTER_BYTES[1] * rank
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
