@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=64, help="decode tokens per request")
     p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
     p.add_argument("--quick", action="store_true", help="batch 64 only")
+    p.add_argument("--compile", action="store_true", help="also base at batch 1 and 32 adapters at batch 64 compiled")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -147,6 +148,25 @@ def main(argv=None) -> int:
             engine = model = None
             gc.collect()  # the patched model and its handle refer to each other
             if cuda:
+                torch.cuda.empty_cache()
+        if args.compile:  # the same with decode graphs captured from torch.compile (one compile per bucket)
+            for label, names, batch in (("base", [None], 1), ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 64)):
+                torch.manual_seed(0)
+                model = make_model(layers, args.tiny, args.device)
+                engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
+                                max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
+                                adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=[batch])
+                start = time.perf_counter()
+                result = run_engine(engine, batch, names[:batch], args.decode, vocab, sync)
+                result["wall_s"] = time.perf_counter() - start
+                lora = 0 if names == [None] else sum(adapter_bytes_cached(model, 16) for _ in names[:batch])
+                kv = batch * kv_per_token * (PROMPT + args.decode // 2)
+                floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
+                rows.append(dict(what=f"lorakit compiled, {label}", batch=batch, adapters=len(names[:batch]) if lora
+                                 else 0, **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
+                print(rows[-1], flush=True)
+                engine = model = None
+                gc.collect()
                 torch.cuda.empty_cache()
         if cuda and not args.tiny:
             for n in (8, 32):

@@ -95,13 +95,18 @@ class Engine:
     max_num_seqs: requests running at once; max_seq_len: prompt + output tokens of one request;
     max_num_batched_tokens: tokens per step (prompts longer than this are prefilled in chunks);
     num_blocks: KV cache blocks of ``block_size`` tokens (default: room for max_num_seqs full-length requests,
-    or half the free GPU memory if less); patience: steps the oldest waiting request may be bypassed.
+    or half the free GPU memory if less); patience: steps the oldest waiting request may be bypassed;
+    cuda_graphs: replay decode steps from CUDA graphs (captured per batch-size bucket in ``graph_sizes``,
+    default 1, 2, 4, 8, 16, 32, ...); compile: capture them from a torch.compile'd forward
+    (faster steps, one compile per batch-size bucket at first use).
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, *, max_loras: int = 8, max_rank: int = 64,
                  adapters: dict[str, str | Path] | None = None, max_num_seqs: int = 64, max_seq_len: int | None = None,
                  max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                 cuda_graphs: bool = True, patience: int = 16, cpu_budget_bytes: int = 2 << 30):
+                 cuda_graphs: bool = True, compile: bool = False, graph_sizes: list[int] | None = None,
+                 patience: int = 16,
+                 cpu_budget_bytes: int = 2 << 30):
         self.model = model.eval()
         self.tokenizer = tokenizer
         handle = getattr(model, "_lorakit_handle", None) or patch(model, max_loras, max_rank=max_rank)
@@ -131,7 +136,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, patience=patience)
         self.runner = ModelRunner(model, handle, num_blocks=num_blocks, block_size=block_size,
-                                  max_num_seqs=max_num_seqs, max_seq_len=self.max_seq_len, cuda_graphs=cuda_graphs)
+                                  max_num_seqs=max_num_seqs, max_seq_len=self.max_seq_len, cuda_graphs=cuda_graphs,
+                                  compile=compile, graph_sizes=graph_sizes)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self._requests: dict[str, Request] = {}

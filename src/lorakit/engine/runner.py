@@ -82,7 +82,8 @@ class ModelRunner:
     """Runs a scheduled step through the model and returns the logits of the positions that sample."""
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None):
+                 max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
+                 compile: bool = False):
         self.model = model
         self.handle = handle
         self.device = handle.device
@@ -102,6 +103,9 @@ class ModelRunner:
         self._graph_layout = handle.layout_version
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
+        # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
+        self._decode_model = torch.compile(model, fullgraph=True, dynamic=False) if compile and self.cuda_graphs \
+            else model
 
     # Host side: the step's metadata as one int64 vector, copied once.
 
@@ -138,13 +142,13 @@ class ModelRunner:
         parts["num_keep"] = len(keep)
         return parts
 
-    def _forward(self, m: dict[str, torch.Tensor], keep: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, m: dict[str, torch.Tensor], keep: torch.Tensor | None, model: nn.Module | None = None):
         global _active
         _active = AttentionBatch(self.k_caches, self.v_caches, m["slot_mapping"], m["block_tables"], m["seq_lens"],
                                  m["query_start"])
         try:
             kwargs = {} if keep is None else {"logits_to_keep": keep}
-            return self.model(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
+            return (model or self.model)(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
                               lora_ids=m["lora_ids"][None], use_cache=False, **kwargs).logits[0]
         finally:
             _active = None
@@ -194,11 +198,11 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(view, None)
+                self._forward(view, None, self._decode_model)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._forward(view, None)
+            out = self._forward(view, None, self._decode_model)
         self._graphs[size] = (graph, out)
         logger.info("lorakit runner: captured the decode graph for batch %d", size)
         return self._graphs[size]
