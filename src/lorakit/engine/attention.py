@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import NUM_SMS_GUESS as _NUM_SMS_GUESS  # module-level: tests vary it
-from lorakit.ops._checks import FLOAT_DTYPES, check_shape, check_tensor, debug_checks
+from lorakit.ops._checks import FLOAT_DTYPES, NUM_SMS_GUESS, check_shape, check_tensor, debug_checks
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -250,8 +249,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table = tables_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, TILE)
-    for t in range(tile_lo, tile_hi):
-        kpos = t * TILE + offs_n
+    for i in range(0, tile_hi - tile_lo):  # from 0: Triton pipelines loops with a constant lower bound
+        kpos = (tile_lo + i) * TILE + offs_n
         k_ok = (kpos >= kv_lo) & (kpos < kv_hi)
         block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot = kpos % BLOCK_SIZE
@@ -317,22 +316,29 @@ def _reduce_segments_kernel(
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-# Launch configurations by batch shape and element size. "decode": T <= S (at most one query block per
-# sequence holds rows); "prefill": the rest. BLOCK_M grows to the group size G where G is larger.
+# Launch configurations by batch shape and element size. "decode": T <= S (shaped like a decode step, one
+# new token per sequence); "prefill": the rest. Either is correct for any batch, only speed differs.
+# BLOCK_M grows to the group size G where G is larger; head dims above 128 halve the prefill TILE. Each
+# compiles for sm_90 without register spills (checked with ptxas).
 ATTENTION_CONFIGS = {
     ("decode", 2): dict(BLOCK_M=16, TILE=64, num_warps=4, num_stages=3),
-    ("decode", 4): dict(BLOCK_M=16, TILE=32, num_warps=4, num_stages=2),
-    ("prefill", 2): dict(BLOCK_M=64, TILE=64, num_warps=4, num_stages=2),
-    ("prefill", 4): dict(BLOCK_M=64, TILE=32, num_warps=4, num_stages=2),
+    ("decode", 4): dict(BLOCK_M=16, TILE=32, num_warps=8, num_stages=3),
+    ("prefill", 2): dict(BLOCK_M=64, TILE=64, num_warps=8, num_stages=2),
+    ("prefill", 4): dict(BLOCK_M=32, TILE=16, num_warps=8, num_stages=2),
 }
 # Split KV until the grid holds about this many programs per SM, in at most MAX_SEGMENTS segments.
 PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 32
+# Sequence starts read per step of the program-to-sequence search (one step up to 1023 sequences).
+SEARCH_CHUNK = 1024
 
 
-def attention_config(num_tokens: int, num_seqs: int, dtype: torch.dtype) -> dict:
+def attention_config(num_tokens: int, num_seqs: int, dtype: torch.dtype, head_dim: int) -> dict:
     kind = "decode" if num_tokens <= num_seqs else "prefill"
-    return dict(ATTENTION_CONFIGS[kind, 4 if dtype == torch.float32 else 2])
+    config = dict(ATTENTION_CONFIGS[kind, 4 if dtype == torch.float32 else 2])
+    if kind == "prefill" and head_dim > 128:
+        config["TILE"] = max(16, config["TILE"] // 2)
+    return config
 
 
 def num_kv_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int, max_context: int,
@@ -341,7 +347,7 @@ def num_kv_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: 
     busy = min(num_tokens, num_tokens // block_q + num_seqs) * num_kv_heads  # programs that can hold rows
     max_tiles = triton.cdiv(max_context, tile)
     segments = 1
-    while (segments < MAX_SEGMENTS and busy * segments * 2 <= PROGRAMS_PER_SM * _NUM_SMS_GUESS
+    while (segments < MAX_SEGMENTS and busy * segments * 2 <= PROGRAMS_PER_SM * NUM_SMS_GUESS
            and segments * 2 <= max_tiles):
         segments *= 2
     return segments
@@ -357,7 +363,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    config = dict(config or attention_config(num_tokens, num_seqs, query.dtype))
+    config = dict(config or attention_config(num_tokens, num_seqs, query.dtype, head_dim))
     block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(group))
     block_q = block_m // group
     tile = config.pop("TILE")
@@ -383,7 +389,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, NUM_SEGMENTS=num_segments,
-        SEARCH=min(1024, triton.next_power_of_2(num_seqs + 1)),
+        SEARCH=min(SEARCH_CHUNK, triton.next_power_of_2(num_seqs + 1)),
         USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window > 0, IEEE=query.dtype == torch.float32, **config,
     )
     if num_segments > 1:

@@ -1,0 +1,479 @@
+"""write_kv and paged_attention against a float64 reference, on the CPU path and on the Triton kernels.
+
+The Triton kernels run under the interpreter on a CPU (float32 and float16: the interpreter of triton 3.9
+computes bfloat16 dots wrongly) and compiled on a GPU (all dtypes, real sizes: test_attention_gpu.py).
+Every case shuffles the cache blocks, fills every slot no sequence owns with NaN (free blocks and the tail
+of each sequence's last block) and puts garbage in the block tables past each sequence's blocks: a kernel
+that reads anything it should not returns NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _lora_cases import rel_err
+from lorakit.engine import attention as attention_mod
+from lorakit.engine.attention import (
+    ATTENTION_CONFIGS, _launch_paged_attention, _launch_write_kv, num_kv_segments, paged_attention, write_kv,
+)
+
+# Relative error ||out - ref|| / ||ref|| allowed, by dtype: the output is rounded once, and the kernel
+# rounds the softmax weights to the dtype for the tensor-core dot with V.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+triton_on_cpu = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
+)
+
+
+@dataclass
+class AttnCase:
+    """One step of a batch: the caches hold each sequence's context; key/value/slot_mapping its new tokens."""
+
+    query: torch.Tensor  # [T, Hq, D]
+    key: torch.Tensor  # [T, Hkv, D], the new tokens' keys (rows of padding and of seq_lens-0 sequences unused)
+    value: torch.Tensor
+    slot_mapping: torch.Tensor  # int64 [T], -1 where nothing is written
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]: context written, every other slot NaN
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [S, max_blocks], garbage past each sequence's blocks
+    seq_lens: torch.Tensor  # int32 [S]
+    query_start: torch.Tensor  # int32 [S + 1]
+    scale: float
+    softcap: float = 0.0
+    window: int = 0
+
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches after the step's write, by plain indexing (independent of write_kv)."""
+        k, v = self.k_cache.clone(), self.v_cache.clone()
+        rows = (self.slot_mapping >= 0).nonzero().squeeze(1)
+        slots = self.slot_mapping[rows]
+        bs = k.shape[1]
+        k[slots // bs, slots % bs] = self.key[rows]
+        v[slots // bs, slots % bs] = self.value[rows]
+        return k, v
+
+    def attention_args(self, k_cache=None, v_cache=None) -> tuple:
+        if k_cache is None:
+            k_cache, v_cache = self.written()
+        return (self.query, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start, self.scale,
+                self.softcap, self.window)
+
+    def to(self, device) -> AttnCase:
+        return AttnCase(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in vars(self).values()))
+
+
+def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads: int, group: int, head_dim: int,
+                   dtype: torch.dtype, softcap: float = 0.0, window: int = 0, sharpness: float = 1.0,
+                   pad_rows: int = 0, free_blocks: int = 2, extra_cols: int = 1, garbage: str = "free",
+                   seed: int = 0, device: str = "cpu") -> AttnCase:
+    """seqs: (new tokens n, seq_len L) per sequence, L >= n or L == 0. Blocks are shuffled over the cache."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(seqs)
+    need = [-(-L // block_size) for _, L in seqs]
+    num_blocks = sum(need) + free_blocks
+    order = torch.randperm(num_blocks, generator=cpu_gen).int()
+    free = order[sum(need):]
+    max_blocks = max(need, default=0) + extra_cols
+    if garbage == "free" and len(free):  # blocks full of NaN
+        tables = free[torch.randint(0, len(free), (num_seqs, max_blocks), generator=cpu_gen)]
+    elif garbage == "huge":  # far outside the cache: reading one faults
+        tables = torch.randint(1 << 28, 1 << 30, (num_seqs, max_blocks), generator=cpu_gen, dtype=torch.int32)
+        tables[:, ::2] = -(1 << 20)
+    else:
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    tables = tables.to(torch.int32)
+    start = 0
+    for s, nb in enumerate(need):
+        tables[s, :nb] = order[start:start + nb]
+        start += nb
+
+    starts = [0]
+    for n, _ in seqs:
+        starts.append(starts[-1] + n)
+    num_tokens = starts[-1] + pad_rows
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = k_cache.clone()
+    slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+    for s, (n, L) in enumerate(seqs):
+        pos = torch.arange(L)
+        slots = tables[s, pos // block_size].long() * block_size + pos % block_size
+        ctx = max(L - n, 0)
+        flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k[slots[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
+        flat_v[slots[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
+        if L > 0:
+            slot_mapping[starts[s]:starts[s + 1]] = slots[ctx:]
+    return AttnCase(
+        query=randn(num_tokens, num_kv_heads * group, head_dim),
+        key=randn(num_tokens, num_kv_heads, head_dim),
+        value=randn(num_tokens, num_kv_heads, head_dim),
+        slot_mapping=slot_mapping.to(device),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor([L for _, L in seqs], dtype=torch.int32, device=device),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        scale=sharpness / math.sqrt(head_dim),
+        softcap=softcap,
+        window=window,
+    )
+
+
+def attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale, softcap=0.0, window=0,
+                  row_chunk: int = 512) -> torch.Tensor:
+    """float64: per sequence, K and V gathered position by position through the block table, an explicit
+    mask from positions (causal, sliding window), softmax over the visible keys; zero where none is."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for s, L in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        n = hi - lo
+        if n == 0 or L == 0:
+            continue
+        key_pos = torch.arange(L, device=query.device)
+        blocks = block_tables[s, key_pos // block_size].long()
+        K = k_cache[blocks, key_pos % block_size].double()  # [L, Hkv, D]
+        V = v_cache[blocks, key_pos % block_size].double()
+        for r0 in range(0, n, row_chunk):
+            r1 = min(n, r0 + row_chunk)
+            q_pos = (L - n + torch.arange(r0, r1, device=query.device))[:, None]
+            visible = key_pos[None, :] <= q_pos
+            if window > 0:
+                visible &= key_pos[None, :] > q_pos - window
+            q = query[lo + r0:lo + r1].double().view(r1 - r0, num_kv_heads, group, head_dim)
+            x = torch.einsum("nkgd,lkd->kgnl", q, K) * scale
+            if softcap > 0:
+                x = softcap * torch.tanh(x / softcap)
+            w = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)
+            w = torch.where(visible.any(dim=-1, keepdim=True), w, 0.0)
+            out[lo + r0:lo + r1] = torch.einsum("kgnl,lkd->nkgd", w, V).reshape(r1 - r0, num_heads, head_dim)
+    return out
+
+
+def zero_rows(case: AttnCase) -> torch.Tensor:
+    """Rows that must come out exactly zero: padding past query_start[S] and rows of seq_lens-0 sequences."""
+    zero = torch.ones(case.query.shape[0], dtype=torch.bool)
+    starts, lens = case.query_start.tolist(), case.seq_lens.tolist()
+    for s, L in enumerate(lens):
+        if L > 0:
+            zero[starts[s]:starts[s + 1]] = False
+    return zero
+
+
+def check_attention(out: torch.Tensor, case: AttnCase, what: str = "") -> None:
+    k_cache, v_cache = case.written()
+    ref = attention_ref(*case.attention_args(k_cache, v_cache))
+    assert out.shape == case.query.shape and out.dtype == case.query.dtype
+    err = rel_err(out, ref)
+    tol = TOLERANCE[case.query.dtype]
+    assert err <= tol, f"{what}: relative error {err:.2e} over {tol:.0e}"
+    zero = zero_rows(case).to(out.device)
+    assert (out[zero] == 0).all(), f"{what}: padding rows and rows of seq_lens-0 sequences must be zero"
+
+
+@st.composite
+def attn_cases(draw, dtypes, max_new: int = 9, max_context: int = 40) -> AttnCase:
+    seqs = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(("decode", "decode", "prefill", "prefill", "empty", "no-keys")))
+        ctx = draw(st.integers(0, max_context))
+        if kind == "decode":
+            seqs.append((1, ctx + 1))
+        elif kind == "prefill":
+            n = draw(st.integers(0, max_new))
+            seqs.append((n, ctx + n))
+        elif kind == "empty":  # a padding entry of a CUDA-graph bucket, with or without context
+            seqs.append((0, draw(st.sampled_from((0, ctx)))))
+        else:  # rows whose sequence has seq_lens 0: nothing to attend to
+            seqs.append((draw(st.integers(1, 3)), 0))
+    return make_attn_case(
+        seqs,
+        block_size=draw(st.sampled_from((4, 8, 16))),
+        num_kv_heads=draw(st.sampled_from((1, 2))),
+        group=draw(st.sampled_from((1, 2, 4))),
+        head_dim=draw(st.sampled_from((16, 32, 64))),
+        dtype=draw(st.sampled_from(dtypes)),
+        softcap=draw(st.sampled_from((0.0, 0.0, 1.5))),
+        window=draw(st.sampled_from((0, 0, 1, 3, 16))),
+        sharpness=draw(st.sampled_from((1.0, 4.0))),
+        pad_rows=draw(st.integers(0, 3)),
+        free_blocks=draw(st.integers(0, 3)),
+        extra_cols=draw(st.integers(0, 2)),
+        garbage=draw(st.sampled_from(("free", "zero", "huge"))),
+        seed=draw(st.integers(0, 1 << 16)),
+    )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN included."""
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.view(view), b.view(view))
+
+
+# ------------------------------------------------------------------------------------------ CPU path
+
+
+@given(case=attn_cases(ALL_DTYPES))
+def test_cpu_path_matches_reference(case):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    write_kv(k_cache, v_cache, case.key, case.value, case.slot_mapping)
+    assert all(map(same_bits, (k_cache, v_cache), case.written())), "write_kv must write exactly the valid rows"
+    check_attention(paged_attention(*case.attention_args(k_cache, v_cache)), case, "cpu path")
+
+
+def test_cpu_path_gqa_heads_share_their_kv_head():
+    """Query head h reads KV head h // G (as HF's repeat_kv): with G = 2, heads 0-1 -> 0, heads 2-3 -> 1."""
+    case = make_attn_case([(3, 7)], block_size=4, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
+                          seed=1)
+    out = paged_attention(*case.attention_args())
+    k, v = case.written()
+    for h in range(4):
+        one = replace(case, query=case.query[:, h:h + 1].contiguous())
+        kv = h // 2
+        single = paged_attention(*one.attention_args(k[:, :, kv:kv + 1].contiguous(), v[:, :, kv:kv + 1].contiguous()))
+        torch.testing.assert_close(out[:, h:h + 1], single, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- Triton, interpreted
+
+
+def run_triton(case: AttnCase, kind: str | None, num_segments: int | None) -> torch.Tensor:
+    config = None if kind is None else ATTENTION_CONFIGS[kind, case.query.element_size()]
+    return _launch_paged_attention(*case.attention_args(), config=config, num_segments=num_segments)
+
+
+@triton_on_cpu
+@settings(max_examples=20)
+@given(case=attn_cases((torch.float32, torch.float16)))
+def test_triton_kernels_match_reference_interpreted(case):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    _launch_write_kv(k_cache, v_cache, case.key, case.value, case.slot_mapping)
+    assert all(map(same_bits, (k_cache, v_cache), case.written())), "write_kv must write exactly the valid rows"
+    # Both launch configurations (decode: BLOCK_M 16; prefill: 32 or 64) on any batch, unsplit and split.
+    for kind, segments in (("decode", 1), ("prefill", 1), ("decode", 4)):
+        check_attention(run_triton(case, kind, segments), case, f"{kind} config, {segments} segment(s)")
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("segments", [1, 4])
+def test_triton_long_prefill_with_context_interpreted(segments):
+    """Sequences spanning many query blocks (last blocks first) over several KV tiles, window and softcap."""
+    case = make_attn_case([(70, 90), (1, 33), (0, 5), (40, 40)], block_size=8, num_kv_heads=2, group=4, head_dim=32,
+                          dtype=torch.float32, softcap=2.0, window=37, pad_rows=5, seed=3)
+    check_attention(run_triton(case, "prefill", segments), case, f"{segments} segment(s)")
+
+
+@triton_on_cpu
+def test_triton_odd_head_dim_group_and_strided_query_interpreted():
+    """head_dim 24 (padded to 32), G = 3 (BLOCK_M rows not a multiple of G), query a view of a fused qkv."""
+    case = make_attn_case([(5, 12), (1, 20), (2, 2)], block_size=4, num_kv_heads=2, group=3, head_dim=24,
+                          dtype=torch.float16, pad_rows=2, seed=4)
+    qkv = torch.randn(case.query.shape[0], 6 + 2 * 2, 24, dtype=torch.float16)
+    qkv[:, :6] = case.query
+    case = replace(case, query=qkv[:, :6])
+    assert not case.query.is_contiguous()
+    for kind, segments in (("decode", 1), ("prefill", 2)):
+        check_attention(run_triton(case, kind, segments), case, kind)
+
+
+@triton_on_cpu
+def test_triton_sequence_search_in_chunks_interpreted(monkeypatch):
+    """More sequences than one search chunk holds: the program-to-sequence search loops over chunks."""
+    monkeypatch.setattr(attention_mod, "SEARCH_CHUNK", 4)
+    seqs = [(1, 3), (0, 0), (2, 9), (1, 1), (0, 4), (3, 5), (1, 17), (0, 0), (2, 2), (1, 6)]
+    case = make_attn_case(seqs, block_size=4, num_kv_heads=1, group=2, head_dim=16, dtype=torch.float32, pad_rows=3,
+                          seed=5)
+    for kind, segments in (("decode", 1), ("prefill", 2)):
+        check_attention(run_triton(case, kind, segments), case, kind)
+
+
+@triton_on_cpu
+def test_triton_empty_batches_interpreted():
+    """No sequence with rows (all padding), and T = 0."""
+    case = make_attn_case([(0, 0), (0, 6)], block_size=4, num_kv_heads=1, group=2, head_dim=16, dtype=torch.float32,
+                          pad_rows=5, seed=6)
+    for segments in (1, 2):
+        out = run_triton(case, None, segments)
+        assert out.shape == (5, 2, 16) and (out == 0).all()
+    empty = make_attn_case([(0, 3)], block_size=4, num_kv_heads=1, group=1, head_dim=16, dtype=torch.float32)
+    assert run_triton(empty, None, None).shape == (0, 1, 16)
+
+
+def test_split_only_small_grids():
+    """The split is a function of shapes: decode with few sequences splits, large batches and prefill do not."""
+    assert num_kv_segments(1, 1, 8, 4, 8192, 64) == 32
+    assert num_kv_segments(16, 16, 8, 4, 8192, 64) == 4
+    assert num_kv_segments(256, 256, 8, 4, 8192, 64) == 1
+    assert num_kv_segments(4096, 2, 8, 16, 8192, 64) == 1
+    assert num_kv_segments(1, 1, 8, 4, 64, 64) == 1  # a single tile cannot be split
+
+
+# ------------------------------------------------------------------------------------------ write_kv
+
+
+@st.composite
+def write_cases(draw):
+    num_blocks, block_size = draw(st.integers(1, 6)), draw(st.sampled_from((1, 4, 16)))
+    num_tokens = draw(st.integers(0, 12))
+    num_slots = num_blocks * block_size
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 1 << 16)))
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots = torch.cat([slots, torch.full((num_tokens - len(slots),), -1)])
+    slots = torch.where(torch.rand(num_tokens, generator=gen) < 0.3, -1, slots)
+    slots = slots[torch.randperm(num_tokens, generator=gen)]
+    heads, head_dim = draw(st.sampled_from((1, 3))), draw(st.sampled_from((8, 24)))
+    dtype = draw(st.sampled_from((torch.float32, torch.float16)))
+    cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).to(dtype)
+    cache[0, 0] = float("nan")
+    kv = torch.randn(2, num_tokens, heads, head_dim, generator=gen).to(dtype)
+    return cache, kv[0], kv[1], slots
+
+
+def check_write(write, cache, key, value, slots) -> None:
+    k_cache, v_cache = cache.clone(), -cache
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k.view(-1, *key.shape[1:])[slot] = key[t]
+            want_v.view(-1, *key.shape[1:])[slot] = value[t]
+    write(k_cache, v_cache, key, value, slots)
+    assert same_bits(k_cache, want_k) and same_bits(v_cache, want_v)
+
+
+@given(args=write_cases())
+def test_write_kv_writes_exactly_the_valid_rows(args):
+    check_write(write_kv, *args)
+
+
+@triton_on_cpu
+@given(args=write_cases())
+def test_write_kv_kernel_writes_exactly_the_valid_rows_interpreted(args):
+    check_write(_launch_write_kv, *args)
+
+
+# ---------------------------------------------------------------------- opcheck, compile, errors
+
+
+def small_case(**kw) -> AttnCase:
+    args = dict(block_size=4, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32, pad_rows=2, seed=7)
+    args.update(kw)
+    return make_attn_case([(3, 10), (1, 6), (0, 0), (2, 2)], **args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (3.0, 4)])
+def test_opcheck(device, softcap, window):
+    case = replace(small_case(), softcap=softcap, window=window).to(device)
+    torch.library.opcheck(torch.ops.lorakit.paged_attention.default, case.attention_args())
+    k_cache, v_cache = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()  # opcheck compares with NaN != NaN
+    torch.library.opcheck(torch.ops.lorakit.write_kv.default,
+                          (k_cache, v_cache, case.key, case.value, case.slot_mapping))
+
+
+def attention_step(k_cache, v_cache, query, key, value, slot_mapping, block_tables, seq_lens, query_start):
+    """What an attention layer does per step: store the new keys and values, then attend."""
+    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    out = paged_attention(query * 1.0, k_cache, v_cache, block_tables, seq_lens, query_start, 0.25, softcap=5.0)
+    return out + 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_equals_eager_without_graph_breaks(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_step, fullgraph=True)
+    for seed in range(2):
+        case = small_case(seed=seed, dtype=torch.float32 if device == "cpu" else torch.bfloat16).to(device)
+        k0, v0 = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
+        args = (case.query, case.key, case.value, case.slot_mapping, case.block_tables, case.seq_lens,
+                case.query_start)
+        k1, v1, k2, v2 = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+        eager, comp = attention_step(k1, v1, *args), compiled(k2, v2, *args)
+        assert torch.equal(eager, comp) and torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def attention_call(case: AttnCase, **override):
+    args = dict(zip(("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start", "scale", "softcap",
+                     "sliding_window"), case.attention_args()))
+    args.update(override)
+    return paged_attention(**args)
+
+
+def test_good_arguments_pass():
+    attention_call(small_case())
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (lambda c: dict(query=c.query[None]), r"query must have 3 dimensions, got shape \(1, 8, 4, 16\)"),
+        (lambda c: dict(query=c.query.long()), r"query must have dtype in .*got torch.int64"),
+        (lambda c: dict(query=c.query.half()), r"k_cache must have dtype in \['torch.float16'\], got torch.float32"),
+        (lambda c: dict(query=c.query.transpose(1, 2).contiguous().transpose(1, 2)),
+         r"query must be contiguous in dimension 2"),
+        (lambda c: dict(query=c.query[:, :3]), r"query's 3 heads must be a multiple of the cache's num_kv_heads 2"),
+        (lambda c: dict(query=c.query[..., :8]), r"k_cache must have head_dim 8 \(dimension 3\) like query"),
+        (lambda c: dict(v_cache=c.v_cache[:, :, :1]), r"v_cache must have shape \(8, 4, 2, 16\)"),
+        (lambda c: dict(k_cache=c.k_cache[:, :3], v_cache=c.v_cache[:, :3]), r"block_size .* must be a power of two"),
+        (lambda c: dict(seq_lens=c.seq_lens.long()), r"seq_lens must have dtype in \['torch.int32'\], got torch.int64"),
+        (lambda c: dict(query_start=c.query_start[:-1]), r"query_start must have shape \(5,\) .*got \(4,\)"),
+        (lambda c: dict(block_tables=c.block_tables[:3]), r"block_tables must have one row per sequence .*\(4\)"),
+        (lambda c: dict(block_tables=c.block_tables.long()), r"block_tables must have dtype in \['torch.int32'\]"),
+        (lambda c: dict(block_tables=c.block_tables.T.contiguous().T), r"block_tables must be contiguous in dim"),
+        (lambda c: dict(scale=0.0), r"scale must be a positive finite number, got 0.0"),
+        (lambda c: dict(softcap=-1.0), r"softcap must be a finite number >= 0"),
+        (lambda c: dict(sliding_window=-2), r"sliding_window must be an int >= 0"),
+        (lambda c: dict(query_start=torch.tensor([1, 3, 4, 4, 6], dtype=torch.int32)), r"query_start\[0\] must be 0"),
+        (lambda c: dict(query_start=torch.tensor([0, 3, 2, 4, 6], dtype=torch.int32)),
+         r"query_start must be non-decreasing, got query_start\[1:3\] = \[3, 2\]"),
+        (lambda c: dict(query_start=torch.tensor([0, 3, 4, 4, 9], dtype=torch.int32)),
+         r"query_start\[S\] = 9 must be at most query's T = 8 rows"),
+        (lambda c: dict(seq_lens=torch.tensor([10, 6, 0, 99], dtype=torch.int32)),
+         r"seq_lens must lie in \[0, max_blocks \* block_size = 16\].*\[0, 99\]"),
+        (lambda c: dict(block_tables=torch.where(torch.arange(4)[None] == 0, 77, c.block_tables).int()),
+         r"block_tables\[0, 0\] = 77 must name a cache block in \[0, num_blocks = 8\)"),
+    ],
+)
+def test_bad_attention_arguments_name_the_problem(override, message):
+    case = small_case()
+    with pytest.raises((ValueError, TypeError), match=message):
+        attention_call(case, **override(case))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (lambda c: dict(key=c.key.half()), r"key must have dtype in \['torch.float32'\], got torch.float16"),
+        (lambda c: dict(value=c.value[:, :1]), r"value must have shape \(8, 2, 16\)"),
+        (lambda c: dict(key=c.key[:, :, :8], value=c.value[:, :, :8]), r"key must have shape \(8, 2, 16\)"),
+        (lambda c: dict(slot_mapping=c.slot_mapping.int()), r"slot_mapping must have dtype in \['torch.int64'\]"),
+        (lambda c: dict(slot_mapping=c.slot_mapping[:5]), r"slot_mapping must have shape \(8,\)"),
+        (lambda c: dict(slot_mapping=torch.full((8,), 40)),
+         r"slot_mapping must lie in \[-1, .* = 32\), got .*\[40, 40\]"),
+        (lambda c: dict(slot_mapping=torch.tensor([1, 1, -1, -1, -1, -1, -1, -1])), r"must not name a slot twice"),
+        (lambda c: dict(v_cache=c.v_cache.half()), r"v_cache must have dtype in \['torch.float32'\]"),
+    ],
+)
+def test_bad_write_kv_arguments_name_the_problem(override, message):
+    case = small_case()
+    args = dict(k_cache=case.k_cache.clone(), v_cache=case.v_cache.clone(), key=case.key, value=case.value,
+                slot_mapping=case.slot_mapping)
+    args.update(override(case))
+    with pytest.raises((ValueError, TypeError), match=message):
+        write_kv(**args)
