@@ -172,7 +172,8 @@ class ModelRunner:
 
     def _graph(self, size: int):
         if self.handle.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
-            self._graphs.clear()
+            self._graphs.clear()  # frees their memory pool: the next capture needs a new one
+            self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_layout = self.handle.layout_version
         if size in self._graphs:
             return self._graphs[size]
