@@ -114,3 +114,65 @@ def test_abort_frees_everything(setup):
     assert [o.finish_reason for o in outs if o.finished and o.request_id == b] == ["length"]
     assert engine.blocks.num_free == engine.blocks.num_blocks
     assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3", "phi3", "gpt2"])
+def test_other_architectures_equal_generate(arch, tmp_path):
+    """No per-architecture code: the same engine on other transformers models (Gemma's softcap and sliding
+    window, Phi-3's fused projections, GPT-2's learned positions)."""
+    base = tiny_model(arch, seed=5)
+    targets = TARGETS[arch][:3]
+    adapter = save_adapter(base, "a", LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
+                           tmp_path, seed=1, std=0.2)
+    saved = {"a": adapter}
+    engine = Engine(copy.deepcopy(base), max_loras=1, adapters={"a": adapter.path}, block_size=4,
+                    max_num_batched_tokens=8)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (13, 4)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0), name)
+           for p, name in zip(prompts, ["a", None])]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    for rid, prompt, name in zip(ids, prompts, ["a", None]):
+        assert got[rid] == reference(base, saved, prompt, name, 6), (arch, name)
+
+
+def test_async_engine_streams_and_aborts_when_the_client_leaves(setup):
+    import asyncio
+
+    from lorakit.engine import AsyncEngine
+
+    base, saved = setup
+    engine = Engine(copy.deepcopy(base), max_loras=2, adapters={n: a.path for n, a in saved.items()}, block_size=4)
+    prompts = {"r4": [1, 2, 3], None: [4, 5, 6, 7], "r16": [8, 9]}
+    greedy = SamplingParams(max_tokens=7, temperature=0.0)  # stops on eos, as generate does
+    aborted, abort = [], engine.abort
+    engine.abort = lambda request_id: (aborted.append(request_id), abort(request_id))
+
+    async def collect(runner, prompt, name):
+        outs = [out async for out in runner.generate(prompt, greedy, name)]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        return [t for o in outs for t in o.token_ids]
+
+    async def leave_early(runner):
+        stream = runner.generate([3, 3, 3], SamplingParams(max_tokens=50, ignore_eos=True), "r8")
+        async for _ in stream:
+            break  # the client goes away after its first token
+        await stream.aclose()
+
+    async def main():
+        runner = AsyncEngine(engine)
+        try:
+            results = await asyncio.gather(*(collect(runner, p, n) for n, p in prompts.items()), leave_early(runner))
+        finally:
+            runner.shutdown()
+        return results[:-1]
+
+    results = asyncio.run(main())
+    assert len(aborted) == 1  # the client that left
+    for tokens, (name, prompt) in zip(results, prompts.items()):
+        assert tokens == reference(base, saved, prompt, name, 7), name
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks
+    assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
