@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
     p.add_argument("--quick", action="store_true", help="batch 64 only")
     p.add_argument("--compile", action="store_true", help="also base at batch 1 and 32 adapters at batch 64 compiled")
+    p.add_argument("--compile-only", action="store_true", help="only the compiled base at batch 1")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -116,13 +117,19 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         model = make_model(layers, args.tiny, args.device)
         vocab = model.config.vocab_size
-        uniform = [write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(32)]
+        n_uniform = 0 if args.compile_only else 32
+        uniform = [write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_uniform)]
         mixed_ranks = [8, 16, 32, 64, 8, 24, 48, 16]
-        mixed = [write_adapter(model, Path(tmp) / f"m{i}", r, seed=100 + i) for i, r in enumerate(mixed_ranks)]
+        mixed = [write_adapter(model, Path(tmp) / f"m{i}", r, seed=100 + i) for i, r in enumerate(mixed_ranks)
+                 if not args.compile_only]
         base_bytes = weight_bytes(model)
+        cfg = model.config
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
         cases = [("base", [None], 0), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], 8),
                  ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 32),
                  ("8 adapters, ranks 8..64", [f"m{i}" for i in range(8)], 8)]
+        if args.compile_only:
+            cases, args.compile = [], True
         for k, (label, names, count) in enumerate(cases):
             if k:  # a fresh, unpatched model for each case
                 torch.manual_seed(0)
@@ -130,8 +137,6 @@ def main(argv=None) -> int:
             engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, max_seq_len=PROMPT + args.decode + 8,
                             max_num_batched_tokens=4096,
                             adapters={f"u{i}": f for i, f in enumerate(uniform)} | {f"m{i}": f for i, f in enumerate(mixed)})
-            cfg = model.config
-            kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
             for batch in batches:
                 used = names[: min(len(names), batch)]
                 if count:
@@ -150,9 +155,11 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
         if args.compile:  # the same with decode graphs captured from torch.compile (one compile per bucket)
-            for label, names, batch in (("base", [None], 1), ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 64)):
-                torch.manual_seed(0)
-                model = make_model(layers, args.tiny, args.device)
+            compiled = [("base", [None], 1), ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 64)]
+            for label, names, batch in compiled[:1] if args.compile_only else compiled:
+                if model is None:
+                    torch.manual_seed(0)
+                    model = make_model(layers, args.tiny, args.device)
                 engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
                                 max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
                                 adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=[batch])
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
                 engine = model = None
                 gc.collect()
                 torch.cuda.empty_cache()
-        if cuda and not args.tiny:
+        if cuda and not args.tiny and not args.compile_only:
             for n in (8, 32):
                 result = run_peft(lambda: make_model(layers, args.tiny, args.device), uniform[:n], 64,
                                   args.peft_decode, vocab, sync)
