@@ -148,7 +148,7 @@ class ModelRunner:
                                  m["query_start"])
         try:
             kwargs = {} if keep is None else {"logits_to_keep": keep}
-            return (model or self.model)(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
+            return (self.model if model is None else model)(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
                               lora_ids=m["lora_ids"][None], use_cache=False, **kwargs).logits[0]
         finally:
             _active = None
