@@ -1,5 +1,6 @@
-"""``python -m lorakit demo``: one layer's LoRA delta for a mixed batch of three adapters and the base
-model, through lorakit's ops, checked against the float64 reference."""
+"""The ``lorakit`` command. ``lorakit serve``: the OpenAI-compatible server (lorakit.serve.cli).
+``lorakit demo``: one layer's LoRA delta for a mixed batch of three adapters and the base model, through
+lorakit's ops, checked against the float64 reference."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import torch
 
 from lorakit.ops import add_lora, build_lora_meta
+from lorakit.serve import cli as serve_cli
 from lorakit.ops.reference import lora_ref_by_slot
 
 
@@ -48,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("demo", help="run one layer's multi-adapter delta and check it against the reference")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_cli.run(args)
     return demo(args.device)
 
 

