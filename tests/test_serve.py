@@ -116,6 +116,11 @@ def test_models_completions_and_chat_equal_llm_generate(world, server):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert chat.choices[0].message.content == reference(world, ids, "sql", max_tokens=10, temperature=0.0).text
+    scored = client.chat.completions.create(model="sql", messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    tokens = scored.choices[0].logprobs.content
+    assert len(tokens) == 4 and all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+                                    for t in tokens)  # greedy: the chosen token is the top one
     chunks = client.chat.completions.create(model="sql", messages=messages, max_tokens=10, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
     # n and seed: reproducible, and the n choices differ from one another.
@@ -209,6 +214,35 @@ def test_bad_inputs_get_clear_errors_and_others_are_served(world, server, tmp_pa
     # Everyone else is still served.
     out = server.client().completions.create(model="sql", prompt="hello", max_tokens=5, temperature=0)
     assert out.choices[0].text == reference(world, "hello", "sql", max_tokens=5, temperature=0.0).text
+
+
+def test_a_client_that_leaves_aborts_and_the_limit_on_requests_in_flight(world):
+    live = start(world, max_concurrent=1)
+    engine = live.server.config.app.state.engine
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]
+    aborted, abort = [], engine.abort
+    engine.abort = lambda rid: (aborted.append(rid), abort(rid))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json={"model": "sql", "prompt": "hello", "max_tokens": 100,
+                                                               "stream": True, "ignore_eos": True}) as r:
+                lines = r.iter_lines()  # (kept: dropping the iterator would close the stream)
+                first_line = next(lines)  # one chunk, then this client is busy: a second request is refused
+                other = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
+                assert other.status_code == 429 and "too many requests" in other.json()["error"]["message"], (first_line, other.text)
+            # leaving the stream closes the connection
+        for _ in range(200):
+            if aborted and not engine.has_unfinished():
+                break
+            time.sleep(0.05)
+        assert len(aborted) == 1 and not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks
+        ok = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                        timeout=30)
+        assert ok.status_code == 200
+    finally:
+        engine.step = step
+        live.close()
 
 
 def test_runtime_loading_off_by_default_and_api_key(world):

@@ -269,6 +269,15 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+    def chat_logprobs(lps) -> dict:
+        """OpenAI's chat shape: per token its text, logprob and the top alternatives."""
+        return {"content": [{"token": token_text(t.token_id), "logprob": t.logprob,
+                             "top_logprobs": [{"token": token_text(i), "logprob": v} for i, v in t.top.items()]}
+                            for t in lps]}
+
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
@@ -382,12 +391,14 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                     async for out in run(prompt, params, adapter, k):
                         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                                "choices": [{"index": k, "delta": {"content": out.text} if out.text else {},
+                                            "logprobs": chat_logprobs(out.logprobs or []) if body.logprobs else None,
                                             "finish_reason": out.finish_reason}]}
             return sse(chunks(), "chat")
 
         async def complete():
             results = await asyncio.gather(*(collect(run(prompt, params, adapter, k)) for k in range(body.n)))
-            choices = [{"index": k, "message": {"role": "assistant", "content": r["text"]}, "logprobs": None,
+            choices = [{"index": k, "message": {"role": "assistant", "content": r["text"]},
+                        "logprobs": chat_logprobs(r["logprobs"]) if body.logprobs else None,
                         "finish_reason": r["finish_reason"]} for k, r in enumerate(results)]
             return {"id": rid, "object": "chat.completion", "created": created, "model": body.model,
                     "choices": choices,
