@@ -61,7 +61,8 @@ def world(tmp_path_factory):
 
 class LiveServer:
     def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -243,6 +244,21 @@ def test_a_client_that_leaves_aborts_and_the_limit_on_requests_in_flight(world):
     finally:
         engine.step = step
         live.close()
+
+
+def test_graceful_shutdown_lets_requests_in_flight_finish(world):
+    live = start(world)
+    engine = live.server.config.app.state.engine
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]  # 30 tokens: ~0.6 s
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{live.url}/v1/completions", timeout=30,
+                              json={"model": "chat", "prompt": "hello", "max_tokens": 30, "ignore_eos": True})
+        while not engine.scheduler.running:
+            time.sleep(0.01)
+        live.close()  # as on SIGTERM: stop accepting, let what is in flight finish
+        response = pending.result()
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 30
 
 
 def test_runtime_loading_off_by_default_and_api_key(world):
