@@ -95,7 +95,8 @@ class Engine:
     max_num_seqs: requests running at once; max_seq_len: prompt + output tokens of one request;
     max_num_batched_tokens: tokens per step (prompts longer than this are prefilled in chunks);
     num_blocks: KV cache blocks of ``block_size`` tokens (default: room for max_num_seqs full-length requests,
-    or half the free GPU memory if less); patience: steps the oldest waiting request may be bypassed;
+    or half the free GPU memory if less; on the CPU at most 2 GiB); patience: steps the oldest waiting request
+    may be bypassed;
     cuda_graphs: replay decode steps from CUDA graphs (captured per batch-size bucket in ``graph_sizes``,
     default 1, 2, 4, 8, 16, 32, ...); compile: capture them from a torch.compile'd forward
     (faster steps, one compile per batch-size bucket at first use).
@@ -123,12 +124,13 @@ class Engine:
                              f"got {self.max_seq_len}")
         blocks_per_seq = -(-self.max_seq_len // block_size)
         if num_blocks is None:
-            num_blocks = max_num_seqs * blocks_per_seq
+            layers, kv_heads, head_dim = kv_shape(model)
+            per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
             if handle.device.type == "cuda":
-                layers, kv_heads, head_dim = kv_shape(model)
-                per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
-                free, _ = torch.cuda.mem_get_info(handle.device)
-                num_blocks = max(min(num_blocks, int(0.5 * free) // per_block), blocks_per_seq)
+                budget = int(0.5 * torch.cuda.mem_get_info(handle.device)[0])
+            else:
+                budget = 2 << 30  # CPU memory: a serving default that fits a laptop
+            num_blocks = max(min(max_num_seqs * blocks_per_seq, budget // per_block), blocks_per_seq)
         if num_blocks < blocks_per_seq:
             raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={self.max_seq_len} "
                              f"({blocks_per_seq} blocks of {block_size}); raise num_blocks or lower max_seq_len")
