@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _tokenizers import bpe_tokenizer
 from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, _random_u32, gumbel_noise, sample
 
@@ -309,18 +310,8 @@ def test_cuda_matches_cpu_and_replays_in_a_graph():
 @pytest.fixture(scope="module")
 def tokenizer():
     """A byte-level BPE with 300 tokens, so that "é", "日本" and emoji are split across several tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["Hello world, café au lait à la crème!", "日本語のテキスト 日本 東京", "emoji 😀🎉 party 👍🏽",
-              "the quick brown fox jumps over the lazy dog."]
-    tok.train_from_iterator(corpus * 3, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", clean_up_tokenization_spaces=False)
+    return bpe_tokenizer(["Hello world, café au lait à la crème!", "日本語のテキスト 日本 東京",
+                          "emoji 😀🎉 party 👍🏽", "the quick brown fox jumps over the lazy dog."])
 
 
 PIECES = ["a", "b", "ab", " ", "c", "é", "日", "本", "😀", "👍", "🏽", ".", "the ", "lo"]

@@ -19,6 +19,7 @@ import uvicorn
 from peft import LoraConfig
 
 from _peft_models import save_adapter
+from _tokenizers import bpe_tokenizer
 from lorakit.engine import LLM, Engine, SamplingParams
 from lorakit.serve import ServeConfig, create_app
 
@@ -27,18 +28,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 
 def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is the capital of France? Paris is.", "hello world, the quick brown fox"] * 3,
-                            trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return bpe_tokenizer(["What is the capital of France? Paris is.", "hello world, the quick brown fox"],
+                         chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
