@@ -301,3 +301,12 @@ def test_lorakit_serve_with_no_arguments_answers_in_english():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_cli_refuses_bad_options():
+    from lorakit.__main__ import main
+
+    with pytest.raises(SystemExit, match="--lora takes NAME=PATH"):
+        main(["serve", "--model", "/nonexistent", "--lora", "oops"])
+    with pytest.raises(SystemExit, match="needs at least one --lora-root"):
+        main(["serve", "--model", "/nonexistent", "--allow-runtime-lora"])
