@@ -176,3 +176,44 @@ def test_async_engine_streams_and_aborts_when_the_client_leaves(setup):
         assert tokens == reference(base, saved, prompt, name, 7), name
     assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_blocks
     assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
+
+
+def test_unregistering_an_adapter_ends_its_waiting_requests_only(setup):
+    base, saved = setup
+    engine = Engine(copy.deepcopy(base), max_loras=1, max_num_seqs=1, block_size=4,
+                    adapters={"r4": saved["r4"].path, "r8": saved["r8"].path})
+    running = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True), "r4")
+    waiting = engine.add_request([4, 5], SamplingParams(max_tokens=6, ignore_eos=True), "r8")
+    engine.step()  # r4 runs; r8 waits (one sequence at a time)
+    engine.unregister_adapter("r8")
+    engine.unregister_adapter("r4")  # running: finishes on the version it holds
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    finished = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert finished == {waiting: "abort", running: "length"}
+
+
+def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    base, saved = setup
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((Path(saved["r4"].path) / "adapter_config.json").read_text())
+    weights = load_file(Path(saved["r4"].path) / "adapter_model.safetensors")
+    weights[next(k for k in weights if "lora_A" in k)][0, 0] = float("nan")
+    save_file(weights, bad / "adapter_model.safetensors")
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4, adapters={"r8": saved["r8"].path})
+    engine.register_adapter("nan", bad)  # the header is fine: the values are read at first use
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), "r8")
+    broken = engine.add_request([4, 5], SamplingParams(max_tokens=5), "nan")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    finished = {o.request_id: o for o in outs if o.finished}
+    assert finished[broken].finish_reason == "error" and "NaN" in finished[broken].error
+    assert [t for o in outs if o.request_id == good for t in o.token_ids] == reference(base, saved, [1, 2, 3], "r8", 5)
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -57,6 +57,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -213,6 +214,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
+        for request, reason in self.scheduler.failed:  # its adapter could not be loaded: only it ends
+            logger.warning("lorakit engine: request %s failed: %s", request.request_id, reason)
+            self._requests.pop(request.request_id, None)
+            outputs.append(RequestOutput(request.request_id, "", [], True, "error", error=reason,
+                                         num_prompt_tokens=len(request.prompt_ids)))
+        self.scheduler.failed.clear()
         if not plan.items:
             return outputs
         logits = self.runner.execute(plan)
@@ -253,7 +260,10 @@ class Engine:
         return self.pool.register(name, path)
 
     def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter: running requests finish on it; waiting ones end now (finish_reason 'abort')."""
         self.pool.unregister(name)
+        for request in [r for r in self.scheduler.waiting if r.adapter == name]:
+            self.abort(request.request_id)
 
 
 class AsyncEngine:

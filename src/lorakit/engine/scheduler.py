@@ -143,6 +143,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._seq = itertools.count()
         self.num_preemptions = 0
+        self.failed: list[tuple[Request, str]] = []  # requests whose adapter could not be loaded, and why
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -217,10 +218,15 @@ class Scheduler:
     def _adapter_ready(self, request: Request) -> bool:
         if request.adapter is None:
             return True
-        if self.pool.ready(request.adapter):
-            return True
-        self.pool.prefetch([request.adapter])  # starts the upload if a slot is free; admitted once landed
-        return self.pool.ready(request.adapter)
+        try:
+            if self.pool.ready(request.adapter):
+                return True
+            self.pool.prefetch([request.adapter])  # starts the upload if a slot is free; admitted once landed
+            return self.pool.ready(request.adapter)
+        except ValueError as e:  # AdapterError: unknown, or its weights turned out bad (NaN, corrupt file)
+            self.waiting.remove(request)
+            self.failed.append((request, str(e)))
+            return False
 
     def _item(self, request: Request, n: int) -> Scheduled:
         start = request.num_computed

@@ -201,6 +201,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         try:
             stream = runner.generate(prompt, params, adapter)
             async for out in stream:
+                if out.finish_reason == "error":  # its adapter could not be loaded
+                    raise ApiError(400, out.error or "the request failed", param="model")
                 now = time.monotonic()
                 if out.token_ids:
                     (metrics.ttft if first else metrics.tpot).observe(now - (start if first else last))
