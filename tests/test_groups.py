@@ -1,6 +1,7 @@
 """Sibling projections (q/k/v, gate/up) share one shrink and one expand, and stay exact in any case."""
 
 import copy
+import pathlib
 
 import torch
 from peft import LoraConfig
@@ -10,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lorakit
 from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
+from lorakit.layers.adapter import ModuleLora, PeftAdapter
 from lorakit.layers.linear import LoraLinearGroup, LoraLinearMember
 
 
@@ -72,11 +74,11 @@ def test_groups_stay_exact_when_siblings_read_different_inputs():
     gen = torch.Generator().manual_seed(1)
     loras = {}
     for name in ("q", "k", "v"):
-        layer = getattr(model, name)
         A = torch.randn(4, 16, generator=gen)
-        B = torch.randn(layer.out_features, 4, generator=gen)
-        layer.set_adapter(1, A, B, 0.5)
+        B = torch.randn(getattr(model, name).out_features, 4, generator=gen)
         loras[name] = (A, B)
+    adapter = PeftAdapter("manual", pathlib.Path("."), {}, {n: ModuleLora(A, B, 4, 0.5) for n, (A, B) in loras.items()})
+    handle.write(1, handle.pack(adapter, pin=False))  # the slot-level path load_adapter takes
     handle._slots[1] = "manual"  # what load_adapter records; set by hand for this toy model
     x, memory = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
     ids = handle.ids(["manual", None])

@@ -26,9 +26,6 @@ class LoraEmbedding(LoraSlots):
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, self.in_features, r_max, dtype=dtype, device=device)
 
-    def _a_view(self, a, slot, index, rank):
-        return a[slot, :, :rank].T
-
     @property
     def out_features(self) -> int:
         return self.out_sizes[0]
@@ -43,12 +40,6 @@ class LoraEmbedding(LoraSlots):
         if scale is None:
             return 1.0
         return float(scale) if not isinstance(scale, torch.Tensor) or scale.numel() == 1 else 1.0
-
-    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
-        self.set_slot(slot, A, B, scale * self.embed_scale())
-
-    def clear_adapter(self, slot: int) -> None:
-        self.clear_slot(slot)
 
     def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(input_ids, *args, **kwargs)

@@ -9,8 +9,8 @@ batched device copies (``torch._foreach_copy_``) to the parts' places and batche
 padding, all on the current stream. So an upload is one copy at the host link's speed, and the caller
 chooses the stream it runs on.
 
-A written slot holds the adapter's rows up to each slice's rank and zeros beyond, as ``LoraSlots.set_slot``
-leaves it.
+A written slot holds the adapter's rows up to each slice's rank and zeros beyond: the one way slots are
+written, for ``LoraHandle.load_adapter`` and the adapter pool alike.
 """
 
 from __future__ import annotations

@@ -41,9 +41,6 @@ class _LinearSlots(LoraSlots):
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, len(self.out_sizes), r_max, self.in_features, dtype=dtype, device=device)
 
-    def _a_view(self, a, slot, index, rank):
-        return a[slot, index, :rank]
-
     def add_delta(self, ys: list[torch.Tensor], x: torch.Tensor, meta, index: int | None = None) -> list[torch.Tensor]:
         """ys[i] + the LoRA delta of slice i (all slices, or only ``index``); in place where dtypes allow."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
@@ -80,12 +77,6 @@ class LoraLinear(_LinearSlots):
     @property
     def out_features(self) -> int:
         return self.out_sizes[0]
-
-    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
-        self.set_slot(slot, A, B, scale)
-
-    def clear_adapter(self, slot: int) -> None:
-        self.clear_slot(slot)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(x, *args, **kwargs)
@@ -142,12 +133,6 @@ class LoraLinearMember(nn.Module):
     @property
     def out_features(self) -> int:
         return self.group.out_sizes[self.index]
-
-    def set_adapter(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
-        self.group.set_slot(slot, A, B, scale, self.index)
-
-    def clear_adapter(self, slot: int) -> None:
-        self.group.clear_slot(slot, self.index)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         group = self.group

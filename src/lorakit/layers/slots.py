@@ -3,8 +3,8 @@
 One ``LoraSlots`` holds the slots of n slices: one module, or sibling modules that read the same input
 (q/k/v, gate/up) and so share one shrink and one expand launch. It starts with max rank 0 (no buffers,
 no work); loading an adapter grows the padding to the adapter's rank rounded up to ``rank_multiple``,
-copying the slots already loaded bit-exactly. What a slot holds changes with load and unload; the slot
-count and the shapes never do.
+copying the slots already loaded bit-exactly. What a slot holds changes with load and unload (written by
+``lorakit.layers.image``); the slot count and the shapes never do.
 """
 
 from __future__ import annotations
@@ -40,12 +40,9 @@ class LoraSlots(nn.Module):
         self.register_buffer("lora_B", torch.zeros(num_slots, 0, sum(self.out_sizes), dtype=dtype, device=device),
                              persistent=False)
 
-    # Subclasses say how A is laid out: [S, n, R, in] for linear layers, [S, in, R] for embeddings.
+    # Subclasses say how A is laid out: [S, n, R, in] for linear layers, [S, in, R] for embeddings (the rank
+    # is dimension 2 in both).
     def _empty_a(self, r_max: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _a_view(self, a: torch.Tensor, slot: int, index: int, rank: int) -> torch.Tensor:
-        """The part of buffer ``a`` that holds the first ``rank`` rows of A of (slot, slice index), as [rank, in]."""
         raise NotImplementedError
 
     @property
@@ -59,28 +56,9 @@ class LoraSlots(nn.Module):
         r_new = round_up(rank, self.rank_multiple)
         a = self._empty_a(r_new, self.dtype, self.lora_B.device)
         b = torch.zeros(self.num_slots, r_new, self.lora_B.shape[2], dtype=self.dtype, device=self.lora_B.device)
-        for slot in range(self.num_slots):
-            for index in range(len(self.out_sizes)):
-                self._a_view(a, slot, index, self.r_max).copy_(self._a_view(self.lora_A, slot, index, self.r_max))
+        a.narrow(2, 0, self.r_max).copy_(self.lora_A)
         b[:, : self.r_max].copy_(self.lora_B)
         self.lora_A, self.lora_B, self.r_max = a, b, r_new
-
-    def set_slot(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float, index: int = 0) -> None:
-        """Write one adapter's slice: A [r, in], B [out, r] (PEFT's layout), scale = alpha / r (or rsLoRA's)."""
-        rank = A.shape[0]
-        self.grow(rank)
-        self.clear_slot(slot, index)
-        self._a_view(self.lora_A, slot, index, rank).copy_(A)
-        lo, hi = self.out_offsets[index], self.out_offsets[index + 1]
-        self.lora_B[slot, :rank, lo:hi].copy_(B.T)
-        self.ranks[slot, index] = rank
-        self.scales[slot, index] = scale
-
-    def clear_slot(self, slot: int, index: int = 0) -> None:
-        self.ranks[slot, index] = 0
-        self.scales[slot, index] = 0.0
-        self._a_view(self.lora_A, slot, index, self.r_max).zero_()
-        self.lora_B[slot, :, self.out_offsets[index]: self.out_offsets[index + 1]].zero_()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_sizes}, slots={self.num_slots}, r_max={self.r_max}"
