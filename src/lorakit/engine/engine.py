@@ -86,7 +86,6 @@ _NO_TEXT = _NoText()
 @dataclass
 class _State:
     detok: IncrementalDetokenizer
-    params: SamplingParams
     logprobs: list[TokenLogprob] | None = field(default=None)
 
 
@@ -162,25 +161,22 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self.prompt_ids(prompt)
         if adapter is not None and adapter not in self.pool.adapters:
             raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
-        room = self.max_seq_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.max_seq_len - 1} fit "
-                             f"(max_seq_len={self.max_seq_len}); shorten it")
-        max_tokens = min(params.max_tokens, room)
+        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_ids))
         limited = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
                           params=limited, seed=seed)
         detok = IncrementalDetokenizer(self.tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
-        request.state = _State(detok, limited, [] if params.logprobs is not None else None)
+        request.state = _State(detok, [] if params.logprobs is not None else None)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, checked (not empty, in the vocabulary, leaving room under max_seq_len)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
@@ -194,6 +190,9 @@ class Engine:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; at most {self.max_seq_len - 1} fit "
+                             f"(max_seq_len={self.max_seq_len}); shorten it")
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -242,7 +241,7 @@ class Engine:
             delta, reason = state.detok.append(token)
             logprobs = None
             if state.logprobs is not None:
-                k = state.params.logprobs
+                k = request.params.logprobs
                 top = {} if not k else dict(zip(top_ids[row][:k], top_lps[row][:k]))
                 logprobs = [TokenLogprob(token, chosen[row], top)]
                 state.logprobs += logprobs

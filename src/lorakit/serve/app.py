@@ -284,11 +284,12 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def check_prompt(prompt) -> None:
-        n = len(tokenizer.encode(prompt)) if isinstance(prompt, str) and tokenizer is not None else len(prompt)
-        if n >= engine.max_seq_len:
-            raise ApiError(400, f"the prompt has {n} tokens; at most {engine.max_seq_len - 1} fit "
-                                f"(max_seq_len {engine.max_seq_len})", param="prompt")
+    def prompt_ids(prompt) -> list[int]:
+        """Tokenized and checked once, before any response starts (so a stream can still get a 400)."""
+        try:
+            return engine.prompt_ids(prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
 
     # Endpoints.
 
@@ -321,8 +322,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         params = params_of(body, body.logprobs)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        for p in prompts:
-            check_prompt(p)
+        prompts = [prompt_ids(p) for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         jobs = [(i * body.n + k, p, k) for i, p in enumerate(prompts) for k in range(body.n)]
 
@@ -381,8 +381,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         if top is not None and not 0 <= top <= 20:
             raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         params = params_of(body, (top or 0) if body.logprobs else None)
-        prompt = encode_chat(body)
-        check_prompt(prompt)
+        prompt = prompt_ids(encode_chat(body))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             async def chunks():
@@ -446,8 +445,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         sampling = _Sampling(model=config.model_name, max_tokens=sp.pop("max_new_tokens", 16), **{
             k: v for k, v in sp.items() if k in _Sampling.model_fields})
         params = params_of(sampling, None)
-        for t in texts:
-            check_prompt(t)
+        texts = [prompt_ids(t) for t in texts]
 
         async def complete():
             results = await asyncio.gather(*(collect(run(t, params, n, 0)) for t, n in zip(texts, names)))
