@@ -6,8 +6,13 @@ french, round robin), greedy, ``ignore_eos`` with a fixed ``max_tokens`` so ever
 that many tokens. Measured per concurrency level: output tokens per second, requests per second, time to
 first token (p50 / p99) and time between streamed chunks (p50 / p99). The baseline is the same engine
 in-process (``LLM.generate`` on the same prompts and adapters, no HTTP): the ratio says what the server costs.
+The server's own engine-step time (from /metrics) tells the engine's share of that from the HTTP side's.
 
     PYTHONPATH=src python bench/bench_serve.py --out DIR [--requests 256] [--max-tokens 128]
+    PYTHONPATH=src python bench/bench_serve.py --out DIR --random-weights CONFIG_DIR
+
+``--random-weights`` serves a model of the config and tokenizer in CONFIG_DIR with random weights instead of
+the bundled one (same shapes, same adapters, same work per token): for a machine without the bundled model.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,19 +88,29 @@ async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> di
             "gap_p50_ms": 1e3 * pct(gaps, 0.5), "gap_p99_ms": 1e3 * pct(gaps, 0.99)}
 
 
-def offline(requests: int, concurrency: int, max_tokens: int) -> float:
-    """Tokens per second of the same work through LLM.generate in this process (no HTTP)."""
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def offline(model_dir: Path | None, requests: int, concurrency: int, max_tokens: int) -> tuple[float, float]:
+    """Tokens per second and milliseconds per engine step of the same work through LLM.generate in this
+    process (no HTTP)."""
     from lorakit.engine import LLM, SamplingParams
     from lorakit.serve.cli import bundled_adapters
     from lorakit.serve.model import load_model
 
-    model, tokenizer, _ = load_model(None)
+    model, tokenizer, _ = load_model(model_dir)
     llm = LLM(model, tokenizer, max_loras=8, adapters=bundled_adapters(), max_num_seqs=concurrency)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                                              add_generation_prompt=True, tokenize=False) for i in range(requests)]
     names = [None if i % len(MODELS) == 0 else MODELS[i % len(MODELS)] for i in range(requests)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:concurrency], params, adapters=names[:concurrency])  # warm-up: graphs, uploads
+    steps, step = [0], llm.engine.step
+    llm.engine.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, adapters=names)
     wall = time.perf_counter() - start
@@ -102,7 +118,20 @@ def offline(requests: int, concurrency: int, max_tokens: int) -> float:
     del llm, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return requests * max_tokens / wall
+    return requests * max_tokens / wall, 1e3 * wall / steps[0]
+
+
+def random_model(config_dir: Path, into: Path) -> Path:
+    """A model of config_dir's config and tokenizer with random weights, saved (bf16) under ``into``."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder = into / MODELS[0]
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(config_dir).save_pretrained(folder)
+    return folder
 
 
 def main(argv=None) -> int:
@@ -111,13 +140,23 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR",
+                   help="serve random weights of this config + tokenizer instead of the bundled model")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    baseline = {c: offline(max(c, min(args.requests, 16 * c)), c, args.max_tokens) for c in args.concurrency}
+    model_dir = None
+    extra = []
+    if args.random_weights:
+        from lorakit.serve.cli import bundled_adapters
+
+        model_dir = random_model(args.random_weights, Path(tempfile.mkdtemp()))
+        extra = ["--model", str(model_dir), *(f"--lora={n}={p}" for n, p in bundled_adapters().items())]
+    baseline = {c: offline(model_dir, max(c, min(args.requests, 16 * c)), c, args.max_tokens)
+                for c in args.concurrency}
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port),
-                               "--max-num-seqs", str(max(args.concurrency))],
+                               "--max-num-seqs", str(max(args.concurrency)), *extra],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -132,9 +171,13 @@ def main(argv=None) -> int:
         asyncio.run(load(url, max(args.concurrency), max(args.concurrency), args.max_tokens))  # warm-up
         rows = []
         for c in args.concurrency:
+            steps, busy = metric(url, "lorakit_engine_steps"), metric(url, "lorakit_engine_step_seconds")
             row = asyncio.run(load(url, max(c, min(args.requests, 16 * c)), c, args.max_tokens))
-            row["offline_tokens_per_s"] = baseline[c]
-            row["vs_offline"] = row["tokens_per_s"] / baseline[c]
+            steps = metric(url, "lorakit_engine_steps") - steps
+            busy = metric(url, "lorakit_engine_step_seconds") - busy
+            row["step_ms"], row["engine_busy"] = 1e3 * busy / steps, busy / row["wall_s"]
+            row["offline_tokens_per_s"], row["offline_step_ms"] = baseline[c]
+            row["vs_offline"] = row["tokens_per_s"] / row["offline_tokens_per_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -143,18 +186,21 @@ def main(argv=None) -> int:
 
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
-            "date": datetime.date.today().isoformat(), "max_tokens": args.max_tokens}
+            "date": datetime.date.today().isoformat(), "max_tokens": args.max_tokens,
+            "weights": "random" if args.random_weights else "bundled"}
     (args.out / "bench_serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# bench_serve: lorakit serve, bundled SmolLM2-135M-Instruct + 3 adapters, bf16, CUDA graphs",
+    lines = [f"# bench_serve: lorakit serve, SmolLM2-135M-Instruct ({meta['weights']} weights) + 3 adapters, bf16, "
+             "CUDA graphs",
              "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
              f"{meta['date']}. Streaming chat completions, {args.max_tokens} tokens each (ignore_eos), models "
              "round robin over base / pirate / json / french.", "",
              "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms "
-             "| offline tok/s | server / offline |", "|" + "---|" * 10]
+             "| step ms | engine busy | offline tok/s | offline step ms | server / offline |", "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.0f} | {r['requests_per_s']:.1f} "
                      f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['gap_p50_ms']:.2f} "
-                     f"| {r['gap_p99_ms']:.2f} | {r['offline_tokens_per_s']:.0f} | {r['vs_offline']:.2f} |")
+                     f"| {r['gap_p99_ms']:.2f} | {r['step_ms']:.2f} | {r['engine_busy']:.2f} "
+                     f"| {r['offline_tokens_per_s']:.0f} | {r['offline_step_ms']:.2f} | {r['vs_offline']:.2f} |")
     (args.out / "bench_serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

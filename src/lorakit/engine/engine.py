@@ -13,12 +13,14 @@ offline front door::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,28 +268,46 @@ class Engine:
 
 
 class AsyncEngine:
-    """Runs an Engine's steps on a background thread and streams each request's outputs to asyncio code."""
+    """Runs an Engine on a background thread and streams each request's outputs to asyncio code.
+
+    Only the engine thread touches the engine. Callers post commands (add a request, abort one, register an
+    adapter) to an inbox the thread drains between steps, and await their results as futures, so the event
+    loop never blocks on a step. Each step's outputs reach each event loop in one wake-up.
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[Callable, tuple, concurrent.futures.Future | None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self.steps = 0            # engine steps run
+        self.step_seconds = 0.0   # wall time spent inside them (the rest of the thread's time is idle)
         self._thread = threading.Thread(target=self._run, name="lorakit-engine", daemon=True)
         self._thread.start()
 
+    def _post(self, fn: Callable, *args, wait: bool = True) -> concurrent.futures.Future | None:
+        future = concurrent.futures.Future() if wait else None
+        with self._cond:
+            if self._stopping and wait:
+                raise RuntimeError("the engine is shutting down")
+            self._inbox.append((fn, args, future))
+            self._cond.notify()
+        return future
+
     async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come; leaving early (a client gone) aborts it."""
-        loop = asyncio.get_running_loop()
+        """Yield the request's outputs as they come; leaving early (a client gone) aborts it. A bad request
+        raises here, before anything is yielded."""
         queue: asyncio.Queue = asyncio.Queue()
-        with self._work:
-            if self._stopping:
-                raise RuntimeError("the engine is shutting down")
-            request_id = self.engine.add_request(prompt, params, adapter, request_id)
-            self._streams[request_id] = (loop, queue)
-            self._work.notify()
+        loop = asyncio.get_running_loop()
+
+        def add():
+            rid = self.engine.add_request(prompt, params, adapter, request_id)
+            self._streams[rid] = (loop, queue)
+            return rid
+
+        request_id = await asyncio.wrap_future(self._post(add))
         finished = False
         try:
             while not finished:
@@ -301,53 +321,86 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._work:
+        """Abort a request (from any thread; does not wait)."""
+        def abort():
+            self._streams.pop(request_id, None)
             self.engine.abort(request_id)
-            self._work.notify()
+        self._post(abort, wait=False)
 
-    def call(self, fn, *args):
-        """Run fn(*args) between steps (e.g. engine.register_adapter)."""
-        with self._work:
-            return fn(*args)
+    async def call(self, fn: Callable, *args):
+        """Run fn(*args) on the engine thread between steps (e.g. engine.register_adapter); its result."""
+        return await asyncio.wrap_future(self._post(fn, *args))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Let running requests finish (up to ``timeout`` seconds), then stop; the rest get an error."""
-        with self._work:
+        with self._cond:
             self._stopping = True
-            self._work.notify()
+            self._cond.notify()
         self._thread.join(timeout)
-        with self._work:
+        with self._cond:
+            stuck = self._thread.is_alive()
+            pending, self._inbox = self._inbox, []
+        for *_, future in pending:
+            if future is not None:
+                future.set_exception(RuntimeError("the engine is shutting down"))
+        if not stuck:
             for request_id in list(self.engine._requests):
                 self.engine.abort(request_id)
-            error = RuntimeError("the engine shut down before this request finished")
-            for loop, queue in self._streams.values():
-                loop.call_soon_threadsafe(queue.put_nowait, error)
-            self._streams.clear()
+        self._fail_all(RuntimeError("the engine shut down before this request finished"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for loop, queue in streams.values():
+            loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _run(self) -> None:
+        engine = self.engine
         while True:
-            with self._work:
-                while not self.engine.has_unfinished():
+            with self._cond:
+                while not self._inbox and not engine.has_unfinished():
                     if self._stopping:
                         return
-                    self._work.wait()
+                    self._cond.wait()
+                if self._stopping and not engine.has_unfinished() and all(f is None for *_, f in self._inbox):
+                    return
+                commands, self._inbox = self._inbox, []
+            for fn, args, future in commands:
                 try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - every waiting stream gets it
-                    logger.exception("lorakit engine: a step failed")
-                    for request_id in list(self.engine._requests):
-                        self.engine.abort(request_id)
-                    self.engine._aborted.clear()
-                    for loop, queue in self._streams.values():
-                        loop.call_soon_threadsafe(queue.put_nowait, e)
-                    self._streams.clear()
-                    continue
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
-                        if out.finished:
-                            del self._streams[out.request_id]
+                    result = fn(*args)
+                except BaseException as e:  # noqa: BLE001 - the caller gets it
+                    if future is not None:
+                        future.set_exception(e)
+                else:
+                    if future is not None:
+                        future.set_result(result)
+            if not engine.has_unfinished():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - every waiting stream gets it
+                logger.exception("lorakit engine: a step failed")
+                for request_id in list(engine._requests):
+                    engine.abort(request_id)
+                engine._aborted.clear()
+                self._fail_all(e)
+                continue
+            self.steps += 1
+            self.step_seconds += time.perf_counter() - start
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream[0], []).append((stream[1], out))
+                    if out.finished:
+                        del self._streams[out.request_id]
+            for loop, items in batches.items():
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 class LLM:

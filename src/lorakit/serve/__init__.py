@@ -9,4 +9,5 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
     """Serve until interrupted; on shutdown, requests in flight get 30 s to finish."""
     import uvicorn
 
+
     uvicorn.run(create_app(engine, config), host=host, port=port, timeout_graceful_shutdown=30, log_level="info")

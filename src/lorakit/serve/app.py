@@ -123,6 +123,9 @@ class Metrics:
                                     registry=r)
         self.ttft = prom.Histogram("lorakit_time_to_first_token_seconds", "Time to first token", registry=r,
                                    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.steps = prom.Gauge("lorakit_engine_steps", "Engine steps since start", registry=r)
+        self.step_seconds = prom.Gauge("lorakit_engine_step_seconds", "Wall time inside engine steps since start",
+                                       registry=r)
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens", registry=r,
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
 
@@ -303,6 +306,9 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         metrics.waiting.set(len(engine.scheduler.waiting))
         metrics.loads.set(engine.pool.stats.loads)
         metrics.evictions.set(engine.pool.stats.evictions)
+        if runner is not None:
+            metrics.steps.set(runner.steps)
+            metrics.step_seconds.set(runner.step_seconds)
         return PlainTextResponse(prom.generate_latest(metrics.registry).decode(), media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -415,7 +421,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         if body.lora_name == config.model_name:
             raise ApiError(400, f"{body.lora_name!r} is the base model's name; pick another", param="lora_name")
         try:
-            version = runner.call(engine.register_adapter, body.lora_name, path)
+            version = await runner.call(engine.register_adapter, body.lora_name, path)
         except (AdapterError, ValueError) as e:
             raise ApiError(400, str(e), param="lora_path") from None
         return {"status": "ok", "lora_name": body.lora_name, "version": version}
@@ -426,7 +432,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             raise ApiError(403, "runtime adapter loading is off; start the server with --allow-runtime-lora",
                            "permission_error")
         try:
-            runner.call(engine.unregister_adapter, body.lora_name)
+            await runner.call(engine.unregister_adapter, body.lora_name)
         except AdapterError as e:
             raise ApiError(404, str(e), "not_found_error", "lora_name") from None
         return {"status": "ok", "lora_name": body.lora_name}
