@@ -161,13 +161,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return _error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'bad value')}",
                       "invalid_request_error", where or None)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path not in ("/health", "/metrics"):
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              "authentication_error")
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(_BearerAuth, key=config.api_key, open_paths=("/health", "/metrics"))
 
     # Helpers.
 
@@ -462,6 +457,22 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return await guarded(request, "generate", complete())
 
     return app
+
+
+class _BearerAuth:
+    """Requires 'Authorization: Bearer KEY' on every path but ``open_paths``. Plain ASGI, so streamed responses
+    pass straight through (a BaseHTTPMiddleware would relay every chunk through a task of its own)."""
+
+    def __init__(self, app, key: str, open_paths: tuple[str, ...]):
+        self.app, self.expected, self.open_paths = app, f"Bearer {key}".encode(), open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                response = _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                  "authentication_error")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _sse(obj: dict) -> str:
