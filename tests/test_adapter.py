@@ -273,8 +273,6 @@ def test_pickle_weights_are_refused_never_unpickled(folder, base, monkeypatch):
     ("megatron_config", {"tp": 2}, "megatron_config"),
     ("layer_replication", [[0, 2], [1, 2]], "layer_replication"),
     ("target_parameters", ["experts.down_proj"], "target_parameters"),
-    ("trainable_token_indices", [1, 2], "trainable_token_indices=[1, 2] is not supported yet"),
-    ("modules_to_save", ["lm_head"], "modules_to_save"),
     ("bias", "all", "bias='all' is not supported yet"),
     ("bias", "lora_only", "bias='lora_only'"),
     ("peft_type", "IA3", "peft_type is 'IA3'"),

@@ -147,6 +147,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        self._tokenizers: dict[str, tuple] = {}  # adapter -> ((path, mtime), tokenizer)
         for name, path in (adapters or {}).items():
             self.pool.register(name, path)
         logger.info("lorakit engine: %d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
@@ -163,33 +164,53 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.prompt_ids(prompt)
         if adapter is not None and adapter not in self.pool.adapters:
             raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
+        prompt_ids = self.prompt_ids(prompt, adapter)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_ids))
         limited = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
                           params=limited, seed=seed)
-        detok = IncrementalDetokenizer(self.tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
+        detok = IncrementalDetokenizer(self.tokenizer_for(adapter) or _NO_TEXT, prompt_ids, limited,
+                                       self.eos_token_id)
         request.state = _State(detok, [] if params.logprobs is not None else None)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
-    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids, checked (not empty, in the vocabulary, leaving room under max_seq_len)."""
+    def tokenizer_for(self, adapter: str | None):
+        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's."""
+        if adapter is None:
+            return self.tokenizer
+        info = self.pool.info(adapter)
+        if not any((info.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return self.tokenizer
+        key = (str(info.path), info.path.stat().st_mtime)
+        if self._tokenizers.get(adapter, (None,))[0] != key:
+            import transformers
+
+            self._tokenizers[adapter] = (key, transformers.AutoTokenizer.from_pretrained(info.path))
+        return self._tokenizers[adapter][1]
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
+        """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked: not empty,
+        in the vocabulary (the base one, plus the tokens ``adapter`` adds), leaving room under max_seq_len."""
+        added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            tokenizer = self.tokenizer_for(adapter)
+            if tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            ids = self.tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError("a prompt must be a string or a list of int token ids")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size and t not in added]
+        if bad:
+            whose = f" and the {len(added)} tokens adapter {adapter!r} adds" if added else ""
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}){whose}; "
+                             f"a token another adapter adds is not in this request's vocabulary")
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         if len(ids) >= self.max_seq_len:

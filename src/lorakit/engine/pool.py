@@ -178,6 +178,13 @@ class AdapterPool:
         with self._lock:
             return {name: v.number for name, v in self._current.items()}
 
+    def info(self, name: str) -> AdapterInfo:
+        """What registration read of the current version of ``name`` (config, modules, added tokens)."""
+        with self._lock:
+            if name not in self._current:
+                raise AdapterError(f"unknown adapter {name!r}; registered: {sorted(self._current) or 'none'}")
+            return self._current[name].info
+
     # Slots.
 
     def acquire(self, names: Sequence[str | None]) -> list[int]:

@@ -13,7 +13,7 @@ import difflib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ __all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapt
 
 PICKLE_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the base model, in every saved key
+_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's TrainableTokensWrapper rows
 
 # "<module>.lora_A.weight" / "<module>.lora_embedding_A", optionally with a PEFT adapter name inside.
 _LORA_KEY = re.compile(r"(?P<module>.+)\.(?:(?P<lin>lora_[AB])(?:\.(?P<an>[^.]+))?\.weight"
@@ -47,11 +48,21 @@ _KEY_HINTS = (("lora_magnitude_vector", "DoRA magnitudes (use_dora)"), ("lora_B.
 @dataclass(frozen=True)
 class BaseModule:
     """A base-model module an adapter may target. linear: (in_features, out_features);
-    embedding: (num_embeddings, embedding_dim)."""
+    embedding: (num_embeddings, embedding_dim). ``tokens``: "input" for the input embedding, "output" for the
+    output head (the modules whose rows are tokens), else None."""
 
     kind: str
     in_features: int
     out_features: int
+    tokens: str | None = None
+
+    @property
+    def vocab(self) -> int:
+        return self.in_features if self.kind == "embedding" else self.out_features
+
+    @property
+    def dim(self) -> int:
+        return self.out_features if self.kind == "embedding" else self.in_features
 
     def __post_init__(self):
         if self.kind not in ("linear", "embedding"):
@@ -81,52 +92,71 @@ class ModuleLora:
 
 
 @dataclass(frozen=True, eq=False)
+class ModuleTokens:
+    """Rows an adapter puts in place of a token-indexed weight's (input embedding or output head):
+    ids [k] (ascending, int64; ids past the base vocabulary are tokens the adapter adds) and rows [k, dim]."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
 class PeftAdapter:
-    """A loaded adapter: ``modules`` is keyed by the base model's fully-qualified module name."""
+    """A loaded adapter: ``modules`` (LoRA) and ``tokens`` (token rows) are keyed by the base model's
+    fully-qualified module name."""
 
     name: str
     path: Path
     config: dict
     modules: dict[str, ModuleLora]
+    tokens: dict[str, ModuleTokens] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.modules:
+        if not self.modules and not self.tokens:
             raise ValueError(f"adapter {self.name!r} at {self.path}: a PeftAdapter needs at least one module")
 
     @property
     def max_rank(self) -> int:
-        return max(lora.rank for lora in self.modules.values())
+        return max((lora.rank for lora in self.modules.values()), default=0)
 
     def nbytes(self) -> int:
-        return sum(lora.A.nbytes + lora.B.nbytes for lora in self.modules.values())
+        return (sum(lora.A.nbytes + lora.B.nbytes for lora in self.modules.values())
+                + sum(t.rows.nbytes for t in self.tokens.values()))
 
 
-def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], dtype: torch.dtype) -> PeftAdapter:
+def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], dtype: torch.dtype,
+                      base_weights: Mapping[str, torch.Tensor] | None = None) -> PeftAdapter:
     """Read config + adapter_model.safetensors, map keys to base module names, validate everything, cast weights
-    to ``dtype`` (contiguous, on the CPU)."""
+    to ``dtype`` (contiguous, on the CPU). ``base_weights``: the token-indexed modules' weights ([vocab, dim]),
+    needed for a full ``modules_to_save`` copy of them (only its rows that differ are kept)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs = _read_weights(path, config, base_modules, where)
+    pairs, token_parts = _read_weights(path, config, base_modules, where)
     modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where) for m, (kind, a, b) in pairs.items()}
-    return PeftAdapter(name, path, config, modules)
+    tokens = {m: _module_tokens(m, how, ids, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
+              for m, (how, ids, t) in token_parts.items()}
+    _check_token_modules(modules, tokens, where)
+    return PeftAdapter(name, path, config, modules, tokens)
 
 
 @dataclass(frozen=True)
 class AdapterInfo:
     """What the config and the weights file's header say about an adapter, with no weights read:
-    ``modules`` maps each targeted module to its (rank, scale)."""
+    ``modules`` maps each targeted module to its (rank, scale); ``added_tokens``, the token ids past the base
+    vocabulary the adapter defines (its requests may use them)."""
 
     name: str
     path: Path
     config: dict
     modules: dict[str, tuple[int, float]]
+    added_tokens: frozenset[int] = frozenset()
 
     @property
     def max_rank(self) -> int:
-        return max(rank for rank, _ in self.modules.values())
+        return max((rank for rank, _ in self.modules.values()), default=0)
 
 
 def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]) -> AdapterInfo:
@@ -135,15 +165,23 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs = _read_weights(path, config, base_modules, where, header_only=True)
+    pairs, token_parts = _read_weights(path, config, base_modules, where, header_only=True)
     modules = {m: _check_module(m, kind, a, b, config, base_modules, where) for m, (kind, a, b) in pairs.items()}
-    return AdapterInfo(name, path, config, modules)
+    added = set()
+    for m, (how, ids, shape) in token_parts.items():
+        base = base_modules[m]
+        _check_token_shape(m, how, ids, shape, base, where)
+        if base.tokens == "input":
+            added |= set(range(base.vocab, shape[0])) if how == "full" else {i for i in ids if i >= base.vocab}
+    _check_token_modules(modules, token_parts, where)
+    return AdapterInfo(name, path, config, modules, frozenset(added))
 
 
 def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str,
                   header_only: bool = False) -> dict:
-    """{module: (kind, A, B)} from the weights file, every key accounted for; kind is 'linear' or 'embedding'.
-    With header_only, A and B are their shapes, and only the header is read."""
+    """({module: (kind, A, B)}, {module: (how, ids, rows)}) from the weights file, every key accounted for; kind
+    is 'linear' or 'embedding'; how is 'trainable' (rows of ``ids``) or 'full' (a modules_to_save copy, ids
+    None). With header_only, tensors are their shapes, and only the header is read."""
     file = path / WEIGHTS_NAME
     if not file.is_file():
         if (path / PICKLE_NAME).exists():
@@ -154,7 +192,11 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
                            f"save_pretrained()")
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            parts, copies = _sort_keys(list(f.keys()), config, where)
+            parts, copies, token_keys = _sort_keys(list(f.keys()), config, base_modules, where)
+            token_parts = {}
+            for module, (how, ids, key) in token_keys.items():
+                shape = _header_shape(f, module, key, "token rows", where)
+                token_parts[module] = (how, ids, shape if header_only else f.get_tensor(key))
             for module, key in copies.items():  # PEFT saves the base weight of targeted embeddings / lm_head
                 _check_base_copy(module, tuple(f.get_slice(key).get_shape()), parts, base_modules, where)
             pairs = {}
@@ -171,7 +213,7 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} is not a readable safetensors file ({e}); "
                            f"re-save the adapter with PEFT's save_pretrained()") from e
-    return pairs
+    return pairs, token_parts
 
 
 def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int, ...]:
@@ -182,14 +224,66 @@ def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int
     return tuple(part.get_shape())
 
 
-def _sort_keys(keys: list[str], config: dict, where: str) -> tuple[dict, dict]:
-    """Split the file's keys into {module: {param: key}} LoRA weights and {module: key} copies of base weights;
-    any other key is an error, except the training-only state of variants the config enables."""
+def _token_targets(config: dict, base_modules: Mapping[str, BaseModule], where: str) -> tuple[dict, set]:
+    """({module: ids} of trainable_token_indices, {modules} of modules_to_save), resolved to the model's token
+    modules (the input embedding, the output head) as PEFT resolves them: a list targets the input embedding,
+    a dict key or a modules_to_save entry matches the end of a module name."""
+    roles = {name: m.tokens for name, m in base_modules.items() if m.tokens}
+
+    def resolve(key: str, field: str) -> str:
+        hits = [n for n in roles if n == key or n.endswith("." + key)]
+        if not hits:
+            others = [n for n in base_modules if n == key or n.endswith("." + key)]
+            what = (f"{others[0]!r} is not a token embedding or output head" if others
+                    else "the model has no such module")
+            raise AdapterError(f"{where}: {field} names {key!r}, but {what}; lorakit serves token rows of the "
+                               f"input embedding and output head only ({sorted(roles) or 'none found'})")
+        return hits[0]
+
+    tti = config.get("trainable_token_indices") or {}
+    if isinstance(tti, list):
+        inputs = [n for n, role in roles.items() if role == "input"]
+        if not inputs:
+            raise AdapterError(f"{where}: trainable_token_indices needs the model's input embedding, which lorakit "
+                               f"did not find")
+        tti = {inputs[0]: tti}
+    if not isinstance(tti, dict):
+        raise AdapterError(f"{where}: trainable_token_indices must be a list of ids or a dict module -> ids, "
+                           f"got {tti!r:.80}")
+    trainable = {}
+    for key, ids in tti.items():
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids) or len(set(ids)) != len(ids):
+            raise AdapterError(f"{where}: trainable_token_indices[{key!r}] must be distinct non-negative token "
+                               f"ids, got {ids!r:.80}")
+        trainable[resolve(key, "trainable_token_indices")] = list(ids)
+    full = {resolve(key, "modules_to_save") for key in (config.get("modules_to_save") or [])}
+    both = full & trainable.keys()
+    if both:
+        raise AdapterError(f"{where}: {sorted(both)} is in both modules_to_save and trainable_token_indices; "
+                           f"PEFT refuses this too, keep one")
+    return trainable, full
+
+
+def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseModule], where: str) -> tuple:
+    """Split the file's keys into {module: {param: key}} LoRA weights, {module: key} copies of base weights and
+    {module: (how, ids, key)} token rows; any other key is an error, except the training-only state of
+    variants the config enables."""
     skip = [pattern for field, pattern in _TRAINING_ONLY_KEYS.items() if config.get(field)]
+    trainable, full = _token_targets(config, base_modules, where)
     parts: dict[str, dict[str, str]] = {}
     copies: dict[str, str] = {}
+    tokens: dict[str, tuple] = {}
     unexpected = []
     for key in keys:
+        module = key.removeprefix(PEFT_PREFIX) if key.startswith(PEFT_PREFIX) else None
+        if module is not None and module.endswith(_DELTA) and module[:-len(_DELTA)] in trainable:
+            module = module[:-len(_DELTA)]
+            tokens[module] = ("trainable", trainable[module], key)
+            continue
+        if module is not None and module.endswith(".weight") and module[:-len(".weight")] in full:
+            module = module[:-len(".weight")]
+            tokens[module] = ("full", None, key)
+            continue
         m = _LORA_KEY.fullmatch(key.removeprefix(PEFT_PREFIX)) if key.startswith(PEFT_PREFIX) else None
         if m is not None:
             adapter_name = m["an"] or m["ean"]
@@ -212,10 +306,14 @@ def _sort_keys(keys: list[str], config: dict, where: str) -> tuple[dict, dict]:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} holds {len(unexpected)} weight(s) that are not plain LoRA A/B: "
                            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
                            f"{' (' + '; '.join(what) + ')' if what else ''}; lorakit does not support them")
-    if not parts:
+    missing = (trainable.keys() | full) - tokens.keys()
+    if missing:
+        raise AdapterError(f"{where}: {CONFIG_NAME} names token rows for {sorted(missing)} but {WEIGHTS_NAME} "
+                           f"holds none for them; the weights file is incomplete, re-save the adapter")
+    if not parts and not tokens:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} holds no LoRA weights (no '*.lora_A.weight' or "
                            f"'*.lora_embedding_A' keys under '{PEFT_PREFIX}')")
-    return parts, copies
+    return parts, copies, tokens
 
 
 def _key_hint(key: str) -> str | None:
@@ -249,6 +347,52 @@ def _check_base_copy(module: str, shape: tuple, parts: dict, base_modules: Mappi
         raise AdapterError(f"{where}: module {module!r}: the saved base weight has shape {list(shape)} but the "
                            f"model's is {list(ok[0])}; the vocabulary was probably resized during fine-tuning, "
                            f"which lorakit does not support")
+
+
+def _check_token_shape(module: str, how: str, ids, shape: tuple, base: BaseModule, where: str) -> None:
+    at = f"{where}: module {module!r}"
+    if len(shape) != 2 or shape[1] != base.dim:
+        raise AdapterError(f"{at}: token rows have shape {list(shape)} but the model's rows are {base.dim} wide; "
+                           f"was the adapter trained for another base model?")
+    if how == "trainable" and shape[0] != len(ids):
+        raise AdapterError(f"{at}: {len(ids)} trainable_token_indices but {shape[0]} saved rows; the weights file "
+                           f"does not match its config")
+    if how == "full" and shape[0] < base.vocab:
+        raise AdapterError(f"{at}: the saved copy has {shape[0]} rows, fewer than the model's vocabulary "
+                           f"({base.vocab}); was the adapter trained for another base model?")
+
+
+def _module_tokens(module: str, how: str, ids, t: torch.Tensor, base: BaseModule, base_weight, dtype,
+                   where: str) -> ModuleTokens:
+    """The rows an adapter replaces or adds: all of a trainable-tokens delta; of a full copy, the rows that
+    differ from the base weight and every row past the base vocabulary."""
+    at = f"{where}: module {module!r}"
+    _check_token_shape(module, how, ids, tuple(t.shape), base, where)
+    if not t.dtype.is_floating_point:
+        raise AdapterError(f"{at}: token rows must be floating-point, got {t.dtype}")
+    if not torch.isfinite(t).all():
+        raise AdapterError(f"{at}: token rows hold NaN or inf values; the adapter is broken, retrain or re-export")
+    if how == "full":
+        if base_weight is None:
+            raise AdapterError(f"{at}: a full modules_to_save copy needs the base weight to compare against")
+        base_rows = base_weight.detach().to("cpu", t.dtype)
+        changed = (t[: base.vocab] != base_rows).any(dim=1).nonzero()[:, 0]
+        ids = torch.cat([changed, torch.arange(base.vocab, t.shape[0])])
+        t = t[ids]
+    else:
+        ids = torch.tensor(ids, dtype=torch.int64)
+    order = ids.argsort()
+    rows = t[order].to(dtype).contiguous()
+    if not torch.isfinite(rows).all():
+        raise AdapterError(f"{at}: token rows overflow {dtype}; load it in a wider dtype such as torch.float32")
+    return ModuleTokens(ids[order].contiguous(), rows)
+
+
+def _check_token_modules(modules: Mapping, tokens: Mapping, where: str) -> None:
+    both = modules.keys() & tokens.keys()
+    if both:
+        raise AdapterError(f"{where}: {sorted(both)} has both LoRA weights and token rows; lorakit serves one or "
+                           f"the other per module")
 
 
 def _pattern_value(config: dict, field: str, fallback: str, default, module: str):

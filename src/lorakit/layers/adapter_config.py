@@ -29,8 +29,6 @@ _UNSUPPORTED = {
     "megatron_config": "Megatron tensor-parallel LoRA layers",
     "layer_replication": "layer replication changes the model's stack of layers",
     "target_parameters": "LoRA on nn.Parameter targets (e.g. MoE experts)",
-    "trainable_token_indices": "trainable tokens replace rows of the embedding",
-    "modules_to_save": "full trained copies of modules",
 }
 # Variants whose inference forward is vanilla LoRA; their training-only state in the weights file is skipped.
 _TRAINING_ONLY_KEYS = {
@@ -44,6 +42,7 @@ _KNOWN = {
     "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
     "inference_mode", "lora_dropout", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
+    "trainable_token_indices", "modules_to_save",  # checked against the model in adapter.py
 } | _UNSUPPORTED.keys() | _TRAINING_ONLY_KEYS.keys()
 _INIT_OK = {"gaussian", "eva", "orthogonal", "mica"}  # inits that leave the base weights alone
 _INIT_MUTATES_BASE = ("pissa", "olora", "corda", "lora_ga")  # subtract scale * B0 @ A0 from the base weight

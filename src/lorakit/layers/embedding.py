@@ -12,6 +12,7 @@ from torch import nn
 
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.tokens import TokenRows
 from lorakit.ops import lora_expand
 
 
@@ -22,6 +23,7 @@ class LoraEmbedding(LoraSlots):
                          weight.device, rank_multiple)
         self.base_layer = base_layer
         self.ctx = ctx
+        self.tokens: TokenRows | None = None  # per-slot token rows, on the model's input embedding (see patch)
 
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, self.in_features, r_max, dtype=dtype, device=device)
@@ -42,15 +44,21 @@ class LoraEmbedding(LoraSlots):
         return float(scale) if not isinstance(scale, torch.Tensor) or scale.numel() == 1 else 1.0
 
     def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        y = self.base_layer(input_ids, *args, **kwargs)
-        if self.r_max == 0:
+        rows = self.tokens if self.tokens is not None and self.tokens.k_max else None
+        ids = input_ids
+        if rows is not None and rows.added:  # ids past the base vocabulary have no base row: look up a stand-in
+            ids = input_ids.clamp(max=self.base_layer.num_embeddings - 1)
+        y = self.base_layer(ids, *args, **kwargs)
+        if self.r_max == 0 and rows is None:
             return y
         meta = self.ctx.meta_for(input_ids.shape)
         if meta is None:
             return y
-        tokens = input_ids.reshape(-1)
-        slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
-        h = self.lora_A[slots, tokens].float()[None, None]  # [1, 1, T, R_max]
         y2 = y.view(-1, self.out_features)
-        lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
-        return y
+        if self.r_max:
+            slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
+            h = self.lora_A[slots, ids.reshape(-1)].float()[None, None]  # [1, 1, T, R_max]
+            lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
+        if rows is not None:
+            y2 = rows.embed(y2, input_ids.reshape(-1), meta.token_slot, self.embed_scale())
+        return y2.view(y.shape)

@@ -26,6 +26,7 @@ from lorakit.layers.adapter import PeftAdapter
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.tokens import TokenRows
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
 
@@ -63,16 +64,29 @@ class StoreImage:
 
 
 @dataclass(frozen=True, eq=False)
+class TokenImage:
+    """What an adapter writes into one slot of a TokenRows store: ids + 1 (int32 [k]) and rows [k, dim];
+    ``added``: how many ids past the store's vocabulary it needs columns for."""
+
+    store: TokenRows
+    k: int
+    added: int
+    ids1: Part
+    rows: Part
+
+
+@dataclass(frozen=True, eq=False)
 class SlotImage:
     name: str
     buffer: torch.Tensor  # uint8, on the CPU
     stores: tuple[StoreImage, ...]
+    tokens: tuple[TokenImage, ...] = ()
 
     @property
     def signature(self) -> tuple:
-        """Equal for images of equal layout (same stores and ranks): such images have the same parts at
-        the same offsets, so one list of views serves them all."""
-        return tuple((id(s.store), s.ranks) for s in self.stores)
+        """Equal for images of equal layout (same stores, ranks and token rows): such images have the same
+        parts at the same offsets, so one list of views serves them all."""
+        return (tuple((id(s.store), s.ranks) for s in self.stores), tuple((id(t.store), t.k) for t in self.tokens))
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +94,7 @@ class SlotImage:
 
     @property
     def max_rank(self) -> int:
-        return max(max(s.ranks) for s in self.stores)
+        return max((max(s.ranks) for s in self.stores), default=0)
 
 
 def store_of(layer: nn.Module) -> tuple[LoraSlots, int]:
@@ -123,7 +137,19 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         b = place((max(ranks), store.out_offsets[-1]), store.dtype)
         plans.append((store, slices, ranks, a, b, place((n,), torch.int32), place((n,), torch.float32)))
 
-    buffer = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin)
+    token_plans = []
+    for module, t in adapter.tokens.items():  # the adapter's rows, ids ascending
+        store = layers[module].tokens
+        k = t.ids.numel()
+        added = max(0, int(t.ids.max()) + 1 - store.vocab) if k else 0
+        token_plans.append((store, t, k, added, place((k,), torch.int32), place((k, store.dim), store.dtype)))
+
+    buffer = torch.zeros(max(offset, 1), dtype=torch.uint8, pin_memory=pin)
+    tokens = []
+    for store, t, k, added, ids1, rows in token_plans:
+        ids1.view(buffer).copy_(t.ids + 1)
+        rows.view(buffer).copy_(t.rows)
+        tokens.append(TokenImage(store, k, added, ids1, rows))
     stores = []
     for store, slices, ranks, a, b, rank_part, scale_part in plans:
         b_view = b.view(buffer)
@@ -136,19 +162,22 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         rank_part.view(buffer).copy_(torch.tensor(ranks, dtype=torch.int32))
         scale_part.view(buffer).copy_(scales)
         stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part))
-    return SlotImage(adapter.name, buffer, tuple(stores))
+    return SlotImage(adapter.name, buffer, tuple(stores), tuple(tokens))
 
 
 def needs_growth(image: SlotImage) -> bool:
-    """Whether a store lacks room for the image's ranks."""
-    return any(max(s.ranks) > s.store.r_max for s in image.stores)
+    """Whether a store lacks room for the image's ranks or token rows (or a head for its added tokens)."""
+    return (any(max(s.ranks) > s.store.r_max for s in image.stores)
+            or any(t.store.needs_growth(t.k, t.added) for t in image.tokens))
 
 
 def grow_for(image: SlotImage) -> bool:
-    """Grow the padded rank of every store the image needs more room in; True if any grew."""
+    """Grow every store the image needs more room in; True if any grew."""
     grew = needs_growth(image)
     for s in image.stores:
         s.store.grow(max(s.ranks))
+    for t in image.tokens:
+        t.store.grow(t.k, t.added)
     return grew
 
 
@@ -166,13 +195,12 @@ class SlotWriter:
         self._layout_version = 0
 
     def write(self, slot: int, image: SlotImage | None, clear: Iterable[LoraSlots] = (), layout_version: int = 0):
-        zeros = [t for store in clear for t in (store.ranks[slot], store.scales[slot], store.lora_A[slot],
-                                                store.lora_B[slot]) if t.numel()]
+        zeros = [t for store in clear for t in store.slot_tensors(slot) if t.numel()]
         if zeros:
             torch._foreach_zero_(zeros)
         if image is None:
             return
-        device = image.stores[0].store.lora_B.device
+        device = image.stores[0].store.lora_B.device if image.stores else image.tokens[0].store.rows.device
         if layout_version != self._layout_version:  # views of reallocated buffers: drop them (and their memory)
             self._plans.clear()
             self._layout_version = layout_version
@@ -242,4 +270,9 @@ def _plan(slot: int, image: SlotImage, src: torch.Tensor) -> tuple:
                 zeros.append(rows[rank:])
         copy(store.lora_B[slot, : s.b.shape[0]], s.b)
         zeros.append(store.lora_B[slot, s.b.shape[0]:])
+    for t in image.tokens:
+        if t.k:
+            copy(t.store.ids1[slot, : t.k], t.ids1)
+            copy(t.store.rows[slot, : t.k], t.rows)
+        zeros += [t.store.ids1[slot, t.k:], t.store.rows[slot, t.k:]]
     return [t for t in zeros if t.numel()], list(copies.values()), strided

@@ -16,6 +16,7 @@ from torch import nn
 
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.tokens import TokenRows
 from lorakit.ops import add_lora
 
 
@@ -64,6 +65,7 @@ class LoraLinear(_LinearSlots):
     def __init__(self, base_layer: nn.Module, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
         super().__init__([base_layer], ctx, num_slots, rank_multiple)
         self.base_layer = base_layer
+        self.tokens: TokenRows | None = None  # per-slot token rows, on the model's output head (see patch)
 
     # Code that reads the wrapped module's parameters (tied weights, get_output_embeddings) still works.
     @property
@@ -80,12 +82,18 @@ class LoraLinear(_LinearSlots):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         y = self.base_layer(x, *args, **kwargs)
-        if self.r_max == 0:
+        rows = self.tokens if self.tokens is not None and self.tokens.k_max else None
+        if self.r_max == 0 and rows is None:
             return y
         meta = self.ctx.meta_for(x.shape[:-1])
         if meta is None:
             return y
-        return self.add_delta([y], x, meta)[0]
+        if self.r_max:
+            y = self.add_delta([y], x, meta)[0]
+        if rows is not None:  # the head: each row's adapter's token logits (and its added tokens' columns)
+            out = rows.logits(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), meta.token_slot)
+            y = out.view(*y.shape[:-1], out.shape[-1])
+        return y
 
 
 class LoraLinearGroup(_LinearSlots):

@@ -11,6 +11,7 @@ sits in which slot).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, SlotWriter, grow_for, pack_adapter, store_of
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.ops._checks import MAX_SLICES
 
@@ -34,12 +36,15 @@ logger = logging.getLogger("lorakit")
 class PatchConfig:
     """max_loras: adapter slots (adapters served at once). max_rank: the largest rank accepted.
     rank_multiple: padding granularity; a layer's max rank grows in these steps as adapters need.
-    filter_fn(module, fqn): which modules get LoRA slots (default: every linear and embedding)."""
+    filter_fn(module, fqn): which modules get LoRA slots (default: every linear and embedding).
+    max_token_rows: the most token rows (trainable or added tokens) one adapter may replace in the input
+    embedding or the output head; each row costs hidden_size x dtype bytes in every slot."""
 
     max_loras: int = 8
     max_rank: int = 256
     rank_multiple: int = 16
     filter_fn: Callable[[nn.Module, str], bool] | None = None
+    max_token_rows: int = 1024
 
     def __post_init__(self):
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -48,19 +53,22 @@ class PatchConfig:
             raise ValueError(f"max_rank must be a positive int, got {self.max_rank!r}")
         if self.rank_multiple not in (1, 2, 4, 8, 16, 32, 64):
             raise ValueError(f"rank_multiple must be a power of two up to 64, got {self.rank_multiple!r}")
+        if not isinstance(self.max_token_rows, int) or self.max_token_rows < 0:
+            raise ValueError(f"max_token_rows must be a non-negative int, got {self.max_token_rows!r}")
 
 
 def patch(model: nn.Module, max_loras: int = 8, *, max_rank: int = 256, rank_multiple: int = 16,
-          filter_fn: Callable[[nn.Module, str], bool] | None = None) -> "LoraHandle":
+          filter_fn: Callable[[nn.Module, str], bool] | None = None, max_token_rows: int = 1024) -> "LoraHandle":
     """Give ``model`` LoRA slots in place and return the handle that loads adapters into them.
 
     After patching, ``model(..., lora_ids=handle.ids(["sql", None]))`` serves each sequence (or token)
     with its adapter; without ``lora_ids`` the model computes exactly what it did before.
     """
-    config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn)
+    config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows)
     if getattr(model, "_lorakit_handle", None) is not None:
         raise ValueError("this model is already patched by lorakit; use the handle patch() returned")
     ctx = LoraContext(config.max_loras)
+    token_modules = _token_modules(model)
     linears, embeddings = {}, {}
     for name, module in model.named_modules():
         if not name or (config.filter_fn is not None and not config.filter_fn(module, name)):
@@ -85,6 +93,13 @@ def patch(model: nn.Module, max_loras: int = 8, *, max_rank: int = 256, rank_mul
             layers[name] = LoraLinear(module, ctx, config.max_loras, config.rank_multiple)
     for name, module in embeddings.items():
         layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
+    for name, role in token_modules.items():
+        layer = layers.get(name)
+        if isinstance(layer, (LoraEmbedding, LoraLinear)):
+            vocab, dim = (layer.in_features, layer.out_features) if role == "input" else (layer.out_features,
+                                                                                        layer.in_features)
+            layer.tokens = TokenRows(config.max_loras, vocab, dim, layer.dtype, layer.lora_B.device,
+                                     config.rank_multiple)
     for name, wrapper in layers.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
@@ -94,6 +109,20 @@ def patch(model: nn.Module, max_loras: int = 8, *, max_rank: int = 256, rank_mul
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
+
+
+def _token_modules(model: nn.Module) -> dict[str, str]:
+    """{name: "input" | "output"} of the model's input embedding and output head, where it has them."""
+    found = {}
+    for role, getter in (("input", "get_input_embeddings"), ("output", "get_output_embeddings")):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        name = next((n for n, m in model.named_modules() if m is module and n), None)
+        if name is not None:
+            found[name] = role
+    return found
 
 
 def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]]:
@@ -158,9 +187,17 @@ class LoraHandle:
         self._ctx = ctx
         self._base_modules = {
             name: BaseModule("embedding" if isinstance(layer, LoraEmbedding) else "linear",
-                             layer.in_features, layer.out_features)
+                             layer.in_features, layer.out_features,
+                             ("input" if isinstance(layer, LoraEmbedding) else "output")
+                             if getattr(layer, "tokens", None) is not None else None)
             for name, layer in layers.items()
         }
+        self._token_stores = {name: layer.tokens for name, layer in layers.items()
+                              if getattr(layer, "tokens", None) is not None}
+        roles = {self._base_modules[n].tokens: n for n in self._token_stores}
+        self._input_name, self._output_name = roles.get("input"), roles.get("output")
+        self.tied = (self._input_name is not None and self._output_name is not None
+                     and layers[self._input_name].weight is layers[self._output_name].weight)
         self._slots: list[str | None] = [None] * config.max_loras
         self._adapters: dict[str, PeftAdapter] = {}
         self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
@@ -220,11 +257,42 @@ class LoraHandle:
 
     def read_adapter(self, name: str, path: str | Path) -> PeftAdapter:
         """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError."""
-        adapter = load_peft_adapter(name, path, self._base_modules, torch.float32)
+        base_weights = {n: self.layers[n].weight for n in self._token_stores}
+        adapter = load_peft_adapter(name, path, self._base_modules, torch.float32, base_weights)
         if adapter.max_rank > self.config.max_rank:
             raise AdapterError(f"adapter {name!r} at {path}: rank {adapter.max_rank} is above this model's "
                                f"max_rank={self.config.max_rank}; patch with a larger max_rank")
-        return adapter
+        return self._tie_tokens(adapter)
+
+    def _tie_tokens(self, adapter: PeftAdapter) -> PeftAdapter:
+        """Apply PEFT's rules for the head's token rows: a head tied to the input embedding shares its rows;
+        an untied head needs rows of its own for every token the adapter adds (its logits are the adapter's)."""
+        if not adapter.tokens:
+            return adapter
+        where = f"adapter {adapter.name!r} at {adapter.path}"
+        tokens = dict(adapter.tokens)
+        inp, out = tokens.get(self._input_name), tokens.get(self._output_name)
+        if self.tied and inp is not None:
+            if out is not None and not torch.equal(out.ids, inp.ids):
+                raise AdapterError(f"{where}: the model's head is tied to its input embedding, but the adapter "
+                                   f"gives them different token ids; tied layers must share their token ids")
+            if out is None and adapter.config.get("trainable_token_indices") is not None:
+                tokens[self._output_name] = inp  # PEFT ties the head's token adapter to the embedding's
+        vocab = self._base_modules[self._input_name].vocab if self._input_name else 0
+        added_in = {int(i) for i in inp.ids if i >= vocab} if inp is not None else set()
+        out = tokens.get(self._output_name)
+        added_out = {int(i) for i in out.ids if i >= vocab} if out is not None else set()
+        if added_in != added_out:
+            raise AdapterError(f"{where}: the adapter adds token ids {sorted(added_in ^ added_out)[:8]} to only one of "
+                               f"the input embedding and the output head; an added token needs both rows (add the "
+                               f"head, e.g. 'lm_head', to trainable_token_indices or modules_to_save)")
+        for module, t in tokens.items():
+            if t.ids.numel() > self.config.max_token_rows:
+                raise AdapterError(f"{where}: module {module!r}: the adapter replaces {t.ids.numel()} token rows, "
+                                   f"above max_token_rows={self.config.max_token_rows} (each row costs "
+                                   f"{t.rows.shape[1] * self.dtype.itemsize} bytes in every slot); patch with "
+                                   f"max_token_rows>={t.ids.numel()} to serve it")
+        return dataclasses.replace(adapter, tokens=tokens)
 
     def pack(self, adapter: PeftAdapter, pin: bool) -> SlotImage:
         """The adapter laid out as a slot holds it, in the model's dtypes (in pinned memory if ``pin``)."""
@@ -242,7 +310,7 @@ class LoraHandle:
         adapter left in stores the new one does not touch. Nothing may be reading the slot meanwhile."""
         if image is not None:
             self.grow_for(image)
-        new = {s.store for s in image.stores} if image is not None else set()
+        new = ({s.store for s in image.stores} | {t.store for t in image.tokens}) if image is not None else set()
         self._writer.write(slot, image, [s for s in self._slot_stores[slot] if s not in new], self.layout_version)
         self._slot_stores[slot] = new
 
@@ -291,7 +359,16 @@ class LoraHandle:
         finally:
             self._ctx.default_ids = previous
 
+    @property
+    def vocab_size(self) -> int:
+        """Logit columns the head gives when lora_ids are passed: the base vocabulary plus the tokens adapters
+        loaded so far have added (grows; a request's own adapter's added tokens are the only ones it can get)."""
+        head = self._token_stores.get(self._output_name)
+        base = self._base_modules[self._output_name].vocab if self._output_name else 0
+        return base + (head.added if head is not None else 0)
+
     def memory(self) -> dict[str, int]:
         """Bytes of slot buffers: in all, and per slot."""
         total = sum(store.lora_A.nbytes + store.lora_B.nbytes for store in self._stores.values())
+        total += sum(t.rows.nbytes + t.ids1.nbytes for t in self._token_stores.values())
         return {"slot_buffers": total, "per_slot": total // len(self._slots)}

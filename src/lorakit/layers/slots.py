@@ -60,5 +60,9 @@ class LoraSlots(nn.Module):
         b[:, : self.r_max].copy_(self.lora_B)
         self.lora_A, self.lora_B, self.r_max = a, b, r_new
 
+    def slot_tensors(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """What one slot holds (zeroed, the slot holds nothing)."""
+        return self.ranks[slot], self.scales[slot], self.lora_A[slot], self.lora_B[slot]
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_sizes}, slots={self.num_slots}, r_max={self.r_max}"

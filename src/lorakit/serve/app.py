@@ -259,7 +259,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    def encode_chat(body: ChatBody) -> list[int]:
+    def encode_chat(body: ChatBody, adapter: str | None) -> list[int]:
+        tokenizer = engine.tokenizer_for(adapter)  # an adapter's own tokenizer may add tokens
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         if not body.messages:
@@ -282,10 +283,10 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def prompt_ids(prompt) -> list[int]:
+    def prompt_ids(prompt, adapter: str | None = None) -> list[int]:
         """Tokenized and checked once, before any response starts (so a stream can still get a 400)."""
         try:
-            return engine.prompt_ids(prompt)
+            return engine.prompt_ids(prompt, adapter)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
 
@@ -323,7 +324,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         params = params_of(body, body.logprobs)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
-        prompts = [prompt_ids(p) for p in prompts]
+        prompts = [prompt_ids(p, adapter) for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         jobs = [(i * body.n + k, p, k) for i, p in enumerate(prompts) for k in range(body.n)]
 
@@ -382,7 +383,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         if top is not None and not 0 <= top <= 20:
             raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         params = params_of(body, (top or 0) if body.logprobs else None)
-        prompt = prompt_ids(encode_chat(body))
+        prompt = prompt_ids(encode_chat(body, adapter), adapter)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             async def chunks():
@@ -446,7 +447,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         sampling = _Sampling(model=config.model_name, max_tokens=sp.pop("max_new_tokens", 16), **{
             k: v for k, v in sp.items() if k in _Sampling.model_fields})
         params = params_of(sampling, None)
-        texts = [prompt_ids(t) for t in texts]
+        texts = [prompt_ids(t, n) for t, n in zip(texts, names)]
 
         async def complete():
             results = await asyncio.gather(*(collect(run(t, params, n, 0)) for t, n in zip(texts, names)))

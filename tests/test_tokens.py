@@ -1,0 +1,164 @@
+"""Adapters with token rows (PEFT trainable tokens, added tokens, modules_to_save copies of the embedding and
+head) served per slot beside plain adapters and base rows, against PEFT on a resized model; and the engine
+generating an added token for its adapter only."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import lorakit
+from _lora_cases import rel_err
+from lorakit.engine import LLM, SamplingParams
+from lorakit.layers.adapter import AdapterError
+
+V, ADD = 64, 3  # base vocabulary, tokens the adapters add (ids V .. V+ADD-1)
+
+
+def tiny(tied: bool):
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def resized(base):
+    """The model the fine-tuner trained on: the base with ADD new token rows."""
+    model = copy.deepcopy(base)
+    model.resize_token_embeddings(V + ADD, mean_resizing=False)
+    return model
+
+
+def save(base, folder, seed, **config):
+    """A PEFT adapter on the resized model with random LoRA weights, token rows and module copies."""
+    torch.manual_seed(seed)
+    peft = get_peft_model(resized(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False, **config))
+    for name, p in peft.named_parameters():
+        if "trainable_tokens_delta" in name:
+            p.data = torch.randn_like(p) * 0.5
+        elif "modules_to_save" in name:  # a few retrained rows and every added row
+            p.data[[2, 11]] = torch.randn(2, p.shape[1])
+            p.data[V:] = torch.randn(ADD, p.shape[1])
+    peft.save_pretrained(folder)
+    return folder
+
+
+def adapters_for(base, tmp_path, tied: bool) -> dict:
+    out = {"plain": save(base, tmp_path / "plain", 1),
+           "tt": save(base, tmp_path / "tt", 2, trainable_token_indices=[3, 7])}
+    if tied:  # the head shares the embedding's token adapter, added ids included
+        out["add"] = save(base, tmp_path / "add", 3, trainable_token_indices=[5, V, V + 1])
+    else:
+        out["add"] = save(base, tmp_path / "add", 3,
+                          trainable_token_indices={"embed_tokens": [5, V, V + 1], "lm_head": [9, V, V + 1]})
+        out["mts"] = save(base, tmp_path / "mts", 4, modules_to_save=["embed_tokens", "lm_head"])
+    return out
+
+
+ADDS = {"add": [V, V + 1], "mts": [V, V + 1, V + 2]}  # the ids each adapter adds
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_token_rows_match_peft_per_row(tied, tmp_path):
+    base = tiny(tied)
+    folders = adapters_for(base, tmp_path, tied)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4)
+    for name, folder in folders.items():
+        handle.load_adapter(name, folder)
+    assert handle.vocab_size == V + (ADD if "mts" in folders else 2)
+    names = [None, *folders, *folders]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name in names:
+        ids = torch.randint(0, V, (6,), generator=gen)
+        ids[1], ids[4] = 3, 7  # the trainable tokens of "tt", in every row
+        if name in ADDS:
+            ids[2], ids[5] = ADDS[name][0], ADDS[name][-1]  # its own added tokens
+        rows.append(ids)
+    input_ids = torch.stack(rows)
+    with torch.no_grad():
+        ours = model(input_ids, lora_ids=handle.ids(names)).logits
+        compiled = torch.compile(model, fullgraph=True)(input_ids, lora_ids=handle.ids(names)).logits
+    assert torch.equal(torch.isinf(ours), torch.isinf(compiled))
+    finite = torch.isfinite(ours)
+    assert rel_err(compiled[finite], ours[finite]) < 1e-5
+    for row, name in enumerate(names):
+        ref_model = resized(base) if name is None else PeftModel.from_pretrained(resized(base), folders[name])
+        with torch.no_grad():
+            ref = ref_model(input_ids[row: row + 1]).logits[0]
+        assert rel_err(ours[row, :, :V], ref[:, :V]) < 1e-5, name
+        own = ADDS.get(name, [])
+        for t in range(V, handle.vocab_size):
+            if t in own:  # its own added tokens: PEFT's logits
+                assert rel_err(ours[row, :, t], ref[:, t]) < 1e-5, (name, t)
+            else:  # anyone else's: never sampled
+                assert torch.isinf(ours[row, :, t]).all() and (ours[row, :, t] < 0).all(), (name, t)
+
+
+def test_bad_token_adapters_are_refused_and_change_nothing(tmp_path):
+    base = tiny(tied=False)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2, max_token_rows=2)
+    good = save(base, tmp_path / "good", 1, trainable_token_indices=[3, 4])
+    handle.load_adapter("good", good)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cases = {
+        # an added token with no head row (untied head): its logits are unknowable
+        "half": (dict(trainable_token_indices=[5, V]), r"adds token ids \[64\] to only one of"),
+        "many": (dict(trainable_token_indices=[1, 2, 3]), "above max_token_rows=2"),
+        "where": (None, "'model.layers.0.self_attn.q_proj' is not a token embedding or output head"),
+    }
+    for name, (config, message) in cases.items():
+        if config is None:  # PEFT itself would not train this: a config edited by hand
+            folder = tmp_path / name
+            shutil.copytree(good, folder)
+            edited = json.loads((folder / "adapter_config.json").read_text())
+            edited["trainable_token_indices"] = {"layers.0.self_attn.q_proj": [3, 4]}
+            (folder / "adapter_config.json").write_text(json.dumps(edited))
+        else:
+            folder = save(base, tmp_path / name, 2, **config)
+        with pytest.raises(AdapterError, match=message):
+            handle.load_adapter(name, folder)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert handle.adapters == {"good": 0}
+
+
+def test_engine_generates_an_added_token_for_its_adapter_only(tmp_path):
+    """The "add" adapter's head row for its new token V points along the hidden state after the prompt, so
+    greedy decoding emits V and then reads it back through its own embedding row; lorakit's engine equals
+    PEFT's generate on the resized model, and the base and another adapter never produce V."""
+    base = tiny(tied=False)
+    folder = save(base, tmp_path / "add", 3,
+                  trainable_token_indices={"embed_tokens": [5, V, V + 1], "lm_head": [9, V, V + 1]})
+    prompt = [1, 5, 9, 12, 30]
+    peft = PeftModel.from_pretrained(resized(base), folder)
+    with torch.no_grad():
+        h = peft(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in weights if "lm_head" in k)
+    weights[key][1] = h * (40 / h.dot(h))  # the row of id V: logit 40 after this prompt
+    save_file(weights, folder / "adapter_model.safetensors")
+    peft = PeftModel.from_pretrained(resized(base), folder)
+    with torch.no_grad():
+        ref = peft.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert ref[0] == V
+    llm = LLM(copy.deepcopy(base), max_loras=2, adapters={"add": folder, "tt": save(base, tmp_path / "tt", 2,
+                                                                                    trainable_token_indices=[3])})
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ours, other, plain = llm.generate([prompt, prompt, prompt], greedy, adapters=["add", "tt", None])
+    assert ours.token_ids == ref
+    assert V not in other.token_ids and V not in plain.token_ids
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # another adapter's added token
+        llm.generate([[1, V]], greedy, adapters=["tt"])
+    assert llm.generate([[1, V]], greedy, adapters=["add"])[0].token_ids  # its own: fine
