@@ -64,11 +64,15 @@ def adapters_for(base, tmp_path, tied: bool) -> dict:
 ADDS = {"add": [V, V + 1], "mts": [V, V + 1, V + 2]}  # the ids each adapter adds
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_token_rows_match_peft_per_row(tied, tmp_path):
+def test_token_rows_match_peft_per_row(tied, device, tmp_path):
     base = tiny(tied)
     folders = adapters_for(base, tmp_path, tied)
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base).to(device)
     handle = lorakit.patch(model, max_loras=4)
     for name, folder in folders.items():
         handle.load_adapter(name, folder)
@@ -82,7 +86,7 @@ def test_token_rows_match_peft_per_row(tied, tmp_path):
         if name in ADDS:
             ids[2], ids[5] = ADDS[name][0], ADDS[name][-1]  # its own added tokens
         rows.append(ids)
-    input_ids = torch.stack(rows)
+    input_ids = torch.stack(rows).to(device)
     with torch.no_grad():
         ours = model(input_ids, lora_ids=handle.ids(names)).logits
         compiled = torch.compile(model, fullgraph=True)(input_ids, lora_ids=handle.ids(names)).logits
@@ -92,7 +96,7 @@ def test_token_rows_match_peft_per_row(tied, tmp_path):
     for row, name in enumerate(names):
         ref_model = resized(base) if name is None else PeftModel.from_pretrained(resized(base), folders[name])
         with torch.no_grad():
-            ref = ref_model(input_ids[row: row + 1]).logits[0]
+            ref = ref_model.to(device)(input_ids[row: row + 1]).logits[0]
         assert rel_err(ours[row, :, :V], ref[:, :V]) < 1e-5, name
         own = ADDS.get(name, [])
         for t in range(V, handle.vocab_size):
@@ -131,7 +135,8 @@ def test_bad_token_adapters_are_refused_and_change_nothing(tmp_path):
     assert handle.adapters == {"good": 0}
 
 
-def test_engine_generates_an_added_token_for_its_adapter_only(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_generates_an_added_token_for_its_adapter_only(device, tmp_path):
     """The "add" adapter's head row for its new token V points along the hidden state after the prompt, so
     greedy decoding emits V and then reads it back through its own embedding row; lorakit's engine equals
     PEFT's generate on the resized model, and the base and another adapter never produce V."""
@@ -153,7 +158,7 @@ def test_engine_generates_an_added_token_for_its_adapter_only(tmp_path):
         ref = peft.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
     assert ref[0] == V
-    llm = LLM(copy.deepcopy(base), max_loras=2, adapters={"add": folder, "tt": save(base, tmp_path / "tt", 2,
+    llm = LLM(copy.deepcopy(base).to(device), max_loras=2, adapters={"add": folder, "tt": save(base, tmp_path / "tt", 2,
                                                                                     trainable_token_indices=[3])})
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ours, other, plain = llm.generate([prompt, prompt, prompt], greedy, adapters=["add", "tt", None])
