@@ -167,3 +167,36 @@ def test_engine_generates_an_added_token_for_its_adapter_only(device, tmp_path):
     with pytest.raises(ValueError, match="outside the vocabulary"):  # another adapter's added token
         llm.generate([[1, V]], greedy, adapters=["tt"])
     assert llm.generate([[1, V]], greedy, adapters=["add"])[0].token_ids  # its own: fine
+
+
+def word_tokenizer(added=()):
+    """A word-level tokenizer of the base vocabulary w0 .. w63, plus ``added`` special tokens (ids 64, ...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
+    tokenizer.add_tokens(list(added), special_tokens=True)
+    return tokenizer
+
+
+def test_an_adapters_own_tokenizer_reads_and_writes_its_added_tokens(tmp_path):
+    """An adapter folder that carries its tokenizer (with added tokens): text prompts on that adapter are
+    tokenized with it (``<sql>`` becomes id V), and its outputs are detokenized with it; other requests keep
+    the base tokenizer, which does not know ``<sql>``."""
+    base = tiny(tied=True)
+    folder = save(base, tmp_path / "sql", 3, trainable_token_indices=[5, V, V + 1])
+    word_tokenizer(["<sql>", "</sql>"]).save_pretrained(folder)
+    llm = LLM(copy.deepcopy(base), word_tokenizer(), max_loras=1, adapters={"sql": folder})
+    assert llm.engine.prompt_ids("w1 <sql> w2", "sql") == [1, V, 2]
+    assert V not in llm.engine.prompt_ids("w1 <sql> w2")
+    out = llm.generate(["w1 <sql> w2"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       adapters=["sql"])[0]
+    own = llm.engine.tokenizer_for("sql")
+    prompt = [1, V, 2]
+    assert out.text == own.decode(prompt + out.token_ids)[len(own.decode(prompt)):]
+    ref = PeftModel.from_pretrained(resized(base), folder)
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([[1, V, 2]]), max_new_tokens=8, do_sample=False,
+                                attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
+    assert out.token_ids == expected
