@@ -198,5 +198,6 @@ def test_an_adapters_own_tokenizer_reads_and_writes_its_added_tokens(tmp_path):
     ref = PeftModel.from_pretrained(resized(base), folder)
     with torch.no_grad():
         expected = ref.generate(torch.tensor([[1, V, 2]]), max_new_tokens=8, do_sample=False,
+                                eos_token_id=10_000,  # run the 8 tokens, as ignore_eos does
                                 attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
     assert out.token_ids == expected
