@@ -147,7 +147,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
-        self._tokenizers: dict[str, tuple] = {}  # adapter -> ((path, mtime), tokenizer)
+        self._tokenizers: dict[tuple, object] = {}  # (adapter, version) -> its tokenizer
         for name, path in (adapters or {}).items():
             self.pool.register(name, path)
         logger.info("lorakit engine: %d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
@@ -180,18 +180,19 @@ class Engine:
         return request_id
 
     def tokenizer_for(self, adapter: str | None):
-        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's."""
+        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's. Read once
+        per registered version of the adapter."""
         if adapter is None:
             return self.tokenizer
-        info = self.pool.info(adapter)
-        if not any((info.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            return self.tokenizer
-        key = (str(info.path), info.path.stat().st_mtime)
-        if self._tokenizers.get(adapter, (None,))[0] != key:
-            import transformers
+        key = (adapter, self.pool.adapters.get(adapter))
+        if key not in self._tokenizers:
+            path = self.pool.info(adapter).path
+            own = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+            if own:
+                import transformers
 
-            self._tokenizers[adapter] = (key, transformers.AutoTokenizer.from_pretrained(info.path))
-        return self._tokenizers[adapter][1]
+            self._tokenizers[key] = transformers.AutoTokenizer.from_pretrained(path) if own else self.tokenizer
+        return self._tokenizers[key]
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
         """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked: not empty,

@@ -67,7 +67,7 @@ class TokenRows(nn.Module):
         hit, k = self._match(tokens, slots)
         rows = self.rows[slots.clamp(min=0).long(), k].to(y.dtype)
         if scale != 1.0:
-            rows = rows * torch.tensor(scale, dtype=y.dtype, device=y.device)
+            rows = rows * scale
         return torch.where(hit[:, None], rows, y)
 
     def logits(self, y: torch.Tensor, h: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
