@@ -32,6 +32,7 @@ from lorakit.engine.pool import AdapterPool
 from lorakit.engine.runner import ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler
+from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.patch import LoraHandle, patch
 
@@ -89,6 +90,7 @@ _NO_TEXT = _NoText()
 class _State:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None = field(default=None)
+    constraint: Constraint | None = None  # structured output: the tokens allowed next
 
 
 class Engine:
@@ -144,6 +146,7 @@ class Engine:
                                   compile=compile, graph_sizes=graph_sizes)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+        self.grammars = Grammars(self.eos_token_id)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -167,6 +170,7 @@ class Engine:
         if adapter is not None and adapter not in self.pool.adapters:
             raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
         prompt_ids = self.prompt_ids(prompt, adapter)
+        constraint = self._check_logits_params(params, adapter)
         max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_ids))
         limited = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -174,10 +178,23 @@ class Engine:
                           params=limited, seed=seed)
         detok = IncrementalDetokenizer(self.tokenizer_for(adapter) or _NO_TEXT, prompt_ids, limited,
                                        self.eos_token_id)
-        request.state = _State(detok, [] if params.logprobs is not None else None)
+        request.state = _State(detok, [] if params.logprobs is not None else None, constraint)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _check_logits_params(self, params: SamplingParams, adapter: str | None) -> Constraint | None:
+        """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint."""
+        added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size and t not in added]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_output is None:
+            return None
+        tokenizer = self.tokenizer_for(adapter)
+        if tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; give the engine one")
+        return self.grammars.constraint(params.structured_output, tokenizer, self.vocab_size)
 
     def tokenizer_for(self, adapter: str | None):
         """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's. Read once
@@ -251,8 +268,14 @@ class Engine:
         if not requests:  # only prompt chunks that do not end a prompt
             self.scheduler.postprocess(plan, {}, {})
             return outputs
+        constraints = [r.state.constraint for r in requests]
+        constrained = any(c is not None for c in constraints)
+        mask = Grammars.masks(constraints, logits.shape[-1], logits.is_cuda) if constrained else None  # the
+        # forward is still running on the device while the host fills the masks
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
-                                    [len(r.output_ids) for r in requests], logits.device)
+                                    [len(r.output_ids) for r in requests], logits.device,
+                                    histories=[(r.prompt_ids, r.output_ids) for r in requests],
+                                    vocab_size=logits.shape[-1], token_mask=mask)
         result = sample(logits.float(), batch)
         tokens = result.token_ids.tolist()  # the step's one host sync
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
@@ -262,6 +285,8 @@ class Engine:
         for row, (request, token) in enumerate(zip(requests, tokens)):
             state = request.state
             sampled[request] = token
+            if state.constraint is not None:
+                state.constraint.advance(token)
             delta, reason = state.detok.append(token)
             logprobs = None
             if state.logprobs is not None:

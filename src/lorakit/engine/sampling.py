@@ -1,8 +1,14 @@
 """Per-request sampling parameters and a batched sampler: one token per row of a [B, V] logits tensor.
 
-A row's token depends only on its logits, its parameters, its seed and its step, never on the rest of the
-batch. ``sample`` has no per-row Python loop, no host sync and no data-dependent shapes, so it can be
-captured in a CUDA graph; it branches only on flags that ``SamplingBatch.build`` computed on the host.
+A row's token depends only on its logits, its parameters, its history, its seed and its step, never on the
+rest of the batch. ``sample`` has no per-row Python loop, no host sync and no data-dependent shapes, so it
+can be captured in a CUDA graph; it branches only on flags that ``SamplingBatch.build`` computed on the host.
+
+Before sampling, a row's logits are processed in this order (as vLLM does): the structured-output mask
+(disallowed tokens -inf), ``logit_bias`` added, ``repetition_penalty`` on every token of the prompt and the
+output so far (positive logits divided by it, negative ones multiplied), then ``frequency_penalty`` times
+each token's count in the output and ``presence_penalty`` once per token present in it, subtracted.
+Log-probabilities are always of the raw logits.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingBatch", "SamplingParams", "gumbel_noise", "sample"]
+from lorakit.engine.structured import StructuredOutput, unpack_mask
+
+__all__ = ["MAX_LOGPROBS", "Penalties", "SampleOutput", "SamplingBatch", "SamplingParams", "gumbel_noise",
+           "process_logits", "sample"]
 
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: logits / T would overflow float32 long before T reaches 0.
@@ -41,6 +50,10 @@ class SamplingParams:
     off. ``seed`` makes the request reproducible whatever else runs beside it. ``stop`` strings,
     ``stop_token_ids`` and eos (unless ``ignore_eos``) end the request, but only after ``min_tokens``
     tokens. ``logprobs`` k returns the chosen token's log-probability and the k most likely (k <= 20).
+
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 off), ``repetition_penalty`` (> 0, 1 off) and
+    ``logit_bias`` ({token id: bias in [-100, 100]}) change the logits as the module docstring says;
+    ``structured_output`` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     max_tokens: int = 16
@@ -53,6 +66,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1)
@@ -75,9 +93,43 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allowed=f"None or an int in [0, {MAX_LOGPROBS}]")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    allowed=f"an int in [0, max_tokens={self.max_tokens}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), "a float in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float("repetition_penalty", self.repetition_penalty, "a float > 0", lambda v: v > 0)
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+            and p[0] >= 0 and not isinstance(p[1], bool) and isinstance(p[1], (int, float)) and -100 <= p[1] <= 100
+            for p in pairs
+        ):
+            raise ValueError(f"SamplingParams.logit_bias must map token ids >= 0 to biases in [-100, 100], got {bias!r}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ValueError(f"SamplingParams.structured_output must be a StructuredOutput, got "
+                                 f"{type(self.structured_output).__name__}")
+            if self.ignore_eos:
+                raise ValueError("SamplingParams.ignore_eos cannot be combined with structured_output: the grammar "
+                                 "ends the output with eos")
+        object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in pairs))
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class Penalties:
+    """Per-row penalty factors and the token statistics they act on (rows without penalties: 0, 0, 1)."""
+
+    presence: Tensor  # [B] float32
+    frequency: Tensor  # [B] float32
+    repetition: Tensor  # [B] float32
+    output_counts: Tensor  # [B, V] float32: times each token occurs in the row's output so far
+    seen: Tensor  # [B, V] bool: the token occurs in the row's prompt or output
 
 
 @dataclass
@@ -86,6 +138,7 @@ class SamplingBatch:
 
     ``temperature`` is 0 for greedy rows; ``top_k`` 0 is off; ``steps[b]`` counts the tokens row b's request
     generated before this one. ``max_logprobs`` is the largest ``logprobs`` asked for, None if no row asked.
+    ``token_mask``, ``logit_bias`` and ``penalties`` are None when no row uses them.
     """
 
     temperature: Tensor  # [B] float32
@@ -96,12 +149,22 @@ class SamplingBatch:
     all_greedy: bool
     any_top_k_or_p: bool
     max_logprobs: int | None
+    token_mask: Tensor | None = None  # [B, ceil(V / 32)] int32, packed bits: 1 = allowed
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # rows [N], token ids [N], biases [N]
+    penalties: Penalties | None = None
 
     @staticmethod
     def build(
-        params: list[SamplingParams], seeds: list[int], steps: list[int], device: torch.device | str
+        params: list[SamplingParams], seeds: list[int], steps: list[int], device: torch.device | str, *,
+        histories: list[tuple[list[int], list[int]]] | None = None, vocab_size: int | None = None,
+        token_mask: Tensor | None = None,
     ) -> SamplingBatch:
-        """Rows in ``params`` order; ``seeds`` in [0, 2**63) (the engine draws one for unseeded requests)."""
+        """Rows in ``params`` order; ``seeds`` in [0, 2**63) (the engine draws one for unseeded requests).
+
+        ``histories[b]`` is row b's (prompt ids, output ids so far), and ``vocab_size`` the logits' width: both
+        needed only where a row has penalties or a logit bias. ``token_mask``: the packed structured-output mask
+        on the host (see ``lorakit.engine.structured``), or None.
+        """
         if not len(params) == len(seeds) == len(steps):
             raise ValueError(
                 f"SamplingBatch.build needs one seed and one step per request, got {len(params)} params, "
@@ -119,12 +182,74 @@ class SamplingBatch:
         ints = torch.tensor([[p.top_k for p in params], seeds, steps], dtype=torch.int64, pin_memory=pin)
         floats = floats.to(device, non_blocking=True)
         ints = ints.to(device, non_blocking=True)
+        needs_vocab = any(p.penalized or p.logit_bias for p in params)
+        if needs_vocab and (histories is None or len(histories) != len(params) or vocab_size is None):
+            raise ValueError("SamplingBatch.build needs histories (one per row) and vocab_size for penalties and "
+                             "logit_bias")
         return SamplingBatch(
             temperature=floats[0], top_p=floats[1], top_k=ints[0], seeds=ints[1], steps=ints[2],
             all_greedy=not sampled,
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
             max_logprobs=max(asked) if asked else None,
+            token_mask=None if token_mask is None else token_mask.to(device, non_blocking=True),
+            logit_bias=_logit_bias(params, vocab_size, device, pin) if needs_vocab else None,
+            penalties=_penalties(params, histories, vocab_size, device, pin) if needs_vocab else None,
         )
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int, device, pin: bool):
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if not entries:
+        return None
+    bad = [t for _, t, _ in entries if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    rows, ids, biases = zip(*entries)
+    index = torch.tensor([rows, ids], dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
+    values = torch.tensor(biases, dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
+    return index[0], index[1], values
+
+
+def _penalties(params: list[SamplingParams], histories, vocab_size: int, device, pin: bool) -> Penalties | None:
+    """Token statistics of the penalized rows, scattered on the device from one padded id matrix each."""
+    if not any(p.penalized for p in params):
+        return None
+    batch = len(params)
+    outputs = [out if p.penalized else [] for p, (_, out) in zip(params, histories)]
+    seen = [prompt + out if p.repetition_penalty != 1 else [] for p, (prompt, out) in zip(params, histories)]
+
+    def padded(lists: list[list[int]]) -> Tensor:  # vocab_size is a spare column that takes the padding
+        width = max(1, max(map(len, lists)))
+        host = torch.tensor([x + [vocab_size] * (width - len(x)) for x in lists], dtype=torch.int64, pin_memory=pin)
+        return host.to(device, non_blocking=True)
+
+    out_ids = padded(outputs)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    present = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=device)
+    present.scatter_(1, padded(seen), True)
+    factors = torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                            [p.repetition_penalty for p in params]], dtype=torch.float32, pin_memory=pin)
+    factors = factors.to(device, non_blocking=True)
+    return Penalties(factors[0], factors[1], factors[2], counts[:, :vocab_size], present[:, :vocab_size])
+
+
+def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """float32 logits [B, V] after the structured-output mask, logit bias and penalties (a new tensor)."""
+    logits = logits.float().clone()
+    if batch.token_mask is not None:
+        logits.masked_fill_(~unpack_mask(batch.token_mask, logits.shape[-1]), float("-inf"))
+    if batch.logit_bias is not None:
+        rows, ids, values = batch.logit_bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    pen = batch.penalties
+    if pen is not None:
+        rep = pen.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(pen.seen, penalized, logits)
+        logits = logits - pen.frequency[:, None] * pen.output_counts
+        logits = logits - pen.presence[:, None] * (pen.output_counts > 0).float()
+    return logits
 
 
 @dataclass
@@ -192,9 +317,10 @@ def _mask_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     """One token per row of ``logits`` [B, V] (any float dtype; computed in float32).
 
-    Semantics: greedy rows (temperature 0) take ``argmax(logits[b])`` (ties: lowest index). Other rows take
-    ``argmax(mask(logits[b] / T[b]) + gumbel_noise(seeds, steps, V)[b])`` where ``mask`` applies top-k then
-    top-p (``-inf`` outside), i.e. a draw from softmax(mask(logits / T)).
+    Semantics: with ``z = process_logits(logits, batch)`` (mask, bias, penalties: the module docstring), greedy
+    rows (temperature 0) take ``argmax(z[b])`` (ties: lowest index). Other rows take
+    ``argmax(mask(z[b] / T[b]) + gumbel_noise(seeds, steps, V)[b])`` where ``mask`` applies top-k then
+    top-p (``-inf`` outside), i.e. a draw from softmax(mask(z / T)). Log-probabilities are of ``logits``.
     """
     if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
         raise ValueError(
@@ -202,10 +328,12 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
             f"got {tuple(logits.shape)}"
         )
     logits = logits.float()
-    token_ids = logits.argmax(dim=-1)
+    processed = batch.token_mask is not None or batch.logit_bias is not None or batch.penalties is not None
+    z = process_logits(logits, batch) if processed else logits
+    token_ids = z.argmax(dim=-1)
     if not batch.all_greedy:
         greedy = batch.temperature == 0
-        scaled = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
+        scaled = z / torch.where(greedy, 1.0, batch.temperature)[:, None]
         if batch.any_top_k_or_p:
             scaled = _mask_top_k_top_p(scaled, batch.top_k, batch.top_p)
         sampled = (scaled + gumbel_noise(batch.seeds, batch.steps, logits.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,138 @@
+"""Penalties, logit bias and structured output in the engine, against a reference that applies the same rule
+to the logits of Hugging Face's own forward pass, one token at a time: for a mixed batch (the base model and
+adapters; constrained, penalized and plain requests side by side) every request gets exactly the greedy
+tokens the reference gives it alone."""
+
+import copy
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import pytest
+import torch
+import transformers
+from peft import LoraConfig
+
+from _peft_models import save_adapter
+from _tokenizers import bpe_tokenizer
+from lorakit.engine import LLM, SamplingParams
+from lorakit.engine.structured import StructuredOutput
+
+CORPUS = ['{"name": "Paris", "ok": true, "n": 42}', "What is the capital of France? Paris is.",
+          "hello world, the quick brown fox 0123456789 yes no maybe"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tokenizer = bpe_tokenizer(CORPUS)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    adapter = save_adapter(base, "a", cfg, tmp_path_factory.mktemp("logits"), seed=1, std=0.3)
+    return base, tokenizer, adapter
+
+
+def reference(world, prompt: list[int], adapter: bool, params: SamplingParams) -> list[int]:
+    """Greedy tokens from full forward passes, with the penalties, bias and grammar applied to the logits."""
+    base, tokenizer, saved = world
+    model = saved.peft_model if adapter else base
+    matcher = None
+    if params.structured_output is not None:
+        lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+        matcher = llguidance.LLMatcher(lltok, params.structured_output.grammar())
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        if matcher is not None:
+            mask = llguidance.torch.allocate_token_bitmask(1, len(tokenizer))
+            llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+            allowed = torch.tensor([bool((int(mask[0, v // 32]) >> (v % 32)) & 1) for v in range(len(logits))])
+            logits[~allowed] = float("-inf")
+        for token, bias in params.logit_bias:
+            logits[token] += bias
+        for token in set(prompt + out) if params.repetition_penalty != 1 else ():
+            r = params.repetition_penalty
+            logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
+        for token in set(out):
+            logits[token] -= params.frequency_penalty * out.count(token) + params.presence_penalty
+        token = int(logits.argmax())
+        out.append(token)
+        if matcher is not None:
+            assert matcher.consume_token(token)
+        if token == tokenizer.eos_token_id:
+            break
+    return out
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "ok", "n"], "additionalProperties": False}
+
+CASES = {  # name: (adapter, params)
+    "plain": (False, dict()),
+    "presence": (True, dict(presence_penalty=1.5)),
+    "frequency": (False, dict(frequency_penalty=0.7)),
+    "repetition": (True, dict(repetition_penalty=1.8)),
+    "all-penalties": (False, dict(repetition_penalty=0.7, presence_penalty=-0.5, frequency_penalty=0.3)),
+    "bias": (True, dict(logit_bias={5: 3.0, 17: -100.0, 40: 2.5})),
+    "json": (True, dict(structured_output=StructuredOutput.json_schema(SCHEMA))),
+    "json-object": (False, dict(structured_output=StructuredOutput.json_schema(True), max_tokens=30)),
+    "regex": (False, dict(structured_output=StructuredOutput(regex=r"[a-z]{2,5} [0-9]{1,3}\."))),
+    "choice": (True, dict(structured_output=StructuredOutput(choice=("yes", "no", "maybe")))),
+    "penalized-json": (False, dict(structured_output=StructuredOutput.json_schema(SCHEMA), presence_penalty=2.0)),
+}
+
+
+def test_mixed_batch_equals_reference_alone(world):
+    base, tokenizer, saved = world
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"a": saved.path}, max_num_seqs=16, block_size=4)
+    prompt = tokenizer.encode("What is the capital of France?")
+    params = {name: SamplingParams(**{"max_tokens": 40, "temperature": 0.0, **kw}) for name, (_, kw) in CASES.items()}
+    names = list(CASES)
+    outs = llm.generate([prompt] * len(names), [params[n] for n in names],
+                        adapters=["a" if CASES[n][0] else None for n in names])
+    for name, out in zip(names, outs):
+        assert out.token_ids == reference(world, prompt, CASES[name][0], params[name]), name
+    text = {name: out.text for name, out in zip(names, outs)}
+    assert text["plain"] != text["repetition"] and text["plain"] != text["frequency"]
+    value = json.loads(text["json"])
+    assert set(value) == {"name", "ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
+    if outs[names.index("json-object")].finish_reason == "stop":  # a random model may write one long string
+        assert isinstance(json.loads(text["json-object"]), dict)
+    assert text["json-object"].startswith("{")
+    assert re.fullmatch(r"[a-z]{2,5} [0-9]{1,3}\.", text["regex"]), (text["regex"], outs[names.index("regex")])
+    assert text["choice"] in ("yes", "no", "maybe")
+    assert {o.finish_reason for n, o in zip(names, outs) if n in ("json", "regex", "choice")} == {"stop"}
+
+
+def test_logit_bias_forces_a_token_also_when_sampling(world):
+    base, tokenizer, _ = world
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, block_size=4)
+    forced = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logit_bias={7: 100.0}, ignore_eos=True)
+    assert llm.generate([[1, 2, 3]], forced)[0].token_ids == [7] * 8
+
+
+def test_bad_values_are_refused_by_name(world):
+    base, tokenizer, _ = world
+    for kw, what in ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")),
+                     "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                     (dict(logit_bias={3: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias")):
+        with pytest.raises(ValueError, match=what):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(structured_output=StructuredOutput(regex="a+"), ignore_eos=True)
+    for kw in (dict(regex="(a"), dict(json='{"type": "nonsense"}'), dict(choice=()), dict(regex="a", lark="x")):
+        with pytest.raises(ValueError):
+            StructuredOutput(**kw)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutput.json_schema("{bad")
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, block_size=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.engine.add_request([1, 2], SamplingParams(logit_bias={len(tokenizer) + 5: 1.0}))
+    assert not llm.engine.has_unfinished()
