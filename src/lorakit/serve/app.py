@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,9 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import lorakit
 from lorakit.engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 from lorakit.layers.adapter import AdapterError
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, chat_messages, sampling_params
+
+logger = logging.getLogger("lorakit.serve")
 
 
 @dataclass
@@ -46,50 +52,13 @@ class ServeConfig:
     max_concurrent: int = 256
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+def _error(status: int, message: str, type_: str | None = None, param: str | None = None) -> JSONResponse:
+    type_ = type_ or _ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
-
-
-# Request bodies (unknown fields are ignored, as OpenAI's API does).
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(default=None)
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-
-class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(_Sampling):
-    messages: list[ChatMessage]
-    logprobs: bool = False
-    top_logprobs: int | None = None
 
 
 class LoadBody(BaseModel):
@@ -161,6 +130,17 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return _error(400, f"invalid request: {where or 'body'}: {first.get('msg', 'bad value')}",
                       "invalid_request_error", where or None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):  # 404 unknown path, 405 wrong method
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return _error(e.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        logger.exception("an unexpected error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error ({type(e).__name__}); the server log has the details")
+
     if config.api_key:
         app.add_middleware(_BearerAuth, key=config.api_key, open_paths=("/health", "/metrics"))
 
@@ -174,21 +154,9 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                                 f"{[config.model_name, *sorted(engine.pool.adapters)]}", "not_found_error", "model")
         return model
 
-    def params_of(body: _Sampling, logprobs: int | None) -> SamplingParams:
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        max_tokens = 16 if max_tokens is None else max_tokens
-        if max_tokens > config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens={max_tokens} is above this server's limit of "
-                                f"{config.max_tokens_limit}", param="max_tokens")
-        if not 1 <= body.n <= 16:
-            raise ApiError(400, f"n must be in [1, 16], got {body.n}", param="n")
-        try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop=body.stop or (),
-                                  stop_token_ids=body.stop_token_ids or (), ignore_eos=body.ignore_eos,
-                                  logprobs=logprobs, min_tokens=body.min_tokens)
-        except ValueError as e:
-            raise ApiError(400, str(e).replace("SamplingParams.", "")) from None
+    def params_of(body: CompletionBody | ChatBody, prompts: list[list[int]], default_max_tokens: int | None):
+        return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=engine.max_seq_len,
+                               max_tokens_limit=config.max_tokens_limit, default_max_tokens=default_max_tokens)
 
     async def run(prompt, params: SamplingParams, adapter: str | None, seed_offset: int) -> AsyncIterator[RequestOutput]:
         """One request's outputs, with metrics; bad prompts become 400s."""
@@ -260,15 +228,47 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def encode_chat(body: ChatBody, adapter: str | None) -> list[int]:
+        messages = chat_messages(body)
         tokenizer = engine.tokenizer_for(adapter)  # an adapter's own tokenizer may add tokens
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        if not body.messages:
-            raise ApiError(400, "messages is empty", param="messages")
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "".join(p.get("text", "") for p in m.content or [])} for m in body.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    async def merged(jobs: list[tuple[int, list[int], int]], params: SamplingParams, adapter: str | None):
+        """(choice index, output) from all jobs (index, prompt ids, seed offset) as they come; the first error
+        raises; leaving early aborts every job."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, prompt, k):
+            try:
+                async for out in run(prompt, params, adapter, k):
+                    await queue.put((index, out))
+            except ApiError as e:
+                await queue.put(e)
+            await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, ApiError):
+                    raise item
+                index, out = item
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield index, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def stream_usage(body, chunk: dict, usage_: dict) -> dict | None:
+        """The last chunk, carrying usage, when the client asked with stream_options.include_usage."""
+        if body.stream_options is None or not body.stream_options.include_usage:
+            return None
+        return {**chunk, "choices": [], "usage": usage_}
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
@@ -316,62 +316,69 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                   "parent": config.model_name} for name in sorted(engine.pool.adapters)]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        adapter_of(model_id)
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "lorakit",
+                "parent": None if model_id == config.model_name else config.model_name}
+
+    @app.get("/version")
+    async def version():
+        return {"version": lorakit.__version__}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         adapter = adapter_of(body.model)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise ApiError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
-        params = params_of(body, body.logprobs)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
             body.prompt[0], int) else [body.prompt]
         prompts = [prompt_ids(p, adapter) for p in prompts]
+        params = params_of(body, prompts, default_max_tokens=16)
+        n = body.n or 1
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        jobs = [(i * body.n + k, p, k) for i, p in enumerate(prompts) for k in range(body.n)]
+        jobs = [(i * n + k, p, k) for i, p in enumerate(prompts) for k in range(n)]
+        text_of = engine.tokenizer_for(adapter)
+        echoed = [text_of.decode(p) if text_of is not None else "" for p in prompts] if body.echo else None
+        offsets = [0] * len(jobs)  # characters of each choice's text so far (logprobs' text_offset)
 
-        def logprob_block(lps):
+        def logprob_block(index: int, lps):
             if not lps:
                 return None
-            return {"tokens": [tokenizer.decode([t.token_id]) if tokenizer else str(t.token_id) for t in lps],
-                    "token_logprobs": [t.logprob for t in lps],
-                    "top_logprobs": [{(tokenizer.decode([i]) if tokenizer else str(i)): v for i, v in t.top.items()}
-                                     for t in lps]}
+            tokens = [token_text(t.token_id) for t in lps]
+            starts = []
+            for t in tokens:
+                starts.append(offsets[index])
+                offsets[index] += len(t)
+            return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps], "text_offset": starts,
+                    "top_logprobs": [{token_text(i): v for i, v in t.top.items()} for t in lps]}
 
         if body.stream:
             async def chunks():
-                queue: asyncio.Queue = asyncio.Queue()
-
-                async def pump(index, prompt, k):
-                    try:
-                        async for out in run(prompt, params, adapter, k):
-                            await queue.put((index, out))
-                    except ApiError as e:
-                        await queue.put(e)
-                    await queue.put((index, None))
-
-                tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
-                try:
-                    remaining = len(jobs)
-                    while remaining:
-                        item = await queue.get()
-                        if isinstance(item, ApiError):
-                            raise item
-                        index, out = item
-                        if out is None:
-                            remaining -= 1
-                            continue
-                        yield {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                               "choices": [{"index": index, "text": out.text, "logprobs": logprob_block(out.logprobs),
-                                            "finish_reason": out.finish_reason}]}
-                finally:
-                    for t in tasks:
-                        t.cancel()
+                head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+                usage_ = body.stream_options is not None and body.stream_options.include_usage
+                extra = {"usage": None} if usage_ else {}
+                if echoed:
+                    for index, _, _ in jobs:
+                        yield {**head, "choices": [{"index": index, "text": echoed[index // n], "logprobs": None,
+                                                    "finish_reason": None}], **extra}
+                counts = [0, 0]
+                async for index, out in merged(jobs, params, adapter):
+                    counts[1] += len(out.token_ids)
+                    if out.finished and index % n == 0:
+                        counts[0] += out.num_prompt_tokens
+                    yield {**head, "choices": [{"index": index, "text": out.text,
+                                                "logprobs": logprob_block(index, out.logprobs),
+                                                "finish_reason": out.finish_reason}], **extra}
+                last = stream_usage(body, head, usage(*counts))
+                if last is not None:
+                    yield last
             return sse(chunks(), "completions")
 
         async def complete():
             results = await asyncio.gather(*(collect(run(p, params, adapter, k)) for _, p, k in jobs))
-            choices = [{"index": i, "text": r["text"], "logprobs": logprob_block(r["logprobs"]),
-                        "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
-            prompt_tokens = sum(r["prompt_tokens"] for i, r in enumerate(results) if i % body.n == 0)
+            choices = [{"index": i, "text": (echoed[i // n] if echoed else "") + r["text"],
+                        "logprobs": logprob_block(i, r["logprobs"]), "finish_reason": r["finish_reason"]}
+                       for i, r in enumerate(results)]
+            prompt_tokens = sum(r["prompt_tokens"] for i, r in enumerate(results) if i % n == 0)
             return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                     "choices": choices, "usage": usage(prompt_tokens, sum(len(r["token_ids"]) for r in results))}
         return await guarded(request, "completions", complete())
@@ -379,27 +386,32 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         adapter = adapter_of(body.model)
-        top = body.top_logprobs if body.logprobs else None
-        if top is not None and not 0 <= top <= 20:
-            raise ApiError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
-        params = params_of(body, (top or 0) if body.logprobs else None)
         prompt = prompt_ids(encode_chat(body, adapter), adapter)
+        params = params_of(body, [prompt], default_max_tokens=None)
+        n = body.n or 1
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        jobs = [(k, prompt, k) for k in range(n)]
         if body.stream:
             async def chunks():
-                for k in range(body.n):
-                    yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                           "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}]}
-                    async for out in run(prompt, params, adapter, k):
-                        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                               "choices": [{"index": k, "delta": {"content": out.text} if out.text else {},
-                                            "logprobs": chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                                            "finish_reason": out.finish_reason}]}
+                head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+                usage_ = body.stream_options is not None and body.stream_options.include_usage
+                extra = {"usage": None} if usage_ else {}
+                for k in range(n):
+                    yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}], **extra}
+                generated = 0
+                async for k, out in merged(jobs, params, adapter):
+                    generated += len(out.token_ids)
+                    yield {**head, "choices": [{"index": k, "delta": {"content": out.text} if out.text else {},
+                                                "logprobs": chat_logprobs(out.logprobs or []) if body.logprobs
+                                                else None, "finish_reason": out.finish_reason}], **extra}
+                last = stream_usage(body, head, usage(len(prompt), generated))
+                if last is not None:
+                    yield last
             return sse(chunks(), "chat")
 
         async def complete():
-            results = await asyncio.gather(*(collect(run(prompt, params, adapter, k)) for k in range(body.n)))
+            results = await asyncio.gather(*(collect(run(prompt, params, adapter, k)) for k in range(n)))
             choices = [{"index": k, "message": {"role": "assistant", "content": r["text"]},
                         "logprobs": chat_logprobs(r["logprobs"]) if body.logprobs else None,
                         "finish_reason": r["finish_reason"]} for k, r in enumerate(results)]
@@ -444,9 +456,11 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 raise ApiError(404, f"unknown adapter {name!r}; loaded: {sorted(engine.pool.adapters)}",
                                "not_found_error", "lora_path")
         sp = dict(body.sampling_params)
-        sampling = _Sampling(model=config.model_name, max_tokens=sp.pop("max_new_tokens", 16), **{
-            k: v for k, v in sp.items() if k in _Sampling.model_fields})
-        params = params_of(sampling, None)
+        try:
+            params = SamplingParams(max_tokens=sp.pop("max_new_tokens", 16), **{
+                k: v for k, v in sp.items() if k in SamplingParams.__dataclass_fields__})
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e).replace("SamplingParams.", ""), param="sampling_params") from None
         texts = [prompt_ids(t, n) for t, n in zip(texts, names)]
 
         async def complete():

@@ -1,0 +1,232 @@
+"""The OpenAI request bodies lorakit accepts, and the one mapping from a body to ``SamplingParams``.
+
+Every parameter is either supported, accepted and ignored (``user``), or refused with a 400 that names it:
+an unknown field with a value other than null is an error, never silently dropped. ``ApiError`` is the one
+error type handlers raise; the app renders it in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lorakit.engine import SamplingParams
+from lorakit.engine.structured import StructuredOutput
+
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "check_extras", "chat_messages", "sampling_params"]
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error for the client: its HTTP status, message, OpenAI error type and the parameter at fault."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+class _Open(BaseModel):
+    """Unknown fields are kept (not dropped) so that ``check_extras`` can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = None
+
+
+class JsonSchema(_Open):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class _Sampling(_Open):
+    """Fields shared by /v1/completions and /v1/chat/completions (null means "not given")."""
+
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extra
+    n: int | None = None
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM's extra
+    min_tokens: int | None = None  # vLLM's extra
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extras
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # accepted; chat templates do not use it
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def check_extras(model: BaseModel, where: str = "") -> None:
+    """400 naming every field lorakit does not know that carries a value (null counts as absent)."""
+    extra = {k: v for k, v in (model.model_extra or {}).items() if v is not None}
+    for name, value in model:
+        if isinstance(value, BaseModel):
+            check_extras(value, f"{where}{name}.")
+    if extra:
+        names = ", ".join(f"'{where}{k}'" for k in sorted(extra))
+        raise ApiError(400, f"unsupported parameter(s): {names}; lorakit does not implement them (docs/serve.md "
+                            f"lists what it supports); remove them", param=f"{where}{sorted(extra)[0]}")
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: known roles only, text content only."""
+    if not body.messages:
+        raise ApiError(400, "messages is empty; give at least one message", param="messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        check_extras(m, f"{where}.")
+        if m.role in ("tool", "function"):
+            raise ApiError(400, f"{where}.role: '{m.role}' messages need tool calling, which lorakit does not "
+                                f"support", param=f"{where}.role")
+        if m.role not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+                           param=f"{where}.role")
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{where}.content[{j}] must be {{'type': 'text', 'text': <string>}} "
+                                        f"(lorakit serves text models), got {str(part)[:100]}",
+                                   param=f"{where}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif m.content is None and m.role != "assistant":
+            raise ApiError(400, f"{where}.content is missing", param=f"{where}.content")
+        else:
+            content = m.content or ""
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def _structured(body: _Sampling) -> StructuredOutput | None:
+    given = {k: v for k, v in (("response_format", body.response_format), ("guided_json", body.guided_json),
+                               ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice))
+             if v is not None and not (k == "response_format" and v.type == "text")}
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one of {', '.join(given)}", param=sorted(given)[1])
+    if not given:
+        return None
+    (name, value), = given.items()
+    try:
+        if name == "response_format":
+            if value.type == "json_object":
+                return StructuredOutput.json_schema(True)
+            if value.json_schema is None or value.json_schema.schema_ is None:
+                raise ApiError(400, "response_format of type 'json_schema' needs json_schema.schema",
+                               param="response_format")
+            return StructuredOutput.json_schema(value.json_schema.schema_)
+        if name == "guided_json":
+            return StructuredOutput.json_schema(value)
+        if name == "guided_regex":
+            return StructuredOutput(regex=value)
+        return StructuredOutput(choice=tuple(value))
+    except ValueError as e:
+        raise ApiError(400, f"{name}: {e}", param=name) from None
+
+
+def _max_tokens(body: _Sampling, prompt_len: int, max_seq_len: int, limit: int, default: int | None) -> int:
+    """What the request asked for, checked against the context and the server's limit (400s, as vLLM)."""
+    asked = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
+    if len(set(asked)) > 1:
+        raise ApiError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens")
+    room = max_seq_len - prompt_len
+    if not asked:  # the endpoint's default, cut to what fits
+        return max(1, min(room, limit) if default is None else min(default, room))
+    max_tokens = asked[0]
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > limit:
+        raise ApiError(400, f"max_tokens={max_tokens} is above this server's limit of {limit}", param="max_tokens")
+    if max_tokens > room:
+        raise ApiError(400, f"this model's context is {max_seq_len} tokens, but {prompt_len + max_tokens} were "
+                            f"asked for ({prompt_len} in the prompt, {max_tokens} for the output); shorten the "
+                            f"prompt or lower max_tokens", param="max_tokens")
+    return max_tokens
+
+
+def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq_len: int, max_tokens_limit: int,
+                    default_max_tokens: int | None) -> SamplingParams:
+    """The one mapping from an OpenAI body to ``SamplingParams`` (400 for anything out of range or refused).
+
+    ``prompt_len``: the longest prompt's token count. ``default_max_tokens``: when the body gives none (None:
+    whatever room the context leaves, up to the server's limit).
+    """
+    check_extras(body)
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= 16:
+        raise ApiError(400, f"n must be in [1, 16], got {n}", param="n")
+    if body.best_of is not None and body.best_of != n:
+        raise ApiError(400, f"best_of={body.best_of} (other than n) is not supported", param="best_of")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise ApiError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise ApiError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one",
+                           param="echo")
+        logprobs = body.logprobs
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    given = {k: v for k, v in dict(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+        stop=body.stop or None, stop_token_ids=tuple(body.stop_token_ids) if body.stop_token_ids else None,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=bias or None).items() if v is not None}
+    max_tokens = _max_tokens(body, prompt_len, max_seq_len, max_tokens_limit, default_max_tokens)
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_output=_structured(body), **given)
+    except ValueError as e:
+        message = str(e).replace("SamplingParams.", "")
+        raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
