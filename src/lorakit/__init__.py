@@ -1,7 +1,8 @@
 """lorakit: serve many LoRA adapters on one base LLM at once.
 
 Layers, from the bottom up: ``lorakit.ops`` (custom ops: shrink and expand), ``lorakit.layers``
-(modules that call them, and ``patch``) and ``lorakit.engine`` (pool, scheduler, runner, server).
+(modules that call them, and ``patch``), ``lorakit.engine`` (pool, scheduler, runner: ``Engine``, and ``LLM``
+for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP server that ``lorakit serve`` starts).
 """
 
 from lorakit import ops

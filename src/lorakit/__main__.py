@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from lorakit import __version__
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.serve import cli as serve_cli
 from lorakit.ops.reference import lora_ref_by_slot
@@ -47,9 +48,11 @@ def demo(device: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lorakit", description="Serve many LoRA adapters on one base model.")
+    parser.add_argument("--version", action="version", version=f"lorakit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("demo", help="run one layer's multi-adapter delta and check it against the reference")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="cpu or cuda (default: cuda when available, else cpu)")
     serve_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -36,7 +36,7 @@ from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.patch import LoraHandle, patch
 
-logger = logging.getLogger("lorakit")
+logger = logging.getLogger("lorakit.engine")
 
 __all__ = ["AsyncEngine", "CompletionOutput", "Engine", "LLM", "RequestOutput"]
 
@@ -153,7 +153,7 @@ class Engine:
         self._tokenizers: dict[tuple, object] = {}  # (adapter, version) -> its tokenizer
         for name, path in (adapters or {}).items():
             self.pool.register(name, path)
-        logger.info("lorakit engine: %d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
+        logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
                     num_blocks, block_size, self.runner.kv_bytes / 2**30, max_num_seqs, self.max_seq_len)
 
     # Requests.
@@ -255,7 +255,7 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         for request, reason in self.scheduler.failed:  # its adapter could not be loaded: only it ends
-            logger.warning("lorakit engine: request %s failed: %s", request.request_id, reason)
+            logger.warning("request %s failed: %s", request.request_id, reason)
             self._requests.pop(request.request_id, None)
             outputs.append(RequestOutput(request.request_id, "", [], True, "error", error=reason,
                                          num_prompt_tokens=len(request.prompt_ids)))
@@ -426,7 +426,7 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - every waiting stream gets it
-                logger.exception("lorakit engine: a step failed")
+                logger.exception("a step failed")
                 for request_id in list(engine._requests):
                     engine.abort(request_id)
                 engine._aborted.clear()

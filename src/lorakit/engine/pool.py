@@ -41,7 +41,7 @@ from lorakit.layers.adapter import AdapterError, AdapterInfo, inspect_peft_adapt
 from lorakit.layers.image import SlotImage, needs_growth
 from lorakit.layers.patch import LoraHandle
 
-logger = logging.getLogger("lorakit")
+logger = logging.getLogger("lorakit.pool")
 
 __all__ = ["AdapterPool", "PoolFull"]
 
@@ -124,7 +124,7 @@ class AdapterPool:
         self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
         self.stats = PoolStats()
         handle.manager = self
-        logger.info("lorakit pool: %d slots on %s; slot buffers %.1f MiB now, %.1f MiB at max_rank=%d; CPU cache "
+        logger.info("%d slots on %s; slot buffers %.1f MiB now, %.1f MiB at max_rank=%d; CPU cache "
                     "%.1f MiB", self.num_slots, self.device, handle.memory()["slot_buffers"] / 2**20,
                     handle.slot_bytes(handle.config.max_rank) / 2**20, handle.config.max_rank,
                     cpu_budget_bytes / 2**20)
@@ -161,7 +161,7 @@ class AdapterPool:
             if image is not None:  # a pinned name's new version takes its pin: loaded now if a slot is free
                 self._cache(version, image)
                 self._make_resident([version], evict=True, strict=False)
-            logger.info("lorakit pool: registered %r (%.1f MiB, rank <= %d)", version, nbytes / 2**20, info.max_rank)
+            logger.info("registered %r (%.1f MiB, rank <= %d)", version, nbytes / 2**20, info.max_rank)
             return version.number
 
     def unregister(self, name: str) -> None:
@@ -334,7 +334,7 @@ class AdapterPool:
         for v, image in zip(missing, images):
             slot = free.pop(0) if free else victims.pop(0)
             if self._slots[slot] is not None:
-                logger.info("lorakit pool: evicted %r from slot %d", self._slots[slot], slot)
+                logger.info("evicted %r from slot %d", self._slots[slot], slot)
                 self.stats.evictions += 1
                 self._free(self._slots[slot])
             self._upload(v, slot, image, after_growth=grew)
@@ -361,7 +361,7 @@ class AdapterPool:
             old, old_image = cache.images.popitem(last=False)
             cache.nbytes -= old_image.nbytes
             self.stats.cpu_evictions += 1
-            logger.debug("lorakit pool: dropped %r from the CPU cache", old)
+            logger.debug("dropped %r from the CPU cache", old)
         cache.images[v] = image
         cache.nbytes += image.nbytes
 
@@ -383,7 +383,7 @@ class AdapterPool:
         v.slot = slot
         self._lru[slot] = None
         self.stats.loads += 1
-        logger.info("lorakit pool: loaded %r into slot %d (%.1f MiB)", v, slot, image.nbytes / 2**20)
+        logger.info("loaded %r into slot %d (%.1f MiB)", v, slot, image.nbytes / 2**20)
 
     def _wait_ready(self, v: _Version) -> None:
         if v.ready is not None:

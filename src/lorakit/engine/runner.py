@@ -25,7 +25,7 @@ from torch import nn
 from lorakit.engine.attention import paged_attention, write_kv
 from lorakit.engine.scheduler import StepPlan
 
-logger = logging.getLogger("lorakit")
+logger = logging.getLogger("lorakit.runner")
 
 ATTENTION_NAME = "lorakit"
 
@@ -205,5 +205,5 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out = self._forward(view, None, self._decode_model)
         self._graphs[size] = (graph, out)
-        logger.info("lorakit runner: captured the decode graph for batch %d", size)
+        logger.info("captured the decode graph for batch %d", size)
         return self._graphs[size]

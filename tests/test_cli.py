@@ -1,0 +1,166 @@
+"""The ``lorakit`` command: --version, a help that shows every default, and bad options (a missing model folder,
+a bad --lora folder, runtime loading without a root) that stop ``lorakit serve`` at once, before any model is
+loaded or converted, with a message that names the problem and no traceback."""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import lorakit
+from _tokenizers import bpe_tokenizer
+from lorakit.__main__ import main
+from lorakit.serve import cli
+from lorakit.serve.model import bundled_adapters
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def lorakit_command(*args, cache):
+    """Run ``python -m lorakit ARGS`` with an empty LORAKIT_CACHE: (exit status, stdout + stderr)."""
+    env = {**os.environ, "LORAKIT_CACHE": str(cache)}
+    proc = subprocess.run([sys.executable, "-m", "lorakit", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def serve_options() -> list[argparse.Action]:
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli.add_parser(sub)
+    return [a for a in sub.choices["serve"]._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.fixture(autouse=True)
+def no_model_loads(monkeypatch):
+    """In this process, loading or converting a model fails the test (the checks come first)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr("lorakit.serve.model.default_model_folder", refuse)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lorakit {lorakit.__version__}"
+
+
+def test_serve_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    options = serve_options()
+    for action in options:
+        assert "(default: " in action.help, action.option_strings
+        if action.default not in (None, False, []):
+            assert f"(default: {action.default}" in text, action.option_strings
+    assert "(default: auto: cuda when available, else cpu)" in text
+    assert "(default: auto: bfloat16 on cuda, float32 on cpu)" in text
+    assert "local transformers model folder" in text
+
+
+def test_docs_table_lists_every_option_with_its_default():
+    rows = {}
+    for line in (ROOT / "docs" / "serve.md").read_text().splitlines():
+        if line.startswith("| `--"):
+            option, default, _ = (cell.strip() for cell in line.strip("|").split("|", 2))
+            rows[option.strip("`").split()[0]] = default
+    options = serve_options()
+    assert set(rows) == {a.option_strings[0] for a in options}
+    for action in options:
+        if action.default not in (None, False, []):
+            assert rows[action.option_strings[0]].strip("`").startswith(str(action.default)), action.option_strings
+
+
+def test_missing_model_folder_fails_fast(tmp_path):
+    code, out = lorakit_command("serve", "--model", str(tmp_path / "nope"), cache=tmp_path / "cache")
+    assert code != 0 and "Traceback" not in out, out
+    assert "--model" in out and "no such folder" in out and "local transformers model folder" in out, out
+    assert "not a Hugging Face hub name" in out and "loading the model" not in out, out
+
+    with pytest.raises(SystemExit, match="no config.json in the folder"):
+        main(["serve", "--model", str(tmp_path)])
+
+
+def write_adapter(folder, config="copy", weights="copy"):
+    """A copy of the pirate demo adapter, with its config and weights file replaced as asked."""
+    pirate = bundled_adapters()["pirate"]
+    folder.mkdir()
+    if config == "copy":
+        shutil.copy(f"{pirate}/adapter_config.json", folder)
+    elif config is not None:
+        (folder / "adapter_config.json").write_text(config)
+    if weights == "copy":
+        shutil.copy(f"{pirate}/adapter_model.safetensors", folder)
+    elif weights is not None:
+        (folder / weights[0]).write_bytes(weights[1])
+    return folder
+
+
+BAD_ADAPTERS = {
+    "no such folder": None,
+    "no adapter_config.json in the folder": dict(config=None),
+    "is not readable, valid JSON": dict(config="{not json"),
+    "peft_type is 'PREFIX_TUNING'": dict(config=json.dumps({"peft_type": "PREFIX_TUNING"})),
+    "only adapter_model.bin (a pickle) is there": dict(weights=("adapter_model.bin", b"pickle")),
+    "no adapter_model.safetensors in the folder": dict(weights=None),
+    "is not a readable safetensors file": dict(weights=("adapter_model.safetensors", b"garbage")),
+}
+
+
+@pytest.mark.parametrize("why", list(BAD_ADAPTERS))
+def test_bad_lora_is_refused_before_the_model_loads(tmp_path, why):
+    folder = tmp_path / "mine"
+    if BAD_ADAPTERS[why] is not None:
+        write_adapter(folder, **BAD_ADAPTERS[why])
+    with pytest.raises(SystemExit, match="adapter 'mine'") as e:
+        main(["serve", "--lora", f"mine={folder}"])  # the bundled model: its loading fails the test
+    assert why in str(e.value)
+
+
+def test_bad_lora_fails_fast_in_a_process(tmp_path):
+    """As a user sees it: the message, no traceback, no model loaded or converted (the cache stays empty)."""
+    cache = tmp_path / "cache"
+    code, out = lorakit_command("serve", "--lora", f"mine={write_adapter(tmp_path / 'mine', config='{')}",
+                                cache=cache)
+    assert code != 0 and "Traceback" not in out, out
+    assert "adapter 'mine'" in out and "not readable, valid JSON" in out, out
+    assert "loading the model" not in out and "converting" not in out and not cache.exists(), out
+
+
+def test_runtime_lora_options_are_checked_first(tmp_path):
+    with pytest.raises(SystemExit, match="--allow-runtime-lora needs at least one --lora-root"):
+        main(["serve", "--allow-runtime-lora"])
+    with pytest.raises(SystemExit, match="--lora-root .*: no such folder"):
+        main(["serve", "--allow-runtime-lora", "--lora-root", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit, match="--lora takes NAME=PATH"):
+        main(["serve", "--lora", "oops"])
+    with pytest.raises(SystemExit, match="given twice"):
+        main(["serve", "--lora", f"a={tmp_path}", "--lora", f"a={tmp_path}"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_without_a_device_is_refused():
+    with pytest.raises(SystemExit, match="no CUDA device is available"):
+        main(["serve", "--device", "cuda"])
+
+
+def test_an_adapter_the_model_cannot_serve_exits_with_its_message(tmp_path):
+    """Checked against the model once it is loaded (here: SmolLM2's pirate on a tiny llama): no traceback."""
+    tokenizer = bpe_tokenizer(["hello world, the quick brown fox"])
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    with pytest.raises(SystemExit, match="adapter 'pirate'"):
+        main(["serve", "--model", str(tmp_path / "tiny"), "--lora", f"pirate={bundled_adapters()['pirate']}",
+              "--device", "cpu"])
