@@ -136,3 +136,32 @@ def test_bad_values_are_refused_by_name(world):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.engine.add_request([1, 2], SamplingParams(logit_bias={len(tokenizer) + 5: 1.0}))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.gpu
+def test_processing_and_masks_on_cuda_equal_the_cpu(world):
+    """The same batch (grammar masks, biases, penalties, random logits) sampled on CUDA and on the CPU."""
+    from lorakit.engine.sampling import SamplingBatch, process_logits, sample
+    from lorakit.engine.structured import Grammars
+
+    _, tokenizer, _ = world
+    gen = torch.Generator().manual_seed(0)
+    vocab = len(tokenizer) + 7  # an adapter's added ids past the tokenizer: never allowed on constrained rows
+    params = [SamplingParams(**{"temperature": t, **kw}) for t, (_, kw) in zip([0.0, 0.7] * 8, CASES.values())]
+    histories = [(torch.randint(0, vocab, (9,), generator=gen).tolist(),
+                  torch.randint(0, vocab, (i,), generator=gen).tolist()) for i in range(len(params))]
+    grammars = Grammars(tokenizer.eos_token_id)
+    constraints = [grammars.constraint(p.structured_output, tokenizer, len(tokenizer)) if p.structured_output
+                   else None for p in params]
+    logits = torch.randn(len(params), vocab, generator=gen) * 4
+    got = {}
+    for device in ("cpu", "cuda"):
+        mask = Grammars.masks(constraints, vocab, pin=device == "cuda")
+        batch = SamplingBatch.build(params, list(range(len(params))), [3] * len(params), device,
+                                    histories=histories, vocab_size=vocab, token_mask=mask)
+        got[device] = (process_logits(logits.to(device), batch).cpu(), sample(logits.to(device), batch).token_ids.cpu())
+    assert torch.equal(got["cpu"][0].isinf(), got["cuda"][0].isinf())
+    finite = got["cpu"][0].isfinite()
+    torch.testing.assert_close(got["cuda"][0][finite], got["cpu"][0][finite], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got["cpu"][1], got["cuda"][1])
+    assert got["cpu"][0][:, len(tokenizer):][[c is not None for c in constraints]].isinf().all()

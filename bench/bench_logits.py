@@ -1,0 +1,109 @@
+"""What per-request logit processing costs a decode step: penalties, logit_bias and structured output.
+
+The engine on the bundled SmolLM2-135M-Instruct (bf16, CUDA graphs), a batch of B requests over the base model and the three demo adapters, all decoding.
+Rows: every request plain (greedy), with presence + frequency + repetition penalties, with a logit_bias of 3
+ids, constrained by a regex that keeps it going, or by a JSON schema. Reported per row: the median wall time of
+a decode step with all B requests running, and its ratio to the plain step measured in the same run (the
+forward pass is the same CUDA graph in every row; the difference is the host's mask and metadata work and the
+few elementwise kernels on [B, V] logits).
+
+    PYTHONPATH=src python bench/bench_logits.py --out DIR [--batch 64] [--steps 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lorakit import LLM, SamplingParams
+from lorakit.engine.structured import StructuredOutput
+from lorakit.serve.cli import bundled_adapters
+from lorakit.serve.model import load_model
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400},
+                                           "notes": {"type": "array", "items": {"type": "string"}}},
+          "required": ["answer", "notes"]}
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name a fruit that is yellow.",
+             "Who wrote Hamlet?"]
+
+
+def rows(steps: int) -> dict[str, SamplingParams]:
+    base = dict(max_tokens=steps + 1, temperature=0.0)
+    return {
+        "plain": SamplingParams(**base, ignore_eos=True),
+        "penalties": SamplingParams(**base, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
+                                    repetition_penalty=1.2),
+        "logit_bias": SamplingParams(**base, ignore_eos=True, logit_bias={11: 2.0, 198: -5.0, 1000: 1.0}),
+        "regex": SamplingParams(**base, structured_output=StructuredOutput(regex=f"[a-z ,.]{{{4 * steps}}}")),
+        "json_schema": SamplingParams(**base, structured_output=StructuredOutput.json_schema(SCHEMA)),
+    }
+
+
+def step_times(llm: LLM, prompts: list[list[int]], adapters: list[str | None], params: SamplingParams,
+               steps: int) -> tuple[float, int]:
+    """Median wall ms of the decode steps in which every request is running, and how many there were."""
+    engine = llm.engine
+    for prompt, adapter in zip(prompts, adapters):
+        engine.add_request(prompt, params, adapter)
+    times = []
+    while engine.has_unfinished():
+        full = len(engine.scheduler.running) == len(prompts) and not engine.scheduler.waiting
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = engine.step()
+        torch.cuda.synchronize()  # the step's own token read already waits; this only fences the timer
+        if full and all(not o.finished for o in outs) and len(outs) == len(prompts):
+            times.append(1e3 * (time.perf_counter() - start))
+    return (statistics.median(times[2:]) if len(times) > 2 else float("nan")), len(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=48)
+    args = p.parse_args(argv)
+    model, tokenizer, _ = load_model(None, "cuda", "bfloat16")
+    adapters = bundled_adapters()
+    llm = LLM(model, tokenizer, max_loras=4, adapters=adapters, max_num_seqs=args.batch, max_seq_len=512)
+    names = [None, *adapters]
+    prompts, which = [], []
+    for i in range(args.batch):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                            add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        which.append(names[i % len(names)])
+    step_times(llm, prompts, which, rows(8)["plain"], 8)  # warm up: graphs captured, adapters resident
+    results = {}
+    for name, params in rows(args.steps).items():
+        ms, n = step_times(llm, prompts, which, params, args.steps)
+        results[name] = {"step_ms": ms, "steps_timed": n}
+    plain = results["plain"]["step_ms"]
+    setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
+             "date": datetime.date.today().isoformat(), "batch": args.batch, "steps": args.steps,
+             "model": "bundled SmolLM2-135M-Instruct, bf16, CUDA graphs, base + 3 demo adapters round robin"}
+    lines = [f"# bench_logits: decode step with per-request logit processing, batch {args.batch}", "",
+             f"{setup['gpu']}, torch {setup['torch']}, triton {setup['triton']}, commit {setup['commit']}, "
+             f"{setup['date']}. {setup['model']}.", "",
+             "| every request | step ms (median) | / plain | steps timed |", "|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['step_ms']:.2f} | {r['step_ms'] / plain:.2f} | {r['steps_timed']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_logits.md").write_text(text)
+    (args.out / "bench_logits.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
