@@ -168,19 +168,16 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         """One request's outputs, with metrics; bad prompts become 400s."""
         if params.seed is not None and seed_offset:
             params = dataclasses.replace(params, seed=(params.seed + seed_offset) % 2**63)
-        measured = metrics.request(adapter or config.model_name)
-        try:
-            stream = runner.generate(prompt, params, adapter)
-            async for out in stream:
-                measured.update(out)
-                if out.finish_reason == "error":  # its adapter could not be loaded
-                    raise ApiError(400, out.error or "the request failed", param="model")
-                yield out
-        except (ValueError, AdapterError) as e:
-            measured.finish_reason = "error"
-            raise ApiError(400, str(e), param="prompt") from None
-        finally:
-            measured.close()
+        with metrics.request(adapter or config.model_name) as measured:
+            try:
+                stream = runner.generate(prompt, params, adapter)
+                async for out in stream:
+                    measured.update(out)
+                    if out.finish_reason == "error":  # its adapter could not be loaded
+                        raise ApiError(400, out.error or "the request failed", param="model")
+                    yield out
+            except (ValueError, AdapterError) as e:
+                raise ApiError(400, str(e), param="prompt") from None
 
     async def collect(gen: AsyncIterator[RequestOutput]) -> dict:
         text, tokens, reason, logprobs, prompt_tokens = "", [], None, [], 0
@@ -191,11 +188,16 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             reason, prompt_tokens = out.finish_reason, out.num_prompt_tokens
         return dict(text=text, token_ids=tokens, finish_reason=reason, logprobs=logprobs, prompt_tokens=prompt_tokens)
 
+    def busy() -> ApiError:
+        return ApiError(429, f"too many requests in flight (limit {config.max_concurrent}); retry later",
+                        "rate_limit_error")
+
     async def guarded(request: Request, endpoint: str, coro):
-        """Run a handler within the concurrency limit; a client that disconnects cancels (aborts) its work."""
+        """Run a handler within the concurrency limit; a client that disconnects cancels (aborts) its work.
+        (``endpoint`` is unused: CountResponses counts every response.)"""
         if slots.locked():
-            raise ApiError(429, f"too many requests in flight (limit {config.max_concurrent}); retry later",
-                           "rate_limit_error")
+            coro.close()  # never started
+            raise busy()
         async with slots:
             task = asyncio.ensure_future(coro)
             while not task.done():
@@ -206,24 +208,21 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             return task.result()
 
     def sse(chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
-        """A stream of server-sent events; an error after it started is an error event (CountResponses counts
-        those). ``endpoint`` is unused: responses are counted by CountResponses."""
-        busy = ApiError(429, f"too many requests in flight (limit {config.max_concurrent}); retry later",
-                        "rate_limit_error")
+        """Server-sent events within the concurrency limit; an error once streaming is an error event, then [DONE].
+        (``endpoint`` is unused: CountResponses counts every response, and streams that end in an error.)"""
         if slots.locked():
-            raise busy
+            raise busy()
 
         async def body():
-            if slots.locked():  # taken since
-                yield _sse({"error": {"message": busy.message, "type": busy.type, "param": None, "code": 429}})
-                return
-            async with slots:
-                try:
+            try:
+                if slots.locked():  # taken since
+                    raise busy()
+                async with slots:
                     async for chunk in chunks:
                         yield _sse(chunk)
-                except ApiError as e:
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
-                yield "data: [DONE]\n\n"
+            except ApiError as e:
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
+            yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def encode_chat(body: ChatBody, adapter: str | None) -> list[int]:
@@ -400,17 +399,11 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             jobs, batched = sglang.jobs(body, engine.pool.adapters, config.model_name, config.max_tokens_limit)
         except sglang.Refused as e:
             raise ApiError(e.status, str(e), e.type, e.param) from None
-        eos = engine.eos_token_id
-        eos = () if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        outputs = []
-        for job in jobs:
-            ids, decoder = prompt_ids(job.prompt, job.adapter), engine.tokenizer_for(job.adapter) or tokenizer
-            stop_ids = {*job.params.stop_token_ids, *(() if job.params.ignore_eos else eos)}
-            decode = (lambda t, d=decoder: d.decode(t, skip_special_tokens=True)) if decoder else (lambda t: "")
-            outputs.append(sglang.Output(dataclasses.replace(job, prompt=ids), len(ids), stop_ids, decode))
+        outputs = [sglang.Output(job, prompt_ids(job.prompt, job.adapter), engine.eos_token_id,
+                                 engine.tokenizer_for(job.adapter)) for job in jobs]
 
         def streams():
-            return [run(out.job.prompt, out.job.params, out.job.adapter, 0) for out in outputs]
+            return [run(out.prompt_ids, out.job.params, out.job.adapter, 0) for out in outputs]
 
         if body.stream:
             async def chunks():

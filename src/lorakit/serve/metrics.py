@@ -23,6 +23,7 @@ __all__ = ["CountResponses", "Metrics"]
 
 UNMATCHED = "unmatched"  # the endpoint label of every path no route matches (a scanner cannot add labels)
 TIERS = ("gpu", "cpu", "disk")
+_ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (app.py's _sse of an error body)
 
 
 class Metrics:
@@ -39,8 +40,8 @@ class Metrics:
         self.finished = prom.Counter("lorakit_adapter_requests", "Generation requests (one per prompt and choice) by "
                                      "how they ended: stop, length, abort (client gone), error",
                                      ["adapter", "finish_reason"], registry=r)
-        self.tokens = prom.Counter("lorakit_tokens", "Tokens by kind (prompt, generation) and adapter",
-                                   ["kind", "adapter"], registry=r)
+        self.tokens = prom.Counter("lorakit_tokens", "Tokens by kind and adapter: prompt (of requests that got a "
+                                   "first token), generation", ["kind", "adapter"], registry=r)
         self.ttft = prom.Histogram("lorakit_time_to_first_token_seconds", "Time to first token", ["adapter"],
                                    registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
@@ -57,28 +58,36 @@ class Metrics:
 
 
 class RequestMetrics:
-    """Feed it each RequestOutput (``update``) and ``close`` it once, however the request ends."""
+    """A context manager around one generation request: feed it each RequestOutput (``update``); on exit it counts
+    how the request ended (its finish reason; "error" on an exception; "abort" when cancelled or closed early)."""
 
     def __init__(self, metrics: Metrics, adapter: str):
-        self._metrics, self._adapter = metrics, adapter
+        self._metrics, self._adapter = metrics, adapter  # an adapter's series all appear at its first request
         self._ttft, self._tpot = metrics.ttft.labels(adapter), metrics.tpot.labels(adapter)
-        self._generated = metrics.tokens.labels("generation", adapter)
+        self._prompt, self._generated = (metrics.tokens.labels(kind, adapter) for kind in ("prompt", "generation"))
         self._last = time.monotonic()
         self._first = True
-        self.finish_reason: str | None = None  # None at close: aborted
+        self._finish_reason: str | None = None
 
     def update(self, out: RequestOutput) -> None:
         if out.token_ids:
             now = time.monotonic()
-            (self._ttft if self._first else self._tpot).observe(now - self._last)
+            if self._first:  # its prompt has been read: count it
+                self._ttft.observe(now - self._last)
+                self._prompt.inc(out.num_prompt_tokens)
+            else:
+                self._tpot.observe(now - self._last)
             self._first, self._last = False, now
             self._generated.inc(len(out.token_ids))
         if out.finished:
-            self.finish_reason = out.finish_reason
-            self._metrics.tokens.labels("prompt", self._adapter).inc(out.num_prompt_tokens)
+            self._finish_reason = out.finish_reason
 
-    def close(self) -> None:
-        self._metrics.finished.labels(self._adapter, self.finish_reason or "abort").inc()
+    def __enter__(self) -> RequestMetrics:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        reason = self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort"
+        self._metrics.finished.labels(self._adapter, reason or "abort").inc()
 
 
 class _EngineCollector:
@@ -149,7 +158,7 @@ class CountResponses:
                 self.metrics.responses.labels(endpoint, str(status)).inc()
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                if events and body[:15] == b'data: {"error"':
+                if events and body[:len(_ERROR_EVENT)] == _ERROR_EVENT:
                     self.metrics.stream_errors.labels(endpoint, _error_code(body)).inc()
                 done = not message.get("more_body", False)
             await send(message)

@@ -206,11 +206,14 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
 
 
 class Output:
-    """One job's results so far, in SGLang's shape. ``stop_ids``: the token ids that end it (its stop_token_ids and
-    eos); ``decode`` (token ids -> text) tells which stop string matched when several could have."""
+    """One job's results so far, in SGLang's shape. ``prompt_ids``: its prompt, tokenized and checked; the
+    engine's ``eos_token_id`` and the job's ``tokenizer`` tell what a "stop" finish matched."""
 
-    def __init__(self, job: Job, prompt_tokens: int, stop_ids: Collection[int], decode: Callable[[list[int]], str]):
-        self.job, self.prompt_tokens, self._stop_ids, self._decode = job, prompt_tokens, stop_ids, decode
+    def __init__(self, job: Job, prompt_ids: list[int], eos_token_id: int | list[int] | None, tokenizer):
+        self.job, self.prompt_ids, self._tokenizer = job, prompt_ids, tokenizer
+        eos = [] if eos_token_id is None or job.params.ignore_eos else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self._stop_ids = {*job.params.stop_token_ids, *eos}
         self.text, self.token_ids = "", []
         self.finish_reason: str | None = None
         self._start = time.monotonic()
@@ -223,7 +226,7 @@ class Output:
 
     def as_dict(self, index: int | None = None) -> dict:
         """SGLang's response (``index``: the job's place in a streamed batch)."""
-        meta = {"id": self.job.id, "finish_reason": self._finish(), "prompt_tokens": self.prompt_tokens,
+        meta = {"id": self.job.id, "finish_reason": self._finish(), "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": len(self.token_ids), "cached_tokens": 0}
         if self.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - self._start
@@ -241,8 +244,8 @@ class Output:
         if self.token_ids and self.token_ids[-1] in self._stop_ids:
             return {"type": "stop", "matched": self.token_ids[-1]}
         stops = self.job.params.stop
-        if len(stops) > 1:  # the one that starts first in the whole output's text
-            text = self._decode(self.token_ids)
+        if len(stops) > 1 and self._tokenizer is not None:  # the one that starts first in the output's text
+            text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
             stops = sorted((s for s in stops if s in text), key=text.find) or stops
         return {"type": "stop", "matched": stops[0] if stops else None}
 
