@@ -17,7 +17,7 @@ from peft import LoraConfig
 from _peft_models import save_adapter
 from _tokenizers import bpe_tokenizer
 from test_logits_params import CORPUS, SCHEMA, reference
-from test_serve import CHAT_TEMPLATE, LiveServer
+from _serve_helpers import CHAT_TEMPLATE, LiveServer
 from lorakit.engine import LLM, Engine, SamplingParams
 from lorakit.engine.structured import StructuredOutput
 from lorakit.serve import ServeConfig, create_app

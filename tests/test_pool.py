@@ -162,6 +162,23 @@ def test_prefetch_loads_without_holding(folders):
     pool.release(slots)
 
 
+def test_loads_evictions_and_residency_by_adapter(folders):
+    """What /metrics reports per adapter: uploads and evictions by name, and the tier each one sits in."""
+    base, saved, _ = folders
+    _, _, pool = fresh_pool(base, max_loras=2)
+    for name in ("q4", "all8", "mlp2", "emb6"):
+        pool.register(name, saved[name].path)
+    assert pool.residency() == dict.fromkeys(("q4", "all8", "mlp2", "emb6"), "disk")
+    for name in ("q4", "all8", "mlp2", "q4"):  # two slots: mlp2 evicts q4 (least recent), q4 then evicts all8
+        pool.release(pool.acquire([name]))
+    assert pool.stats.loads_by_adapter == {"q4": 2, "all8": 1, "mlp2": 1}
+    assert pool.stats.evictions_by_adapter == {"q4": 1, "all8": 1}
+    assert pool.stats.loads == 4 and pool.stats.evictions == 2
+    assert pool.residency() == {"q4": "gpu", "all8": "cpu", "mlp2": "gpu", "emb6": "disk"}
+    pool.unregister("q4")  # its counts stay; it is no longer resident anywhere
+    assert "q4" not in pool.residency() and pool.stats.as_dict()["loads_by_adapter"]["q4"] == 2
+
+
 def test_bad_adapters_are_refused_at_every_tier_and_change_nothing(folders, tmp_path):
     base, saved, nan = folders
     _, handle, pool = fresh_pool(base, max_loras=2, budget=16 << 10)

@@ -2,78 +2,22 @@
 base and adapters (equal to LLM.generate), streaming, runtime load / unload / hot-swap while others stream,
 concurrent clients, and bad inputs that get the right status and leave everyone else served."""
 
-import copy
 import json
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import torch
-import transformers
-import uvicorn
-from peft import LoraConfig
 
-from _peft_models import save_adapter
-from _tokenizers import bpe_tokenizer
-from lorakit.engine import LLM, Engine, SamplingParams
-from lorakit.serve import ServeConfig, create_app
-
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def make_tokenizer():
-    return bpe_tokenizer(["What is the capital of France? Paris is.", "hello world, the quick brown fox"],
-                         chat_template=CHAT_TEMPLATE)
+from _serve_helpers import build_world, reference, start
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    tokenizer = make_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config).eval()
-    root = tmp / "adapters"
-    adapters = {}
-    for seed, (name, rank) in enumerate((("sql", 4), ("chat", 8), ("v2", 16))):
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"],
-                         init_lora_weights=False)
-        adapters[name] = save_adapter(base, name, cfg, root, seed=seed, std=0.3).path
-    return base, tokenizer, root, adapters
-
-
-class LiveServer:
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=10))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, key="none"):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-def start(world, **config):
-    base, tokenizer, root, adapters = world
-    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: adapters[n] for n in ("sql", "chat")},
-                    block_size=4, patience=4)
-    return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)))
+    return build_world(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +25,6 @@ def server(world):
     live = start(world, allow_runtime_lora=True)
     yield live
     live.close()
-
-
-def reference(world, prompt, adapter, adapter_path=None, **params):
-    base, tokenizer, _, adapters = world
-    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"a": adapter_path or adapters[adapter]}
-              if adapter else None, block_size=4)
-    return llm.generate([prompt], SamplingParams(**params), adapters=["a" if adapter else None])[0]
 
 
 def test_models_completions_and_chat_equal_llm_generate(world, server):
@@ -125,8 +62,8 @@ def test_models_completions_and_chat_equal_llm_generate(world, server):
     assert r.status_code == 200 and r.json()[0]["text"] == reference(world, prompt, "sql", max_tokens=12,
                                                                      temperature=0.0).text
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert "lorakit_time_to_first_token_seconds_bucket" in metrics and 'lorakit_requests_total{endpoint="completions"' \
-        in metrics and "lorakit_adapter_loads" in metrics
+    assert "lorakit_time_to_first_token_seconds_bucket" in metrics and "lorakit_adapter_loads" in metrics
+    assert 'lorakit_requests_total{endpoint="/v1/completions",status="200"}' in metrics
 
 
 def test_hot_swap_while_streaming_and_concurrent_clients(world, server):

@@ -69,7 +69,8 @@ class _Version:
 
 @dataclass
 class PoolStats:
-    """Counters since start, for logs and metrics."""
+    """Counters since start, for logs and metrics. Only the engine thread writes them; another thread may read
+    them without the lock (an int, or a copy of a by-adapter dict: ``dict(d)`` is one step under the GIL)."""
 
     loads: int = 0  # uploads into a GPU slot
     evictions: int = 0  # GPU slots taken from an unused adapter
@@ -77,9 +78,11 @@ class PoolStats:
     cpu_misses: int = 0  # reads from disk
     cpu_evictions: int = 0
     swaps: int = 0  # registrations that replaced a version
+    loads_by_adapter: dict[str, int] = field(default_factory=dict)  # by name, every version; kept after unregister
+    evictions_by_adapter: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, int | dict[str, int]]:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -268,6 +271,13 @@ class AdapterPool:
 
     # Accounting.
 
+    def residency(self) -> dict[str, str]:
+        """Where each registered adapter's current version lives: "gpu" (in a slot, or on its way), "cpu" (in the
+        CPU cache) or "disk". For metrics from another thread: it takes no lock, so each adapter's tier is as of
+        some moment during the call."""
+        current, images = self._current.copy(), self._cpu.images
+        return {name: "gpu" if v.slot is not None else "cpu" if v in images else "disk" for name, v in current.items()}
+
     def memory(self) -> dict:
         """Bytes per tier, and what each slot holds."""
         with self._lock:
@@ -336,6 +346,7 @@ class AdapterPool:
             if self._slots[slot] is not None:
                 logger.info("evicted %r from slot %d", self._slots[slot], slot)
                 self.stats.evictions += 1
+                _count(self.stats.evictions_by_adapter, self._slots[slot].name)
                 self._free(self._slots[slot])
             self._upload(v, slot, image, after_growth=grew)
 
@@ -383,6 +394,7 @@ class AdapterPool:
         v.slot = slot
         self._lru[slot] = None
         self.stats.loads += 1
+        _count(self.stats.loads_by_adapter, v.name)
         logger.info("loaded %r into slot %d (%.1f MiB)", v, slot, image.nbytes / 2**20)
 
     def _wait_ready(self, v: _Version) -> None:
@@ -439,3 +451,7 @@ class AdapterPool:
         if cpu_budget > ram // 2:
             raise MemoryError(f"cpu_budget_bytes={cpu_budget / 2**30:.1f} GiB is more than half of this machine's "
                               f"{ram / 2**30:.1f} GiB of memory; lower it")
+
+
+def _count(counts: dict[str, int], name: str) -> None:
+    counts[name] = counts.get(name, 0) + 1

@@ -27,13 +27,15 @@ from typing import Any
 import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lorakit
 from lorakit.engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 from lorakit.layers.adapter import AdapterError
+from lorakit.serve import sglang
+from lorakit.serve.metrics import CountResponses, Metrics
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, chat_messages, sampling_params
 
 logger = logging.getLogger("lorakit.serve")
@@ -70,40 +72,11 @@ class UnloadBody(BaseModel):
     lora_name: str
 
 
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    text: str | list[str]
-    lora_path: str | list[str | None] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-
-
-class Metrics:
-    """Prometheus metrics, in a registry of their own (one per app)."""
-
-    def __init__(self):
-        r = self.registry = prom.CollectorRegistry()
-        self.requests = prom.Counter("lorakit_requests", "Requests by endpoint and outcome", ["endpoint", "status"],
-                                     registry=r)
-        self.tokens = prom.Counter("lorakit_tokens", "Tokens by kind", ["kind"], registry=r)
-        self.running = prom.Gauge("lorakit_requests_running", "Requests being generated", registry=r)
-        self.waiting = prom.Gauge("lorakit_queue_length", "Requests waiting for a batch", registry=r)
-        self.loads = prom.Gauge("lorakit_adapter_loads", "Adapter uploads into GPU slots since start", registry=r)
-        self.evictions = prom.Gauge("lorakit_adapter_evictions", "Adapters evicted from GPU slots since start",
-                                    registry=r)
-        self.ttft = prom.Histogram("lorakit_time_to_first_token_seconds", "Time to first token", registry=r,
-                                   buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.steps = prom.Gauge("lorakit_engine_steps", "Engine steps since start", registry=r)
-        self.step_seconds = prom.Gauge("lorakit_engine_step_seconds", "Wall time inside engine steps since start",
-                                       registry=r)
-        self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens", registry=r,
-                                   buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
-
-
 def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (its steps run on a thread of their own)."""
     config = config or ServeConfig()
     runner: AsyncEngine | None = None
-    metrics = Metrics()
+    metrics = Metrics(engine, lambda: runner)
     slots = asyncio.Semaphore(config.max_concurrent)
     tokenizer = engine.tokenizer
 
@@ -143,6 +116,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
     if config.api_key:
         app.add_middleware(_BearerAuth, key=config.api_key, open_paths=("/health", "/metrics"))
+    app.add_middleware(CountResponses, metrics=metrics, routes=app.router.routes)  # last: outside the key check
 
     # Helpers.
 
@@ -162,23 +136,16 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         """One request's outputs, with metrics; bad prompts become 400s."""
         if params.seed is not None and seed_offset:
             params = dataclasses.replace(params, seed=(params.seed + seed_offset) % 2**63)
-        start = last = time.monotonic()
-        first = True
-        try:
-            stream = runner.generate(prompt, params, adapter)
-            async for out in stream:
-                if out.finish_reason == "error":  # its adapter could not be loaded
-                    raise ApiError(400, out.error or "the request failed", param="model")
-                now = time.monotonic()
-                if out.token_ids:
-                    (metrics.ttft if first else metrics.tpot).observe(now - (start if first else last))
-                    first, last = False, now
-                    metrics.tokens.labels("generation").inc(len(out.token_ids))
-                if out.finished:
-                    metrics.tokens.labels("prompt").inc(out.num_prompt_tokens)
-                yield out
-        except (ValueError, AdapterError) as e:
-            raise ApiError(400, str(e), param="prompt") from None
+        with metrics.request(adapter or config.model_name) as measured:
+            try:
+                stream = runner.generate(prompt, params, adapter)
+                async for out in stream:
+                    measured.update(out)
+                    if out.finish_reason == "error":  # its adapter could not be loaded
+                        raise ApiError(400, out.error or "the request failed", param="model")
+                    yield out
+            except (ValueError, AdapterError) as e:
+                raise ApiError(400, str(e), param="prompt") from None
 
     async def collect(gen: AsyncIterator[RequestOutput]) -> dict:
         text, tokens, reason, logprobs, prompt_tokens = "", [], None, [], 0
@@ -189,42 +156,41 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             reason, prompt_tokens = out.finish_reason, out.num_prompt_tokens
         return dict(text=text, token_ids=tokens, finish_reason=reason, logprobs=logprobs, prompt_tokens=prompt_tokens)
 
+    def busy() -> ApiError:
+        return ApiError(429, f"too many requests in flight (limit {config.max_concurrent}); retry later",
+                        "rate_limit_error")
+
     async def guarded(request: Request, endpoint: str, coro):
-        """Run a handler within the concurrency limit; a client that disconnects cancels (aborts) its work."""
+        """Run a handler within the concurrency limit; a client that disconnects cancels (aborts) its work.
+        (``endpoint`` is unused: CountResponses counts every response.)"""
         if slots.locked():
-            metrics.requests.labels(endpoint, "429").inc()
-            raise ApiError(429, f"too many requests in flight (limit {config.max_concurrent}); retry later",
-                           "rate_limit_error")
+            coro.close()  # never started
+            raise busy()
         async with slots:
             task = asyncio.ensure_future(coro)
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.25)
                 if not done and await request.is_disconnected():
                     task.cancel()
-                    metrics.requests.labels(endpoint, "499").inc()
                     return JSONResponse({}, 499)
-            try:
-                result = task.result()
-            except ApiError as e:
-                metrics.requests.labels(endpoint, str(e.status)).inc()
-                raise
-            metrics.requests.labels(endpoint, "200").inc()
-            return result
+            return task.result()
 
     def sse(chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
+        """Server-sent events within the concurrency limit; an error once streaming is an error event, then [DONE].
+        (``endpoint`` is unused: CountResponses counts every response, and streams that end in an error.)"""
+        if slots.locked():
+            raise busy()
+
         async def body():
-            if slots.locked():
-                yield _sse({"error": {"message": "too many requests in flight", "type": "rate_limit_error"}})
-                return
-            async with slots:
-                try:
+            try:
+                if slots.locked():  # taken since
+                    raise busy()
+                async with slots:
                     async for chunk in chunks:
                         yield _sse(chunk)
-                    metrics.requests.labels(endpoint, "200").inc()
-                except ApiError as e:
-                    metrics.requests.labels(endpoint, str(e.status)).inc()
-                    yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
-                yield "data: [DONE]\n\n"
+            except ApiError as e:
+                yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
+            yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def encode_chat(body: ChatBody, adapter: str | None) -> list[int]:
@@ -298,14 +264,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        metrics.running.set(len(engine.scheduler.running))
-        metrics.waiting.set(len(engine.scheduler.waiting))
-        metrics.loads.set(engine.pool.stats.loads)
-        metrics.evictions.set(engine.pool.stats.evictions)
-        if runner is not None:
-            metrics.steps.set(runner.steps)
-            metrics.step_seconds.set(runner.step_seconds)
-        return PlainTextResponse(prom.generate_latest(metrics.registry).decode(), media_type=prom.CONTENT_TYPE_LATEST)
+        return Response(metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -446,29 +405,30 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         return {"status": "ok", "lora_name": body.lora_name}
 
     @app.post("/generate")
-    async def generate(body: GenerateBody, request: Request):
-        texts = body.text if isinstance(body.text, list) else [body.text]
-        names = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path] * len(texts)
-        if len(names) != len(texts):
-            raise ApiError(400, f"{len(texts)} texts but {len(names)} lora_path entries", param="lora_path")
-        for name in names:
-            if name is not None and name not in engine.pool.adapters:
-                raise ApiError(404, f"unknown adapter {name!r}; loaded: {sorted(engine.pool.adapters)}",
-                               "not_found_error", "lora_path")
-        sp = dict(body.sampling_params)
+    async def generate(body: sglang.GenerateBody, request: Request):
+        """SGLang's native endpoint: see serve/sglang.py for the mapping and the shapes."""
         try:
-            params = SamplingParams(max_tokens=sp.pop("max_new_tokens", 16), **{
-                k: v for k, v in sp.items() if k in SamplingParams.__dataclass_fields__})
-        except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e).replace("SamplingParams.", ""), param="sampling_params") from None
-        texts = [prompt_ids(t, n) for t, n in zip(texts, names)]
+            jobs, batched = sglang.jobs(body, engine.pool.adapters, config.model_name, config.max_tokens_limit)
+        except sglang.Refused as e:
+            raise ApiError(e.status, str(e), e.type, e.param) from None
+        outputs = [sglang.Output(job, prompt_ids(job.prompt, job.adapter), engine.eos_token_id,
+                                 engine.tokenizer_for(job.adapter)) for job in jobs]
+
+        def streams():
+            return [run(out.prompt_ids, out.job.params, out.job.adapter, 0) for out in outputs]
+
+        if body.stream:
+            async def chunks():
+                async for i, out in sglang.interleave(streams()):
+                    outputs[i].add(out)
+                    yield outputs[i].as_dict(i if batched else None)
+            return sse(chunks(), "generate")
 
         async def complete():
-            results = await asyncio.gather(*(collect(run(t, params, n, 0)) for t, n in zip(texts, names)))
-            out = [{"text": r["text"], "output_ids": r["token_ids"],
-                    "meta_info": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": len(r["token_ids"]),
-                                  "finish_reason": r["finish_reason"]}} for r in results]
-            return out if isinstance(body.text, list) else out[0]
+            async for i, out in sglang.interleave(streams()):
+                outputs[i].add(out)
+            results = [out.as_dict() for out in outputs]
+            return results if batched else results[0]
         return await guarded(request, "generate", complete())
 
     return app

@@ -1,0 +1,185 @@
+"""The server's Prometheus metrics, in a registry of their own (one per app).
+
+Every HTTP response is counted once, by ``CountResponses`` at the ASGI level, whatever produced it (a handler,
+FastAPI's validation, the API-key check, the router's 404 and 405), under the route's path template or
+"unmatched". Generation is counted per adapter (the base model under its served name) by ``Metrics.request``.
+Adapter loads, evictions and residency, and the engine's gauges, are read when scraped, without a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
+
+from lorakit.engine import AsyncEngine, Engine, RequestOutput
+
+__all__ = ["CountResponses", "Metrics"]
+
+UNMATCHED = "unmatched"  # the endpoint label of every path no route matches (a scanner cannot add labels)
+TIERS = ("gpu", "cpu", "disk")
+_ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (app.py's _sse of an error body)
+
+
+class Metrics:
+    """The series (see docs/serve.md): HTTP responses and failed streams by endpoint; per adapter, generation
+    requests by finish reason, tokens, time to first token and per output token, loads, evictions, residency."""
+
+    def __init__(self, engine: Engine, runner: Callable[[], AsyncEngine | None]):
+        r = self.registry = prom.CollectorRegistry()
+        self.responses = prom.Counter("lorakit_requests", "HTTP responses by endpoint (route template) and status",
+                                      ["endpoint", "status"], registry=r)
+        self.stream_errors = prom.Counter(
+            "lorakit_stream_errors", "Streamed responses (status 200) that ended in an error: the error event's "
+            "code, 499 when the client left, 500 when the server failed", ["endpoint", "status"], registry=r)
+        self.finished = prom.Counter("lorakit_adapter_requests", "Generation requests (one per prompt and choice) by "
+                                     "how they ended: stop, length, abort (client gone), error",
+                                     ["adapter", "finish_reason"], registry=r)
+        self.tokens = prom.Counter("lorakit_tokens", "Tokens by kind and adapter: prompt (of requests that got a "
+                                   "first token), generation", ["kind", "adapter"], registry=r)
+        self.ttft = prom.Histogram("lorakit_time_to_first_token_seconds", "Time to first token", ["adapter"],
+                                   registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
+                                   ["adapter"], registry=r,
+                                   buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
+        r.register(_EngineCollector(engine, runner))
+
+    def request(self, adapter: str) -> RequestMetrics:
+        """The metrics of one generation request for ``adapter`` (the label), its clock started now."""
+        return RequestMetrics(self, adapter)
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """A context manager around one generation request: feed it each RequestOutput (``update``); on exit it counts
+    how the request ended (its finish reason; "error" on an exception; "abort" when cancelled or closed early)."""
+
+    def __init__(self, metrics: Metrics, adapter: str):
+        self._metrics, self._adapter = metrics, adapter  # an adapter's series all appear at its first request
+        self._ttft, self._tpot = metrics.ttft.labels(adapter), metrics.tpot.labels(adapter)
+        self._prompt, self._generated = (metrics.tokens.labels(kind, adapter) for kind in ("prompt", "generation"))
+        self._last = time.monotonic()
+        self._first = True
+        self._finish_reason: str | None = None
+
+    def update(self, out: RequestOutput) -> None:
+        if out.token_ids:
+            now = time.monotonic()
+            if self._first:  # its prompt has been read: count it
+                self._ttft.observe(now - self._last)
+                self._prompt.inc(out.num_prompt_tokens)
+            else:
+                self._tpot.observe(now - self._last)
+            self._first, self._last = False, now
+            self._generated.inc(len(out.token_ids))
+        if out.finished:
+            self._finish_reason = out.finish_reason
+
+    def __enter__(self) -> RequestMetrics:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        reason = self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort"
+        self._metrics.finished.labels(self._adapter, reason or "abort").inc()
+
+
+class _EngineCollector:
+    """Read at scrape time from the engine thread's state: plain ints and copies of dicts, no lock taken."""
+
+    def __init__(self, engine: Engine, runner: Callable[[], AsyncEngine | None]):
+        self.engine, self.runner = engine, runner
+
+    def collect(self):
+        engine, runner = self.engine, self.runner()
+        yield GaugeMetricFamily("lorakit_requests_running", "Requests being generated",
+                                value=len(engine.scheduler.running))
+        yield GaugeMetricFamily("lorakit_queue_length", "Requests waiting for a batch",
+                                value=len(engine.scheduler.waiting))
+        yield GaugeMetricFamily("lorakit_engine_steps", "Engine steps since start",
+                                value=runner.steps if runner else 0)
+        yield GaugeMetricFamily("lorakit_engine_step_seconds", "Wall time inside engine steps since start",
+                                value=runner.step_seconds if runner else 0.0)
+        stats = engine.pool.stats
+        for name, counts, help_ in (
+            ("lorakit_adapter_loads", stats.loads_by_adapter, "Adapter uploads into GPU slots"),
+            ("lorakit_adapter_evictions", stats.evictions_by_adapter, "Adapters evicted from GPU slots"),
+        ):
+            family = CounterMetricFamily(name, help_, labels=["adapter"])
+            for adapter, n in sorted(dict(counts).items()):
+                family.add_metric([adapter], n)
+            yield family
+        resident = GaugeMetricFamily("lorakit_adapter_resident", "1 for the tier that holds each registered adapter "
+                                     "(gpu: a slot, cpu: the CPU cache, disk: neither), else 0",
+                                     labels=["adapter", "tier"])
+        for adapter, tier in sorted(engine.pool.residency().items()):
+            for t in TIERS:
+                resident.add_metric([adapter, t], float(t == tier))
+        yield resident
+
+
+class CountResponses:
+    """Counts every HTTP response by endpoint and status, and streams that end in an error (an SSE error event,
+    the client leaving, an exception). Plain ASGI, so streamed chunks pass straight through; add it last (it
+    must sit outside the API-key check to count its 401s)."""
+
+    def __init__(self, app, metrics: Metrics, routes: list):
+        self.app, self.metrics, self.routes = app, metrics, routes  # routes: the app's list, read per request
+
+    def endpoint(self, scope) -> str:
+        """The path template of the route the router will pick (a method mismatch, 405, still names it)."""
+        partial = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route.path
+            if match is Match.PARTIAL and partial is None:
+                partial = route.path
+        return partial or UNMATCHED
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = self.endpoint(scope)
+        status, events, done = None, False, False
+
+        async def counted(message):
+            nonlocal status, events, done
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                events = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", ()))
+                self.metrics.responses.labels(endpoint, str(status)).inc()
+            elif message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                if events and body[:len(_ERROR_EVENT)] == _ERROR_EVENT:
+                    self.metrics.stream_errors.labels(endpoint, _error_code(body)).inc()
+                done = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as e:
+            code = "499" if isinstance(e, (ClientDisconnect, OSError)) else "500"
+            if status is None:  # the server's outermost handler answers 500
+                self.metrics.responses.labels(endpoint, code).inc()
+            elif not done:
+                self.metrics.stream_errors.labels(endpoint, code).inc()
+            raise
+        if status is not None and not done:  # the stream was cut short: its client left
+            self.metrics.stream_errors.labels(endpoint, "499").inc()
+
+
+def _error_code(event: bytes) -> str:
+    """The ``code`` of an SSE error event ``data: {"error": {..., "code": 400}}``, else "500"."""
+    try:
+        code = json.loads(bytes(event)[len(b"data: "):])["error"].get("code")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return "500"
+    return str(code) if isinstance(code, int) else "500"

@@ -1,0 +1,296 @@
+"""SGLang's native ``POST /generate`` over lorakit's engine: the request mapped to jobs, the outputs to SGLang's shapes.
+
+``jobs(body, ...)`` turns a request into one ``Job`` (prompt, SamplingParams, adapter) per output, in SGLang's
+order (prompt by prompt, ``n`` samples each), and refuses with ``Refused`` (an HTTP status, a message naming the
+key) whatever lorakit would not do as SGLang does. ``Output`` gathers one job's results as SGLang returns them:
+cumulative ``text`` and ``output_ids``, and ``meta_info`` whose ``finish_reason`` is an object such as
+``{"type": "length", "length": 16}`` or ``{"type": "stop", "matched": 2}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from lorakit.engine import RequestOutput, SamplingParams
+from lorakit.engine.structured import StructuredOutput
+
+__all__ = ["GenerateBody", "Job", "Output", "Refused", "interleave", "jobs"]
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+MAX_N = 16
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _strings(v) -> bool:
+    return isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(_int(i) for i in v)
+
+
+# sampling_params keys lorakit supports: key -> (SamplingParams field, what the value must be, its check). Adding a
+# key SamplingParams has learned is one line here (and its line out of UNSUPPORTED).
+SUPPORTED: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
+    "max_new_tokens": ("max_tokens", "an int", _int),
+    "max_tokens": ("max_tokens", "an int", _int),  # OpenAI's name, for clients that send it
+    "min_new_tokens": ("min_tokens", "an int", _int),
+    "temperature": ("temperature", "a number", _number),
+    "top_p": ("top_p", "a number", _number),
+    "top_k": ("top_k", "an int", _int),
+    "stop": ("stop", "a string or a list of strings", _strings),
+    "stop_token_ids": ("stop_token_ids", "a list of ints", _ints),
+    "ignore_eos": ("ignore_eos", "true or false", lambda v: isinstance(v, bool)),
+    "sampling_seed": ("seed", "an int", _int),
+    "n": ("n", "an int", _int),  # not a SamplingParams field: n jobs per prompt
+    "presence_penalty": ("presence_penalty", "a number", _number),
+    "frequency_penalty": ("frequency_penalty", "a number", _number),
+    "repetition_penalty": ("repetition_penalty", "a number", _number),
+    "logit_bias": ("logit_bias", "an object of token id -> bias", lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and k.isdigit() and _number(b) for k, b in v.items())),
+    "json_schema": ("structured_output", "a JSON schema as a string", lambda v: isinstance(v, str)),
+    "regex": ("structured_output", "a string", lambda v: isinstance(v, str)),
+}
+
+# SGLang's sampling_params keys lorakit does not support yet, accepted only at the value that changes nothing.
+UNSUPPORTED: dict[str, Any] = {
+    "min_p": 0, "ebnf": None, "structural_tag": None, "stop_regex": None,
+    "custom_params": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "stream_interval": 1,
+}
+
+# Top-level keys of SGLang's request beyond the ones GenerateBody reads, accepted only at their defaults.
+UNSUPPORTED_TOP: dict[str, Any] = {
+    "return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False,
+    "return_hidden_states": False, "log_metrics": True,
+}
+
+
+class GenerateBody(BaseModel):
+    """The request; other keys land in ``model_extra`` and ``jobs`` refuses them by name (null ones are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    lora_path: str | list[str | None] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class Refused(ValueError):
+    """A request /generate refuses: the HTTP status, a message, and the parameter at fault (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+        self.type = "not_found_error" if status == 404 else "invalid_request_error"
+
+
+@dataclass
+class Job:
+    """One output to generate: the prompt (text or token ids), how to sample it, its adapter (None: the base)."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter: str | None
+    id: str
+
+
+def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_tokens_limit: int
+         ) -> tuple[list[Job], bool]:
+    """The request's jobs, prompt-major (prompt i's k-th sample is job ``i * n + k``), and whether SGLang answers
+    with a list (a batch of prompts, or ``n`` > 1) rather than one object. ``adapters``: the registered names;
+    ``base_name`` in ``lora_path`` means the base model, as null does. Raises ``Refused``."""
+    for key, value in (body.model_extra or {}).items():
+        if value is not None and not (key in UNSUPPORTED_TOP and value == UNSUPPORTED_TOP[key]):
+            raise Refused(f"{key!r} is not supported by lorakit's /generate; it takes text or input_ids, lora_path, "
+                          f"sampling_params, rid and stream", key)
+    if (body.text is None) == (body.input_ids is None):
+        raise Refused("give exactly one of text and input_ids", "text")
+    if body.text is not None:
+        batched = isinstance(body.text, list)
+        prompts: list = body.text if batched else [body.text]
+        where = "text"
+    else:
+        if not body.input_ids:
+            raise Refused("input_ids is empty", "input_ids")
+        batched = isinstance(body.input_ids[0], list)
+        prompts = body.input_ids if batched else [body.input_ids]
+        where = "input_ids"
+    if not prompts:
+        raise Refused(f"{where} is an empty list", where)
+    names = _per_prompt(body.lora_path, len(prompts), "lora_path")
+    for name in names:
+        if name is not None and name != base_name and name not in adapters:
+            raise Refused(f"unknown adapter {name!r} in lora_path; available: {sorted(adapters)} (or null or "
+                          f"{base_name!r} for the base model)", "lora_path", 404)
+    adapter_of = [None if name in (None, base_name) else name for name in names]
+    sampling = [_sampling(sp, max_tokens_limit) for sp in _per_prompt(body.sampling_params, len(prompts),
+                                                                          "sampling_params")]
+    samples = {k for _, k in sampling}
+    if len(samples) > 1:
+        raise Refused(f"every prompt's sampling_params must have the same n, got {sorted(samples)}", "n")
+    n = samples.pop()
+    batched = batched or n > 1
+    if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+        raise Refused(f"{len(prompts)} prompts but {len(body.rid)} rid entries", "rid")
+    out = []
+    for i, (prompt, adapter, (params, _)) in enumerate(zip(prompts, adapter_of, sampling)):
+        for k in range(n):
+            if n > 1 or body.rid is None:
+                rid = uuid.uuid4().hex
+            else:
+                rid = body.rid[i] if isinstance(body.rid, list) else f"{body.rid}_{i}" if batched else body.rid
+            seeded = params if params.seed is None or k == 0 else dataclasses.replace(
+                params, seed=(params.seed + k) % 2**63)  # n samples of one seed differ, and repeat
+            out.append(Job(prompt, seeded, adapter, rid))
+    return out, batched
+
+
+def _per_prompt(value, count: int, param: str) -> list:
+    """A value for all prompts, or a list with one per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise Refused(f"{count} prompt(s) but {len(value)} {param} entries; give one per prompt, or one for all",
+                      param)
+    return value
+
+
+def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[SamplingParams, int]:
+    """SamplingParams and n from one prompt's sampling_params."""
+    kwargs, used = {}, {}  # used: SamplingParams field -> the key that set it
+    for key, value in (sp or {}).items():
+        if value is None:  # null: the default, as SGLang reads it
+            continue
+        if key in SUPPORTED:
+            field, kind, ok = SUPPORTED[key]
+            if not ok(value):
+                raise Refused(f"sampling_params.{key} must be {kind}, got {value!r}", key)
+            if field in used:
+                raise Refused(f"sampling_params has both {used[field]} and {key}; give one", key)
+            kwargs[field], used[field] = value, key
+        elif key in UNSUPPORTED:
+            if value != UNSUPPORTED[key] or isinstance(value, bool) != isinstance(UNSUPPORTED[key], bool):
+                raise Refused(f"sampling_params.{key} is not supported by lorakit yet (only "
+                              f"{UNSUPPORTED[key]!r}, which changes nothing)", key)
+        else:
+            raise Refused(f"sampling_params.{key} is not a sampling parameter lorakit knows; supported: "
+                          f"{', '.join(SUPPORTED)}", key)
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = {int(k): b for k, b in kwargs["logit_bias"].items()}
+    if "structured_output" in kwargs:
+        key, value = used["structured_output"], kwargs["structured_output"]
+        try:
+            kwargs["structured_output"] = StructuredOutput.json_schema(value) if key == "json_schema" else \
+                StructuredOutput(regex=value)
+        except ValueError as e:
+            raise Refused(f"sampling_params.{key}: {e}", key) from None
+    n = kwargs.pop("n", 1)
+    if not 1 <= n <= MAX_N:
+        raise Refused(f"sampling_params.n must be in [1, {MAX_N}], got {n}", "n")
+    kwargs.setdefault("max_tokens", min(DEFAULT_MAX_NEW_TOKENS, max_tokens_limit))
+    if kwargs["max_tokens"] > max_tokens_limit:
+        key = used["max_tokens"]
+        raise Refused(f"sampling_params.{key}={kwargs['max_tokens']} is above this server's limit of "
+                      f"{max_tokens_limit}", key)
+    try:
+        return SamplingParams(**kwargs), n
+    except ValueError as e:
+        message, param = str(e), None
+        for field, key in used.items():
+            if message.startswith(f"SamplingParams.{field} "):
+                message, param = message.replace(f"SamplingParams.{field}", f"sampling_params.{key}", 1), key
+        raise Refused(message.replace("SamplingParams.", "sampling_params."), param) from None
+
+
+class Output:
+    """One job's results so far, in SGLang's shape. ``prompt_ids``: its prompt, tokenized and checked; the
+    engine's ``eos_token_id`` and the job's ``tokenizer`` tell what a "stop" finish matched."""
+
+    def __init__(self, job: Job, prompt_ids: list[int], eos_token_id: int | list[int] | None, tokenizer):
+        self.job, self.prompt_ids, self._tokenizer = job, prompt_ids, tokenizer
+        eos = [] if eos_token_id is None or job.params.ignore_eos else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self._stop_ids = {*job.params.stop_token_ids, *eos}
+        self.text, self.token_ids = "", []
+        self.finish_reason: str | None = None
+        self._start = time.monotonic()
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    def as_dict(self, index: int | None = None) -> dict:
+        """SGLang's response (``index``: the job's place in a streamed batch)."""
+        meta = {"id": self.job.id, "finish_reason": self._finish(), "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": len(self.token_ids), "cached_tokens": 0}
+        if self.finish_reason is not None:
+            meta["e2e_latency"] = time.monotonic() - self._start
+        out = {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
+
+    def _finish(self) -> dict | None:
+        reason = self.finish_reason
+        if reason == "length":
+            return {"type": "length", "length": len(self.token_ids)}
+        if reason != "stop":
+            return None if reason is None else {"type": "abort", "message": f"the request ended: {reason}"}
+        if self.token_ids and self.token_ids[-1] in self._stop_ids:
+            return {"type": "stop", "matched": self.token_ids[-1]}
+        stops = self.job.params.stop
+        if len(stops) > 1 and self._tokenizer is not None:  # the one that starts first in the output's text
+            text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            stops = sorted((s for s in stops if s in text), key=text.find) or stops
+        return {"type": "stop", "matched": stops[0] if stops else None}
+
+
+async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """The items of several async iterators as they come, each with its iterator's index. An error in one ends
+    them all (re-raised here); leaving early cancels the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None))
+            await queue.put((i, end, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the reader
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,76 @@
+"""A tiny model, tokenizer and adapters for server tests, and `lorakit serve` live on loopback over them."""
+
+import copy
+import threading
+import time
+
+import openai
+import torch
+import transformers
+import uvicorn
+from peft import LoraConfig
+
+from _peft_models import save_adapter
+from _tokenizers import bpe_tokenizer
+from lorakit.engine import LLM, Engine, SamplingParams
+from lorakit.serve import ServeConfig, create_app
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def make_tokenizer():
+    return bpe_tokenizer(["What is the capital of France? Paris is.", "hello world, the quick brown fox"],
+                         chat_template=CHAT_TEMPLATE)
+
+
+def build_world(tmp):
+    """(base model, tokenizer, adapter root, {name: adapter folder}) for adapters sql, chat and v2 under ``tmp``."""
+    tokenizer = make_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    root = tmp / "adapters"
+    adapters = {}
+    for seed, (name, rank) in enumerate((("sql", 4), ("chat", 8), ("v2", 16))):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"],
+                         init_lora_weights=False)
+        adapters[name] = save_adapter(base, name, cfg, root, seed=seed, std=0.3).path
+    return base, tokenizer, root, adapters
+
+
+class LiveServer:
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start(world, adapters=("sql", "chat"), **config):
+    """A live server named "tiny" with ``adapters`` registered, two GPU slots, runtime loads from the root."""
+    base, tokenizer, root, paths = world
+    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: paths[n] for n in adapters},
+                    block_size=4, patience=4)
+    return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)))
+
+
+def reference(world, prompt, adapter, adapter_path=None, **params):
+    """What LLM.generate makes of ``prompt`` on ``adapter`` (None: the base model)."""
+    base, tokenizer, _, adapters = world
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"a": adapter_path or adapters[adapter]}
+              if adapter else None, block_size=4)
+    return llm.generate([prompt], SamplingParams(**params), adapters=["a" if adapter else None])[0]
