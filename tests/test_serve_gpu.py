@@ -110,3 +110,43 @@ def test_bad_request_on_the_gpu_leaves_the_server_serving(url):
     r = httpx.post(f"{url}/v1/completions", json={"model": BASE, "prompt": "x " * 100_000, "max_tokens": 4})
     assert r.status_code == 400
     assert "Paris" in chat(url, BASE, "What is the capital of France?")["choices"][0]["message"]["content"]
+
+
+def test_structured_output_and_penalties_on_the_gpu(url):
+    """Concurrent requests on the GPU server (decode steps replay CUDA graphs): every JSON-schema request on the
+    json adapter and on the base model parses, a choice is one of the choices, logit_bias forces its token,
+    and penalized requests beside them still answer."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
+              "properties": {"answer": {"type": "string", "maxLength": 60},
+                             "confidence": {"enum": ["high", "medium", "low"]}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    questions = ["What is the capital of Italy?", "Write a long poem.", "2 + 2?", "Who painted the Mona Lisa?"]
+    jobs = [(m, q, {"response_format": fmt, "max_tokens": 100}) for m in ("json", BASE) for q in questions]
+    jobs += [("pirate", q, {"guided_choice": ["yes", "no"]}) for q in questions[:2]]
+    jobs += [(BASE, q, {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2})
+             for q in questions[:2]]
+    jobs += [("french", "Say anything.", {"logit_bias": {"28": 100}, "max_tokens": 5})]
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            async def one(model, question, extra):
+                body = {"model": model, "max_tokens": 40, "temperature": 0,
+                        "messages": [{"role": "user", "content": question}], **extra}
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+            return await asyncio.gather(*(one(*job) for job in jobs))
+
+    results = asyncio.run(run_all())
+    for (model, question, extra), choice in zip(jobs, results):
+        text = choice["message"]["content"]
+        if "response_format" in extra:
+            value = json.loads(text)
+            assert choice["finish_reason"] == "stop" and set(value) == {"answer", "confidence"}, (model, text)
+        elif "guided_choice" in extra:
+            assert text in ("yes", "no")
+        elif "logit_bias" in extra:
+            assert len(set(text.split())) <= 1 and text, text
+        else:
+            assert text
+    assert "Rome" in json.loads(results[0]["message"]["content"])["answer"]
