@@ -25,8 +25,7 @@ import torch
 
 from lorakit import LLM, SamplingParams
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.cli import bundled_adapters
-from lorakit.serve.model import load_model
+from lorakit.serve.model import bundled_adapters, load_model
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 400},
                                            "notes": {"type": "array", "items": {"type": "string"}}},

