@@ -165,3 +165,44 @@ def test_processing_and_masks_on_cuda_equal_the_cpu(world):
     torch.testing.assert_close(got["cuda"][0][finite], got["cpu"][0][finite], rtol=1e-6, atol=1e-6)
     assert torch.equal(got["cpu"][1], got["cuda"][1])
     assert got["cpu"][0][:, len(tokenizer):][[c is not None for c in constraints]].isinf().all()
+
+
+def test_a_failing_grammar_ends_its_request_alone(world):
+    base, tokenizer, _ = world
+    llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, block_size=4)
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    other = engine.add_request([1, 2, 3], plain)
+    broken = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0.0,
+                                                          structured_output=StructuredOutput(regex="[a-z]+")))
+
+    class Failing:  # a matcher that gives up after its first token, as llguidance does past its parser limits
+        def __init__(self, real):
+            self.real, self.calls = real, 0
+
+        def unsafe_compute_mask_ptr(self, ptr, size):
+            return self.real.unsafe_compute_mask_ptr(ptr, size)
+
+        def is_error(self):
+            return self.calls > 1
+
+        def consume_token(self, token):
+            self.calls += 1
+            return self.calls == 1 and self.real.consume_token(token)
+
+        def get_error(self):
+            return "Parser Error: too complex"
+
+    constraint = engine._requests[broken].state.constraint
+    constraint._matcher = Failing(constraint._matcher)
+    got = {other: [], broken: []}
+    reasons = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+            if out.finished:
+                reasons[out.request_id] = (out.finish_reason, out.error)
+    assert reasons[broken] == ("error", "structured output failed: Parser Error: too complex")
+    assert len(got[broken]) == 1 and reasons[other] == ("length", None)
+    assert got[other] == llm.generate([[1, 2, 3]], plain)[0].token_ids
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -287,6 +287,14 @@ class Engine:
             sampled[request] = token
             if state.constraint is not None:
                 state.constraint.advance(token)
+                if state.constraint.error is not None:  # this request alone ends
+                    finished[request] = "error"
+                    self._requests.pop(request.request_id, None)
+                    outputs.append(RequestOutput(request.request_id, "", [], True, "error",
+                                                 num_prompt_tokens=len(request.prompt_ids),
+                                                 num_output_tokens=len(request.output_ids),
+                                                 error=state.constraint.error))
+                    continue
             delta, reason = state.detok.append(token)
             logprobs = None
             if state.logprobs is not None:

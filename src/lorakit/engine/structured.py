@@ -11,6 +11,7 @@ mask is filled while the device runs the step's forward.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["Constraint", "Grammars", "StructuredOutput", "unpack_mask"]
+
+logger = logging.getLogger("lorakit.structured")
 
 # JSON as people write it on one line, '{"a": 1, "b": [2, 3]}': no free whitespace, which a model could
 # otherwise emit until max_tokens (a schema's "x-guidance" options override this).
@@ -89,23 +92,39 @@ def _llguidance():
 
 
 class Constraint:
-    """One request's matcher: which tokens may come next, advanced by each sampled token."""
+    """One request's matcher: which tokens may come next, advanced by each sampled token.
+
+    ``error`` is set, and the request must end, when the matcher fails (a grammar past llguidance's parser
+    limits, say); it never raises into the step, so no other request is touched.
+    """
 
     def __init__(self, matcher, n_vocab: int):
         self._matcher = matcher
-        self._own = torch.full((1, -(-n_vocab // 32)), -1, dtype=torch.int32)  # scratch in the tokenizer's width
+        self._own = torch.zeros((1, -(-n_vocab // 32)), dtype=torch.int32)  # scratch in the tokenizer's width
+        self.error: str | None = None
 
     def fill(self, row: Tensor) -> None:
         """Write the allowed next tokens into ``row`` (int32 words); ids past the tokenizer are never allowed."""
-        self._matcher.unsafe_compute_mask_ptr(self._own.data_ptr(), self._own.nbytes)
-        n = min(self._own.shape[1], row.shape[0])
         row.zero_()
+        if self.error is not None:
+            return
+        self._own.zero_()
+        self._matcher.unsafe_compute_mask_ptr(self._own.data_ptr(), self._own.nbytes)
+        if self._matcher.is_error():
+            self._fail()
+            return
+        n = min(self._own.shape[1], row.shape[0])
         row[:n] = self._own[0, :n]
 
     def advance(self, token_id: int) -> None:
-        """Feed the sampled token (one the mask allowed: always accepted)."""
-        if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"structured output: the grammar rejected token {token_id}: {self._matcher.get_error()}")
+        """Feed the sampled token (one the mask allowed: always accepted, unless the matcher failed)."""
+        if self.error is None and not self._matcher.consume_token(token_id):
+            self._fail()
+
+    def _fail(self) -> None:
+        first = (self._matcher.get_error() or "unknown error").strip().splitlines()[0]
+        self.error = f"structured output failed: {first}"
+        logger.warning("%s\n%s", self.error, self._matcher.get_error())
 
 
 class Grammars:

@@ -141,7 +141,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 stream = runner.generate(prompt, params, adapter)
                 async for out in stream:
                     measured.update(out)
-                    if out.finish_reason == "error":  # its adapter could not be loaded
+                    if out.finish_reason == "error":  # its adapter could not be loaded, or its grammar failed
                         raise ApiError(400, out.error or "the request failed", param="model")
                     yield out
             except (ValueError, AdapterError) as e:
