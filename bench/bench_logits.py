@@ -7,7 +7,10 @@ a decode step with all B requests running, and its ratio to the plain step measu
 forward pass is the same CUDA graph in every row; the difference is the host's mask and metadata work and the
 few elementwise kernels on [B, V] logits).
 
-    PYTHONPATH=src python bench/bench_logits.py --out DIR [--batch 64] [--steps 48]
+    PYTHONPATH=src python bench/bench_logits.py --out DIR [--batch 64] [--steps 48] [--random-weights CONFIG_DIR]
+
+``--random-weights`` runs random weights of the config and tokenizer in CONFIG_DIR (same shapes and work per
+token) on a machine without the bundled model.
 """
 
 from __future__ import annotations
@@ -69,8 +72,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR")
     args = p.parse_args(argv)
-    model, tokenizer, _ = load_model(None, "cuda", "bfloat16")
+    if args.random_weights:
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.random_weights)
+        config = transformers.AutoConfig.from_pretrained(args.random_weights)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    else:
+        model, tokenizer, _ = load_model(None, "cuda", "bfloat16")
     adapters = bundled_adapters()
     llm = LLM(model, tokenizer, max_loras=4, adapters=adapters, max_num_seqs=args.batch, max_seq_len=512)
     names = [None, *adapters]
@@ -89,7 +100,8 @@ def main(argv=None) -> int:
     setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
              "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
              "date": datetime.date.today().isoformat(), "batch": args.batch, "steps": args.steps,
-             "model": "bundled SmolLM2-135M-Instruct, bf16, CUDA graphs, base + 3 demo adapters round robin"}
+             "model": ("random weights of SmolLM2-135M-Instruct's shape" if args.random_weights else
+                       "bundled SmolLM2-135M-Instruct") + ", bf16, CUDA graphs, base + 3 demo adapters round robin"}
     lines = [f"# bench_logits: decode step with per-request logit processing, batch {args.batch}", "",
              f"{setup['gpu']}, torch {setup['torch']}, triton {setup['triton']}, commit {setup['commit']}, "
              f"{setup['date']}. {setup['model']}.", "",
