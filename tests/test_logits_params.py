@@ -156,7 +156,7 @@ def test_processing_and_masks_on_cuda_equal_the_cpu(world):
     logits = torch.randn(len(params), vocab, generator=gen) * 4
     got = {}
     for device in ("cpu", "cuda"):
-        mask = Grammars.masks(constraints, vocab, pin=device == "cuda")
+        mask = grammars.masks(constraints, vocab, pin=device == "cuda")
         batch = SamplingBatch.build(params, list(range(len(params))), [3] * len(params), device,
                                     histories=histories, vocab_size=vocab, token_mask=mask)
         got[device] = (process_logits(logits.to(device), batch).cpu(), sample(logits.to(device), batch).token_ids.cpu())

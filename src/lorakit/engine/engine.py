@@ -270,7 +270,7 @@ class Engine:
             return outputs
         constraints = [r.state.constraint for r in requests]
         constrained = any(c is not None for c in constraints)
-        mask = Grammars.masks(constraints, logits.shape[-1], logits.is_cuda) if constrained else None  # the
+        mask = self.grammars.masks(constraints, logits.shape[-1], logits.is_cuda) if constrained else None  # the
         # forward is still running on the device while the host fills the masks
         batch = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                     [len(r.output_ids) for r in requests], logits.device,

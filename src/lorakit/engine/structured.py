@@ -100,7 +100,8 @@ class Constraint:
 
     def __init__(self, matcher, n_vocab: int):
         self._matcher = matcher
-        self._own = torch.zeros((1, -(-n_vocab // 32)), dtype=torch.int32)  # scratch in the tokenizer's width
+        self.words = -(-n_vocab // 32)  # the mask's width in int32 words, as the tokenizer's vocabulary needs
+        self._own = torch.zeros((1, self.words), dtype=torch.int32)  # scratch for a batch of another width
         self.error: str | None = None
 
     def fill(self, row: Tensor) -> None:
@@ -136,6 +137,7 @@ class Grammars:
     def __init__(self, eos_token_id: int | list[int] | None):
         self._eos = eos_token_id
         self._tokenizers: dict[int, tuple[Any, Any, int]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer, n_vocab)
+        self._executor = None  # llguidance's thread pool, made at the first batch that needs it
 
     def constraint(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Constraint:
         """A fresh constraint for one request; ``tokenizer`` is the request's Hugging Face tokenizer."""
@@ -151,13 +153,26 @@ class Grammars:
             raise ValueError(f"structured output: {matcher.get_error()}")
         return Constraint(matcher, n_vocab)
 
-    @staticmethod
-    def masks(constraints: list[Constraint | None], vocab_size: int, pin: bool) -> Tensor:
+    def masks(self, constraints: list[Constraint | None], vocab_size: int, pin: bool) -> Tensor:
         """[B, ceil(vocab_size / 32)] int32 on the host: row b's allowed next tokens, every bit set where
-        ``constraints[b]`` is None."""
-        mask = torch.full((len(constraints), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pin)
-        for row, c in enumerate(constraints):
-            if c is not None:
+        ``constraints[b]`` is None. Rows as wide as the batch's mask are filled by llguidance's thread pool in
+        one call (without the GIL); the rest (an adapter's tokenizer of another size) one by one."""
+        words = -(-vocab_size // 32)
+        mask = torch.full((len(constraints), words), -1, dtype=torch.int32, pin_memory=pin)
+        rows = [(row, c) for row, c in enumerate(constraints) if c is not None]
+        together = [(row, c) for row, c in rows if c.words == words and c.error is None]
+        if len(together) > 1:
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor()
+            self._executor.unsafe_compute_mask_ptr([(c._matcher, row) for row, c in together], mask.data_ptr(),
+                                                   words * 4, len(constraints))
+            for row, c in together:
+                if c._matcher.is_error():
+                    c._fail()
+                    mask[row].zero_()
+        done = {row for row, _ in together} if len(together) > 1 else set()
+        for row, c in rows:
+            if row not in done:
                 c.fill(mask[row])
         return mask
 
