@@ -10,6 +10,12 @@ import argparse
 import logging
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError, safe_open
+
+from lorakit.layers.adapter import PICKLE_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
+from lorakit.serve.model import bundled_adapters, check_model, load_model
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -91,7 +97,6 @@ def run(args) -> int:
 
     from lorakit.engine import Engine
     from lorakit.serve import ServeConfig, run_server
-    from lorakit.serve.model import load_model
 
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
@@ -112,10 +117,6 @@ def run(args) -> int:
 def check_options(args) -> dict[str, str]:
     """The adapters to register ({name: folder}) once the options, the model folder and the adapter folders are
     checked, reading no weights; raises ValueError (AdapterError) or FileNotFoundError naming the problem."""
-    import torch
-
-    from lorakit.serve.model import bundled_adapters, check_model
-
     adapters = {}
     for item in args.lora:
         name, sep, path = item.partition("=")
@@ -149,10 +150,6 @@ def check_adapter(name: str, path: str | Path) -> None:
     """What can be checked of a PEFT adapter folder without the model: its config (lorakit's reader) and a
     safetensors weights file with a readable header. The engine checks the rest (modules, shapes) when it
     registers the adapter."""
-    from safetensors import SafetensorError, safe_open
-
-    from lorakit.layers.adapter import PICKLE_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
-
     read_adapter_config(name, path)
     where = f"adapter {name!r} at {path}"
     weights = Path(path) / WEIGHTS_NAME
