@@ -201,34 +201,10 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    async def merged(jobs: list[tuple[int, list[int], int]], params: SamplingParams, adapter: str | None):
-        """(choice index, output) from all jobs (index, prompt ids, seed offset) as they come; the first error
-        raises; leaving early aborts every job."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index, prompt, k):
-            try:
-                async for out in run(prompt, params, adapter, k):
-                    await queue.put((index, out))
-            except ApiError as e:
-                await queue.put(e)
-            await queue.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
-        try:
-            remaining = len(jobs)
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, ApiError):
-                    raise item
-                index, out = item
-                if out is None:
-                    remaining -= 1
-                else:
-                    yield index, out
-        finally:
-            for t in tasks:
-                t.cancel()
+    def merged(jobs: list[tuple[int, list[int], int]], params: SamplingParams, adapter: str | None):
+        """(choice index, output) from all jobs (index, prompt ids, seed offset) as they come, the index being
+        the job's position; the first error raises; leaving early aborts every job."""
+        return sglang.interleave([run(prompt, params, adapter, k) for _, prompt, k in jobs])
 
     def stream_usage(body, chunk: dict, usage_: dict) -> dict | None:
         """The last chunk, carrying usage, when the client asked with stream_options.include_usage."""
