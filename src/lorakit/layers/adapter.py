@@ -177,19 +177,25 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     return AdapterInfo(name, path, config, modules, frozenset(added))
 
 
-def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str,
-                  header_only: bool = False) -> dict:
-    """({module: (kind, A, B)}, {module: (how, ids, rows)}) from the weights file, every key accounted for; kind
-    is 'linear' or 'embedding'; how is 'trainable' (rows of ``ids``) or 'full' (a modules_to_save copy, ids
-    None). With header_only, tensors are their shapes, and only the header is read."""
-    file = path / WEIGHTS_NAME
+def weights_file(path: Path, where: str) -> Path:
+    """The folder's safetensors weights file; AdapterError (naming the fix) when there is none or only a pickle."""
+    file = Path(path) / WEIGHTS_NAME
     if not file.is_file():
-        if (path / PICKLE_NAME).exists():
+        if (Path(path) / PICKLE_NAME).exists():
             raise AdapterError(f"{where}: only {PICKLE_NAME} (a pickle) is there, and lorakit loads safetensors "
                                f"only; convert it: load the adapter with PEFT (PeftModel.from_pretrained) and call "
                                f"save_pretrained(folder, safe_serialization=True)")
         raise AdapterError(f"{where}: no {WEIGHTS_NAME} in the folder; re-save the adapter with PEFT's "
                            f"save_pretrained()")
+    return file
+
+
+def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str,
+                  header_only: bool = False) -> dict:
+    """({module: (kind, A, B)}, {module: (how, ids, rows)}) from the weights file, every key accounted for; kind
+    is 'linear' or 'embedding'; how is 'trainable' (rows of ``ids``) or 'full' (a modules_to_save copy, ids
+    None). With header_only, tensors are their shapes, and only the header is read."""
+    file = weights_file(path, where)
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             parts, copies, token_keys = _sort_keys(list(f.keys()), config, base_modules, where)

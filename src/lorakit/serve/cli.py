@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter import PICKLE_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
+from lorakit.layers.adapter import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
 from lorakit.serve.model import bundled_adapters, check_model, load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -152,14 +152,7 @@ def check_adapter(name: str, path: str | Path) -> None:
     registers the adapter."""
     read_adapter_config(name, path)
     where = f"adapter {name!r} at {path}"
-    weights = Path(path) / WEIGHTS_NAME
-    if not weights.is_file():
-        if (Path(path) / PICKLE_NAME).exists():
-            raise AdapterError(f"{where}: only {PICKLE_NAME} (a pickle) is there, and lorakit loads safetensors only; "
-                               f"convert it: load the adapter with PEFT (PeftModel.from_pretrained) and call "
-                               f"save_pretrained(folder, safe_serialization=True)")
-        raise AdapterError(f"{where}: no {WEIGHTS_NAME} in the folder; re-save the adapter with PEFT's "
-                           f"save_pretrained()")
+    weights = weights_file(Path(path), where)
     try:
         with safe_open(str(weights), framework="pt", device="cpu") as f:
             f.keys()
