@@ -56,7 +56,7 @@ def test_lorakit_equals_peft_on_the_real_model(real):
         finally:
             patched.set_attn_implementation("lorakit")
         assert rel_err(ours, peft_logits) < 1e-5, name
-    assert handle.layout_version >= 1
+    assert handle.slots.layout_version >= 1
 
 
 def test_each_adapter_does_what_it_says(real):

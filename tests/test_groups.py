@@ -13,6 +13,7 @@ from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit.layers.adapter import ModuleLora, PeftAdapter
 from lorakit.layers.linear import LoraLinearGroup, LoraLinearMember
+from lorakit.layers.slot_table import Loaded
 
 
 class CountOps(TorchDispatchMode):
@@ -78,8 +79,7 @@ def test_groups_stay_exact_when_siblings_read_different_inputs():
         B = torch.randn(getattr(model, name).out_features, 4, generator=gen)
         loras[name] = (A, B)
     adapter = PeftAdapter("manual", pathlib.Path("."), {}, {n: ModuleLora(A, B, 4, 0.5) for n, (A, B) in loras.items()})
-    handle.write(1, handle.pack(adapter, pin=False))  # the slot-level path load_adapter takes
-    handle._slots[1] = "manual"  # what load_adapter records; set by hand for this toy model
+    handle.slots.put(1, Loaded("manual"), handle.pack(adapter, pin=False))  # the slot-level path load_adapter takes
     x, memory = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
     ids = handle.ids(["manual", None])
     with torch.no_grad():

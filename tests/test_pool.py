@@ -102,7 +102,7 @@ def test_pool_serves_what_peft_computes_through_evictions(folders):
                 assert rel_err(out[row], ref) < 1e-5, (names, row)
         pool.release(slots)
     assert pool.stats.evictions > 0 and pool.stats.loads >= len(batches)
-    assert handle.layout_version >= 1  # "big" grew the padded rank
+    assert handle.slots.layout_version >= 1  # "big" grew the padded rank
 
 
 def test_hot_swap_keeps_running_requests_on_their_version(folders):
@@ -260,7 +260,7 @@ def test_pool_refuses_to_start_on_what_would_not_fit(folders):
     pool = AdapterPool(handle)
     with pytest.raises(ValueError, match="already managed"):
         AdapterPool(handle)
-    assert pool.memory()["gpu_slot_buffers_at_max_rank"] == handle.slot_bytes(256)
+    assert pool.memory()["gpu_slot_buffers_at_max_rank"] == handle.slot_bytes(handle.config.max_rank)
 
 
 def test_register_while_acquiring_from_threads(folders):
@@ -435,9 +435,9 @@ class PoolMachine(RuleBasedStateMachine):
         mem = self.pool.memory()
         for slot, info in enumerate(mem["slots"]):
             assert (info["holders"] if info else 0) == holders.get(slot, 0)
-        occupants = [v for v in self.pool._slots if v is not None]
+        occupants = [v for v in self.pool.slots if v is not None]
         assert len(set(map(id, occupants))) == len(occupants)
-        assert all(self.pool._slots[v.slot] is v for v in occupants)
+        assert all(self.pool.slots[v.slot] is v for v in occupants)
         assert all(v.refs > 0 or self.pool._current.get(v.name) is v for v in occupants)  # retired: freed
         assert mem["cpu_bytes"] <= mem["cpu_budget"]
         for name in self.pins:

@@ -102,9 +102,9 @@ def test_growth_after_pending_uploads_keeps_them(setup):
     for name in ("a", "c", "wide"):
         pool.register(name, folders[name])
     pool.prefetch(["a", "c"])  # uploads queued on the side stream, not waited for
-    version = handle.layout_version
+    version = handle.slots.layout_version
     slots = pool.acquire(["wide"] * 8)  # rank 48: the slot buffers grow from 16 to 48
-    assert handle.layout_version == version + 1 and all(layer.r_max == 48 for layer in handle.layers.values()
+    assert handle.slots.layout_version == version + 1 and all(layer.r_max == 48 for layer in handle.layers.values()
                                               if hasattr(layer, "r_max") and layer.r_max)
     ids = {name: pool.acquire([name] * 8) for name in ("a", "c")}
     with torch.no_grad():

@@ -3,6 +3,8 @@ step, nobody starves under adversarial arrivals, and abort and preemption lose n
 
 from collections import OrderedDict
 
+import torch
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -162,3 +164,29 @@ def test_preemption_when_the_cache_is_full_recomputes_and_continues():
                                        patience=2)
     assert all(r.output_ids == [token(r, i) for i in range(10)] for r in requests)
     assert sum(r.preemptions for r in requests) >= 1
+
+
+def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
+    """PoolFull means "wait"; any other error of the pool (a CUDA out-of-memory while growing the slots is a
+    RuntimeError) must end the step, not read as "pool full" and retry forever."""
+    import pytest
+
+    from lorakit.engine.pool import PoolFull
+
+    class Failing(FakePool):
+        error: Exception | None = None
+
+        def acquire(self, names):
+            if self.error is not None:
+                raise self.error
+            return super().acquire(names)
+
+    pool = Failing(1)
+    sched = Scheduler(pool, BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=16)
+    sched.add(Request("a", [1, 2, 3], "x", 2, sched.next_seq()))
+    pool.error = PoolFull("every slot held")
+    assert sched.schedule().items == [] and len(sched.waiting) == 1  # waits
+    pool.error = torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):
+        sched.schedule()
+    assert not issubclass(PoolFull, RuntimeError)

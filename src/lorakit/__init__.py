@@ -6,10 +6,10 @@ for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP server
 """
 
 from lorakit import ops
-from lorakit.engine import LLM, AdapterPool, AsyncEngine, Engine, PoolFull, SamplingParams
+from lorakit.engine import LLM, AdapterPool, AsyncEngine, Engine, EngineConfig, PoolFull, SamplingParams
 from lorakit.layers import LoraHandle, PatchConfig, patch
 from lorakit.layers.adapter import AdapterError
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "LoraHandle", "PatchConfig", "PoolFull",
-           "SamplingParams", "ops", "patch"]
+__all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "EngineConfig", "LoraHandle", "PatchConfig",
+           "PoolFull", "SamplingParams", "ops", "patch"]

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lorakit.engine.config import EngineConfig
 from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.pool import AdapterPool
 from lorakit.engine.runner import ModelRunner, kv_shape
@@ -34,7 +35,8 @@ from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler
 from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
-from lorakit.layers.patch import LoraHandle, patch
+from lorakit.layers.handle import LoraHandle
+from lorakit.layers.patch import patch
 
 logger = logging.getLogger("lorakit.engine")
 
@@ -94,67 +96,47 @@ class _State:
 
 
 class Engine:
-    """See the module docstring. ``model`` is a transformers causal LM (patched here unless it already is).
-
-    max_num_seqs: requests running at once; max_seq_len: prompt + output tokens of one request;
-    max_num_batched_tokens: tokens per step (prompts longer than this are prefilled in chunks);
-    num_blocks: KV cache blocks of ``block_size`` tokens (default: room for max_num_seqs full-length requests,
-    or half the free GPU memory if less; on the CPU at most 2 GiB); patience: steps the oldest waiting request
-    may be bypassed;
-    cuda_graphs: replay decode steps from CUDA graphs (captured per batch-size bucket in ``graph_sizes``,
-    default 1, 2, 4, 8, 16, 32, ...); compile: capture them from a torch.compile'd forward
-    (faster steps, one compile per batch-size bucket at first use).
+    """See the module docstring. ``model`` is a transformers causal LM (patched here unless it already is, with
+    the config's ``max_loras`` and ``max_rank``). ``config``: an ``EngineConfig``, or its fields as keywords
+    (``Engine(model, tok, max_loras=4)``; both: the keywords replace the config's fields). ``adapters``: {name:
+    folder} to register at start. ``engine.config`` is the config with the values resolved from the model
+    (``max_seq_len``, ``num_blocks``).
     """
 
-    def __init__(self, model: nn.Module, tokenizer=None, *, max_loras: int = 8, max_rank: int = 64,
-                 adapters: dict[str, str | Path] | None = None, max_num_seqs: int = 64, max_seq_len: int | None = None,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                 cuda_graphs: bool = True, compile: bool = False, graph_sizes: list[int] | None = None,
-                 patience: int = 16,
-                 cpu_budget_bytes: int = 2 << 30):
+    def __init__(self, model: nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
+                 adapters: dict[str, str | Path] | None = None, **options):
+        config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        handle = getattr(model, "_lorakit_handle", None) or patch(model, max_loras, max_rank=max_rank)
-        if not isinstance(handle, LoraHandle):
-            raise TypeError("the model's lorakit handle is not a LoraHandle")
-        self.handle = handle
-        self.pool = handle.manager or AdapterPool(handle, cpu_budget_bytes=cpu_budget_bytes)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.vocab_size = config.vocab_size
-        limit = getattr(config, "max_position_embeddings", None) or 4096
-        self.max_seq_len = min(limit, 4096) if max_seq_len is None else max_seq_len
-        if self.max_seq_len < 2 or self.max_seq_len > limit:
-            raise ValueError(f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), "
-                             f"got {self.max_seq_len}")
-        blocks_per_seq = -(-self.max_seq_len // block_size)
-        if num_blocks is None:
-            layers, kv_heads, head_dim = kv_shape(model)
-            per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
-            if handle.device.type == "cuda":
-                budget = int(0.5 * torch.cuda.mem_get_info(handle.device)[0])
-            else:
-                budget = 2 << 30  # CPU memory: a serving default that fits a laptop
-            num_blocks = max(min(max_num_seqs * blocks_per_seq, budget // per_block), blocks_per_seq)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={self.max_seq_len} "
-                             f"({blocks_per_seq} blocks of {block_size}); raise num_blocks or lower max_seq_len")
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, patience=patience)
-        self.runner = ModelRunner(model, handle, num_blocks=num_blocks, block_size=block_size,
-                                  max_num_seqs=max_num_seqs, max_seq_len=self.max_seq_len, cuda_graphs=cuda_graphs,
-                                  compile=compile, graph_sizes=graph_sizes)
+        self.handle = _patched(model, config)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = text_config.vocab_size
+        self.config = config = _resolve(config, model, text_config, self.handle.device)
+        manager = self.handle.slots.manager
+        self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
+            self.handle, cpu_budget_bytes=config.cpu_budget_bytes)
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience)
+        self.runner = ModelRunner(model, self.handle, num_blocks=config.num_blocks, block_size=config.block_size,
+                                  max_num_seqs=config.max_num_seqs, max_seq_len=config.max_seq_len,
+                                  cuda_graphs=config.cuda_graphs, compile=config.compile,
+                                  graph_sizes=config.graph_sizes)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.grammars = Grammars(self.eos_token_id)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
-        self._tokenizers: dict[tuple, object] = {}  # (adapter, version) -> its tokenizer
+        self._tokenizers: dict[tuple[str, int], object] = {}  # (adapter, version) -> its folder's tokenizer or False
         for name, path in (adapters or {}).items():
-            self.pool.register(name, path)
-        logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens",
-                    num_blocks, block_size, self.runner.kv_bytes / 2**30, max_num_seqs, self.max_seq_len)
+            self.register_adapter(name, path)
+        logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
+                    config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
 
     # Requests.
 
@@ -197,19 +179,15 @@ class Engine:
         return self.grammars.constraint(params.structured_output, tokenizer, self.vocab_size)
 
     def tokenizer_for(self, adapter: str | None):
-        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's. Read once
-        per registered version of the adapter."""
+        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,
+        safe from any thread (``register_adapter`` reads an adapter's tokenizer, on the engine's thread)."""
         if adapter is None:
             return self.tokenizer
         key = (adapter, self.pool.adapters.get(adapter))
-        if key not in self._tokenizers:
-            path = self.pool.info(adapter).path
-            own = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-            if own:
-                import transformers
-
-            self._tokenizers[key] = transformers.AutoTokenizer.from_pretrained(path) if own else self.tokenizer
-        return self._tokenizers[key]
+        tokenizer = self._tokenizers.get(key)
+        if tokenizer is None and key[1] is not None:  # registered on the pool directly: read it now
+            tokenizer = self._tokenizers[key] = _own_tokenizer(adapter, self.pool.info(adapter).path)
+        return tokenizer or self.tokenizer
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
         """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked: not empty,
@@ -313,13 +291,76 @@ class Engine:
     # Adapters at run time (the server's load/unload endpoints).
 
     def register_adapter(self, name: str, path: str | Path) -> int:
-        return self.pool.register(name, path)
+        """Register (or hot-swap) an adapter on the pool and read the tokenizer its folder carries, if any."""
+        tokenizer = _own_tokenizer(name, Path(path))  # first: a tokenizer that cannot be read refuses the adapter
+        version = self.pool.register(name, path)
+        self._forget_tokenizers(name)
+        self._tokenizers[(name, version)] = tokenizer
+        return version
+
+    def _forget_tokenizers(self, name: str) -> None:
+        for key in [k for k in self._tokenizers if k[0] == name]:
+            del self._tokenizers[key]  # running requests keep theirs (their detokenizer holds it)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter: running requests finish on it; waiting ones end now (finish_reason 'abort')."""
         self.pool.unregister(name)
+        self._forget_tokenizers(name)
         for request in [r for r in self.scheduler.waiting if r.adapter == name]:
             self.abort(request.request_id)
+
+
+
+def _own_tokenizer(name: str, folder: Path):
+    """The tokenizer an adapter folder carries (``False`` when it has none: the engine's serves it)."""
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return False
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - any failure to read it refuses the adapter, naming why
+        raise AdapterError(f"adapter {name!r} at {folder}: its tokenizer cannot be read ({type(e).__name__}: "
+                           f"{e}); fix or remove the tokenizer files in the folder") from e
+
+
+def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:
+    """The model's handle: patched now with the config's layout, or already patched with the same one."""
+    handle = getattr(model, "_lorakit_handle", None)
+    if handle is None:
+        return patch(model, config.max_loras, max_rank=config.max_rank)
+    if not isinstance(handle, LoraHandle):
+        raise TypeError("the model's lorakit handle is not a LoraHandle")
+    have = (handle.config.max_loras, handle.config.max_rank)
+    if have != (config.max_loras, config.max_rank):
+        raise ValueError(f"the model is already patched with max_loras={have[0]}, max_rank={have[1]}, but the engine "
+                         f"config asks for max_loras={config.max_loras}, max_rank={config.max_rank}; give the engine "
+                         f"the values the model was patched with, or an unpatched model")
+    return handle
+
+
+def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.device) -> EngineConfig:
+    """The config with max_seq_len and num_blocks resolved from the model and the device, checked against them."""
+    limit = getattr(text_config, "max_position_embeddings", None) or 4096
+    max_seq_len = min(limit, 4096) if config.max_seq_len is None else config.max_seq_len
+    if max_seq_len > limit:
+        raise ValueError(f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), "
+                         f"got {max_seq_len}")
+    block_size = config.block_size
+    blocks_per_seq = -(-max_seq_len // block_size)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        layers, kv_heads, head_dim = kv_shape(model)
+        per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
+        if device.type == "cuda":
+            budget = int(0.5 * torch.cuda.mem_get_info(device)[0])
+        else:
+            budget = 2 << 30  # CPU memory: a serving default that fits a laptop
+        num_blocks = max(min(config.max_num_seqs * blocks_per_seq, budget // per_block), blocks_per_seq)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={max_seq_len} "
+                         f"({blocks_per_seq} blocks of {block_size}); raise num_blocks or lower max_seq_len")
+    return dataclasses.replace(config, max_seq_len=max_seq_len, num_blocks=num_blocks)
 
 
 class AsyncEngine:
@@ -461,9 +502,10 @@ def _deliver(items: list) -> None:
 class LLM:
     """Offline generation with adapters: a model (a path or a loaded transformers model) and a tokenizer."""
 
-    def __init__(self, model: str | Path | nn.Module, tokenizer=None, *, max_loras: int = 8,
+    def __init__(self, model: str | Path | nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
                  adapters: dict[str, str | Path] | None = None, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None, **engine_kwargs):
+                 device: str | torch.device | None = None, **options):
+        """``config`` / ``options``: the engine's settings, as ``Engine`` takes them."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(model, (str, Path)):
             import transformers
@@ -471,7 +513,7 @@ class LLM:
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
             tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(model)
             model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
-        self.engine = Engine(model, tokenizer, max_loras=max_loras, adapters=adapters, **engine_kwargs)
+        self.engine = Engine(model, tokenizer, config, adapters=adapters, **options)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

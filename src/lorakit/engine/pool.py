@@ -12,8 +12,9 @@ Three tiers, as S-LoRA has them:
   request holds and nobody pinned; ``release(slots)`` gives them back.
 
 What is fixed at start (the model's modules, slot count, layout, dtype: the ``LoraHandle``) is kept apart
-from what changes (the registry of versions, the CPU cache and its LRU order, slot occupancy, reference
-counts, pins), all of which lives here, behind one lock.
+from what changes: the registry of versions, the CPU cache and its LRU order, reference counts and pins live
+here, behind one lock; which version is in which slot is the handle's ``SlotTable``, which the pool claims
+and is then the one writer of.
 
 Uploads are asynchronous: one host-to-device copy and a few batched device copies on a side stream,
 after the slot's last reader (an event recorded when its last holder released it), with an event that
@@ -37,17 +38,21 @@ from pathlib import Path
 
 import torch
 
-from lorakit.layers.adapter import AdapterError, AdapterInfo, inspect_peft_adapter
+from lorakit.layers.adapter import AdapterError, AdapterInfo
 from lorakit.layers.image import SlotImage, needs_growth
-from lorakit.layers.patch import LoraHandle
+from lorakit.layers.handle import LoraHandle
 
 logger = logging.getLogger("lorakit.pool")
 
 __all__ = ["AdapterPool", "PoolFull"]
 
 
-class PoolFull(RuntimeError):
-    """Every GPU slot the request would need is held by running requests or pinned; retry after a release."""
+CPU_BUDGET_BYTES = 2 << 30  # the CPU tier's default size
+
+
+class PoolFull(Exception):
+    """Every GPU slot the request would need is held by running requests or pinned; retry after a release.
+    Not a RuntimeError: a real failure (a CUDA out-of-memory while growing the slots) must not read as this."""
 
 
 @dataclass(eq=False)
@@ -95,23 +100,17 @@ class _CpuCache:
 class AdapterPool:
     """Adapters by name over the GPU slots of one patched model (see the module docstring).
 
-    ``cpu_budget_bytes``: the CPU cache's size (default 4 GiB). At start, the slot buffers at the model's
-    ``max_rank`` must fit in free device memory, or the pool refuses to start and says what to lower.
+    ``cpu_budget_bytes``: the CPU cache's size (default ``CPU_BUDGET_BYTES``, 2 GiB). At start, the slot buffers
+    at the model's ``max_rank`` must fit in free device memory, or the pool refuses to start and says what to lower.
     """
 
-    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = 4 << 30):
+    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = CPU_BUDGET_BYTES):
         if not isinstance(handle, LoraHandle):
             raise TypeError(f"AdapterPool needs the LoraHandle lorakit.patch returned, got {type(handle).__name__}")
-        if handle.adapters:
-            raise ValueError(f"the handle already holds adapters {sorted(handle.adapters)}; create the pool on a "
-                             f"freshly patched model (or unload them first) so it owns every slot")
-        if handle.manager is not None:
-            raise ValueError(f"this model's slots are already managed by {handle.manager!r}")
         if not isinstance(cpu_budget_bytes, int) or cpu_budget_bytes < 0:
             raise ValueError(f"cpu_budget_bytes must be a non-negative int, got {cpu_budget_bytes!r}")
         # Fixed at start.
         self.handle = handle
-        self.num_slots = handle.config.max_loras
         self.device = handle.device
         self._check_memory(cpu_budget_bytes)
         self._pin = self.device.type == "cuda"
@@ -119,14 +118,14 @@ class AdapterPool:
         # Changes.
         self._lock = threading.RLock()
         self._current: dict[str, _Version] = {}
-        self._slots: list[_Version | None] = [None] * self.num_slots
+        self.slots = handle.slots  # which version is in which slot: written only by this pool from now on
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
         self._cpu = _CpuCache(cpu_budget_bytes)
         self._pins: set[str] = set()
         self._released: dict[int, object] = {}  # slot -> event recorded when its last holder released it
         self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
         self.stats = PoolStats()
-        handle.manager = self
+        self.slots.claim(self)
         logger.info("%d slots on %s; slot buffers %.1f MiB now, %.1f MiB at max_rank=%d; CPU cache "
                     "%.1f MiB", self.num_slots, self.device, handle.memory()["slot_buffers"] / 2**20,
                     handle.slot_bytes(handle.config.max_rank) / 2**20, handle.config.max_rank,
@@ -134,6 +133,10 @@ class AdapterPool:
 
     def __repr__(self) -> str:
         return f"AdapterPool({len(self._current)} adapters, {self.num_slots} slots)"
+
+    @property
+    def num_slots(self) -> int:
+        return self.handle.num_slots
 
     # Registry.
 
@@ -144,11 +147,8 @@ class AdapterPool:
         its next use); returns the version number. On error nothing changes."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"an adapter name must be a non-empty string without surrounding spaces, got {name!r}")
-        info = inspect_peft_adapter(name, path, self.handle.base_modules)  # outside the lock: file reads
+        info = self.handle.inspect_adapter(name, path)  # outside the lock: file reads
         where = f"adapter {name!r} at {path}"
-        if info.max_rank > self.handle.config.max_rank:
-            raise AdapterError(f"{where}: rank {info.max_rank} is above this model's max_rank="
-                               f"{self.handle.config.max_rank}; patch the model with a larger max_rank")
         nbytes = self._image_bytes(info)
         if nbytes > self._cpu.budget:
             raise AdapterError(f"{where}: it takes {nbytes / 2**20:.1f} MiB, more than the whole CPU cache "
@@ -213,12 +213,12 @@ class AdapterPool:
         with self._lock:
             counts = Counter(s for s in slots if s != -1)
             for slot, n in counts.items():
-                v = self._slots[slot] if isinstance(slot, int) and 0 <= slot < self.num_slots else None
+                v = self.slots[slot] if isinstance(slot, int) and 0 <= slot < self.num_slots else None
                 if v is None or v.refs < n:
                     raise ValueError(f"release({slots}): slot {slot} is not held {n} time(s) (held: "
                                      f"{0 if v is None else v.refs}); release only what acquire returned")
             for slot, n in counts.items():
-                v = self._slots[slot]
+                v = self.slots[slot]
                 v.refs -= n
                 if v.refs == 0:
                     self._released[slot] = self._record()
@@ -285,13 +285,13 @@ class AdapterPool:
             slots = [
                 None if v is None else {"adapter": v.name, "version": v.number, "bytes": v.nbytes, "holders": v.refs,
                                         "pinned": self._pinned(v)}
-                for v in self._slots
+                for v in self.slots
             ]
             return {
                 "gpu_slot_buffers": buffers["slot_buffers"],
                 "gpu_slot_buffers_at_max_rank": self.handle.slot_bytes(self.handle.config.max_rank),
-                "gpu_adapter_bytes": sum(v.nbytes for v in self._slots if v is not None),
-                "gpu_staging_bytes": self.handle.staging_bytes,
+                "gpu_adapter_bytes": sum(v.nbytes for v in self.slots.tenants().values()),
+                "gpu_staging_bytes": self.slots.staging_bytes,
                 "cpu_bytes": self._cpu.nbytes,
                 "cpu_budget": self._cpu.budget,
                 "cpu_adapters": len(self._cpu.images),
@@ -319,15 +319,15 @@ class AdapterPool:
         missing = [v for v in versions if v.slot is None]
         if not missing:
             return
-        free = [s for s in range(self.num_slots) if self._slots[s] is None]
+        free = self.slots.free()
         keep = set(versions)
-        victims = [s for s in self._lru if self._slots[s].refs == 0 and not self._pinned(self._slots[s])
-                   and self._slots[s] not in keep] if evict else []
+        victims = [s for s in self._lru if self.slots[s].refs == 0 and not self._pinned(self.slots[s])
+                   and self.slots[s] not in keep] if evict else []
         room = len(free) + len(victims)
         if len(missing) > room:
             if strict:
                 busy = ", ".join(f"{v!r} ({'pinned' if self._pinned(v) else f'{v.refs} holder(s)'})"
-                                 for v in self._slots if v is not None and v not in keep)
+                                 for v in self.slots.tenants().values() if v not in keep)
                 raise PoolFull(f"{len(missing)} adapter(s) ({', '.join(map(repr, missing))}) need a GPU slot but "
                                f"only {room} of {self.num_slots} can take one; the others hold {busy or 'this batch'}"
                                f"; retry after a release, or patch with a larger max_loras")
@@ -340,14 +340,15 @@ class AdapterPool:
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             for image in images:
-                self.handle.grow_for(image)
+                self.slots.grow_for(image)
         for v, image in zip(missing, images):
             slot = free.pop(0) if free else victims.pop(0)
-            if self._slots[slot] is not None:
-                logger.info("evicted %r from slot %d", self._slots[slot], slot)
+            victim = self.slots[slot]
+            if victim is not None:
+                logger.info("evicted %r from slot %d", victim, slot)
                 self.stats.evictions += 1
-                _count(self.stats.evictions_by_adapter, self._slots[slot].name)
-                self._free(self._slots[slot])
+                _count(self.stats.evictions_by_adapter, victim.name)
+                self._free(victim)
             self._upload(v, slot, image, after_growth=grew)
 
     def _image(self, v: _Version) -> SlotImage:
@@ -378,7 +379,7 @@ class AdapterPool:
 
     def _upload(self, v: _Version, slot: int, image: SlotImage, after_growth: bool) -> None:
         if self._stream is None:
-            self.handle.write(slot, image)
+            self.slots.put(slot, v, image)
         else:
             compute = torch.cuda.current_stream(self.device)
             if after_growth:  # the regrown buffers are filled on the compute stream
@@ -387,10 +388,9 @@ class AdapterPool:
             if released is not None:  # the slot's last reader has run
                 self._stream.wait_event(released)
             with torch.cuda.stream(self._stream):
-                self.handle.write(slot, image)
+                self.slots.put(slot, v, image)
             v.ready = self._record(self._stream)
             self._inflight = [(e, i) for e, i in self._inflight if not e.query()] + [(v.ready, image)]
-        self._slots[slot] = v
         v.slot = slot
         self._lru[slot] = None
         self.stats.loads += 1
@@ -412,7 +412,7 @@ class AdapterPool:
     def _free(self, v: _Version) -> None:
         """Take v out of its slot (the slot's contents are overwritten by the next upload)."""
         if v.slot is not None:
-            self._slots[v.slot] = None
+            self.slots.vacate(v.slot)
             self._lru.pop(v.slot, None)
             v.slot = None
         v.ready = None

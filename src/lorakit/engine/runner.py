@@ -100,7 +100,7 @@ class ModelRunner:
         sizes = graph_sizes or [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
         self.graph_sizes = sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_layout = handle.layout_version
+        self._graph_layout = handle.slots.layout_version
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
         # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
@@ -171,10 +171,10 @@ class ModelRunner:
         return self._forward(m, m["keep"])
 
     def _graph(self, size: int):
-        if self.handle.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
+        if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
             self._graphs.clear()  # frees their memory pool: the next capture needs a new one
             self._graph_pool = torch.cuda.graph_pool_handle()
-            self._graph_layout = self.handle.layout_version
+            self._graph_layout = self.handle.slots.layout_version
         if size in self._graphs:
             return self._graphs[size]
         biggest = self.graph_sizes[-1]

@@ -29,9 +29,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lorakit.engine.pool import PoolFull
+from lorakit.layers.adapter import AdapterError
+
 
 class AdapterSlots(Protocol):
-    """What the scheduler needs of the adapter pool (``AdapterPool`` has it)."""
+    """What the scheduler needs of the adapter pool (``AdapterPool`` has it). ``acquire`` raises ``PoolFull``
+    when every slot it would need is held (the request waits), ``ready`` and ``prefetch`` raise ``AdapterError``
+    for an adapter that cannot be served (the request fails); anything else is a real failure of the step."""
 
     def ready(self, name: str) -> bool: ...
 
@@ -205,7 +210,7 @@ class Scheduler:
             if request.adapter is not None:
                 try:
                     (request.slot,) = self.pool.acquire([request.adapter])
-                except RuntimeError:  # PoolFull: every slot held; keep waiting
+                except PoolFull:  # every slot held; keep waiting
                     continue
             self.waiting.remove(request)
             self.running.append(request)
@@ -223,7 +228,7 @@ class Scheduler:
                 return True
             self.pool.prefetch([request.adapter])  # starts the upload if a slot is free; admitted once landed
             return self.pool.ready(request.adapter)
-        except ValueError as e:  # AdapterError: unknown, or its weights turned out bad (NaN, corrupt file)
+        except AdapterError as e:  # unknown, or its weights turned out bad (NaN, corrupt file)
             self.waiting.remove(request)
             self.failed.append((request, str(e)))
             return False

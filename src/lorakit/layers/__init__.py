@@ -6,6 +6,8 @@ Built on ``lorakit.ops``; knows nothing of the engine.
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear
-from lorakit.layers.patch import LoraHandle, PatchConfig, patch
+from lorakit.layers.handle import LoraHandle
+from lorakit.layers.patch import PatchConfig, patch
+from lorakit.layers.slot_table import SlotTable
 
-__all__ = ["LoraContext", "LoraEmbedding", "LoraHandle", "LoraLinear", "PatchConfig", "patch"]
+__all__ = ["LoraContext", "LoraEmbedding", "LoraHandle", "LoraLinear", "PatchConfig", "SlotTable", "patch"]

@@ -19,14 +19,21 @@ from lorakit.serve.model import bundled_adapters, check_model, load_model
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _port(text: str) -> int:
@@ -54,15 +61,7 @@ def add_parser(sub) -> None:
                    help="register a PEFT adapter folder (adapter_config.json + adapter_model.safetensors); repeatable "
                         "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json "
                         "and french)")
-    p.add_argument("--max-loras", type=_positive_int, default=8, metavar="N",
-                   help="adapters resident on the device at once; any number can be registered (default: %(default)s)")
-    p.add_argument("--max-rank", type=_positive_int, default=64, metavar="R",
-                   help="the largest adapter rank (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64, metavar="N",
-                   help="requests running at once (default: %(default)s)")
-    p.add_argument("--max-seq-len", type=_positive_int, default=None, metavar="N",
-                   help="prompt + output tokens of one request (default: the model's max_position_embeddings, at "
-                        "most 4096)")
+    add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -81,16 +80,36 @@ def add_parser(sub) -> None:
                    help="the largest max_tokens a request may ask for; larger ones get 400 (default: %(default)s)")
     p.add_argument("--max-concurrent", type=_positive_int, default=256, metavar="N",
                    help="requests in flight at once; more get 429 (default: %(default)s)")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run decode steps eagerly, without CUDA graphs (default: off, graphs on cuda)")
-    p.add_argument("--compile", action="store_true",
-                   help="capture decode graphs from a torch.compile'd forward: faster steps, ~20 s per batch bucket "
-                        "at first use (default: off)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field that has one, with its default and help (one owner for both)."""
+    from lorakit.engine.config import EngineConfig
+
+    for f in EngineConfig.cli_fields():
+        meta, default = f.metadata, f.default
+        if isinstance(default, bool):  # a switch that turns on what is off (--compile) or off what is on
+            dest, what = (f.name, meta["help"]) if not default else (f"no_{f.name}", f"turn off: {meta['help']}")
+            p.add_argument(meta["flag"], dest=dest, action="store_true",
+                           help=f"{what} (default: {'on' if default else 'off'})")
+        else:
+            p.add_argument(meta["flag"], dest=f.name, type=_int_at_least(meta.get("min", 1)), default=default,
+                           metavar=meta["metavar"],
+                           help=meta["help"] if default is None else f"{meta['help']} (default: %(default)s)")
+
+
+def engine_config(args):
+    """The EngineConfig the parsed flags ask for."""
+    from lorakit.engine.config import EngineConfig
+
+    return EngineConfig(**{f.name: not getattr(args, f"no_{f.name}") if f.default is True else getattr(args, f.name)
+                           for f in EngineConfig.cli_fields()})
 
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        config = engine_config(args)
         adapters = check_options(args)
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
         raise SystemExit(f"lorakit serve: {e}") from None
@@ -102,9 +121,7 @@ def run(args) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     model, tokenizer, name = load_model(args.model, device, dtype)
     try:
-        engine = Engine(model, tokenizer, max_loras=args.max_loras, max_rank=args.max_rank, adapters=adapters,
-                        max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
-                        cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+        engine = Engine(model, tokenizer, config, adapters=adapters)
     except ValueError as e:  # an adapter this model cannot serve (modules, shapes, rank), or a limit out of range
         raise SystemExit(f"lorakit serve: {e}") from None
     config = ServeConfig(model_name=args.served_model_name or name, allow_runtime_lora=args.allow_runtime_lora,

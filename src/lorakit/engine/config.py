@@ -1,0 +1,75 @@
+"""``EngineConfig``: every setting of an engine, validated once, with its one default.
+
+``Engine``, ``LLM`` and ``lorakit serve`` all read it: the engine takes a config (or its fields as keywords),
+and the CLI's engine flags are generated from the fields' metadata (flag, metavar, help), so a default or a
+check lives here only. Checks that need the model (``max_seq_len`` against its context, ``num_blocks`` against
+one full request) are the engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from lorakit.engine.pool import CPU_BUDGET_BYTES
+from lorakit.layers.patch import PatchConfig
+
+
+def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1):
+    """A field with its CLI flag (None: the API only), help text and, for ints, the least value."""
+    return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """See each field's help (``lorakit serve --help`` prints the same)."""
+
+    max_loras: int = _opt(PatchConfig.max_loras, "adapters resident on the device at once; any number can be "
+                          "registered", "--max-loras", "N")
+    max_rank: int = _opt(PatchConfig.max_rank, "the largest adapter rank", "--max-rank", "R")
+    max_num_seqs: int = _opt(64, "requests running at once", "--max-num-seqs", "N")
+    max_seq_len: int | None = _opt(None, "prompt + output tokens of one request (default: the model's "
+                                   "max_position_embeddings, at most 4096)", "--max-seq-len", "N", min=2)
+    max_num_batched_tokens: int = _opt(2048, "tokens per step; longer prompts are prefilled in chunks",
+                                       "--max-num-batched-tokens", "N")
+    block_size: int = _opt(16, "tokens per KV-cache block", "--block-size", "N")
+    num_blocks: int | None = _opt(None, "KV-cache blocks (default: room for max_num_seqs full-length requests, or "
+                                  "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
+    patience: int = _opt(16, "steps the oldest waiting request may be bypassed by requests whose adapters are "
+                         "resident", "--patience", "STEPS", min=0)
+    cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs captured at startup (on a GPU)",
+                             "--no-cuda-graphs")
+    compile: bool = _opt(False, "capture the decode graphs from a torch.compile'd forward: faster steps, ~20 s per "
+                         "batch bucket at startup", "--compile")
+    graph_sizes: tuple[int, ...] | None = _opt(None, "batch-size buckets of the decode graphs (default 1, 2, 4, 8, "
+                                               "16, 32, ... up to max_num_seqs)")
+    cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
+
+    def __post_init__(self):
+        PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_int(name, getattr(self, name), 1)
+        if self.max_seq_len is not None:
+            _check_int("max_seq_len", self.max_seq_len, 2)
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        _check_int("patience", self.patience, 0)
+        _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.graph_sizes is not None:
+            sizes = tuple(self.graph_sizes)
+            if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+                raise ValueError(f"graph_sizes must be positive ints, got {self.graph_sizes!r}")
+            object.__setattr__(self, "graph_sizes", sizes)
+
+    @classmethod
+    def cli_fields(cls) -> list[dataclasses.Field]:
+        """The fields ``lorakit serve`` has a flag for."""
+        return [f for f in dataclasses.fields(cls) if f.metadata.get("flag")]
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

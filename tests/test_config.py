@@ -1,0 +1,91 @@
+"""One owner per setting: ``EngineConfig`` validates once, holds the one default the CLI, ``Engine``, ``LLM`` and
+``patch`` share, and an engine refuses a model patched with another layout instead of ignoring its settings;
+an adapter's tokenizer is read when it is registered, never later."""
+
+import argparse
+import copy
+import dataclasses
+import pathlib
+
+import pytest
+
+import lorakit
+from _peft_models import save_adapter, tiny_model
+from lorakit.engine import Engine, EngineConfig
+from lorakit.engine.pool import CPU_BUDGET_BYTES, AdapterPool
+from lorakit.layers import PatchConfig
+from lorakit.serve import cli
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_loras", 0, "max_loras must be a positive int"), ("max_rank", -1, "max_rank must be a positive int"),
+    ("max_num_seqs", 0, "max_num_seqs must be an int >= 1, got 0"), ("max_seq_len", 1, "max_seq_len must be an int >= 2"),
+    ("block_size", "16", "block_size must be an int >= 1, got '16'"), ("num_blocks", 0, "num_blocks must be"),
+    ("patience", -1, "patience must be an int >= 0"), ("cuda_graphs", 1, "cuda_graphs must be True or False"),
+    ("graph_sizes", (4, 0), "graph_sizes must be positive ints"), ("cpu_budget_bytes", -5, "cpu_budget_bytes must"),
+])
+def test_bad_settings_are_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})
+
+
+def test_one_default_for_each_setting():
+    config = EngineConfig()
+    assert (config.max_loras, config.max_rank) == (PatchConfig.max_loras, PatchConfig.max_rank)
+    assert config.cpu_budget_bytes == CPU_BUDGET_BYTES
+    for fn in (lorakit.patch, AdapterPool.__init__):
+        defaults = {k: v.default for k, v in __import__("inspect").signature(fn).parameters.items()}
+        assert defaults.get("max_rank", config.max_rank) == config.max_rank
+        assert defaults.get("cpu_budget_bytes", config.cpu_budget_bytes) == config.cpu_budget_bytes
+    assert EngineConfig(graph_sizes=[1, 8]).graph_sizes == (1, 8)  # frozen: a tuple
+
+
+def test_serve_flags_are_the_config_fields():
+    sub = argparse.ArgumentParser(prog="lorakit").add_subparsers()
+    cli.add_parser(sub)
+    parser = sub.choices["serve"]
+    flags = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    for f in EngineConfig.cli_fields():
+        assert f.metadata["flag"] in flags, f.name
+    assert cli.engine_config(parser.parse_args([])) == EngineConfig()
+    args = parser.parse_args(["--max-loras", "3", "--no-cuda-graphs", "--compile", "--patience", "0"])
+    assert cli.engine_config(args) == EngineConfig(max_loras=3, cuda_graphs=False, compile=True, patience=0)
+    unexposed = {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in EngineConfig.cli_fields()}
+    assert unexposed == {"graph_sizes", "cpu_budget_bytes"}  # API-only, on purpose
+
+
+def test_engine_takes_a_config_or_keywords_and_resolves_it():
+    base = tiny_model("llama", seed=1)
+    engine = Engine(copy.deepcopy(base), config=EngineConfig(max_loras=2), block_size=4)
+    assert engine.config.max_loras == 2 and engine.config.block_size == 4
+    assert engine.config.max_seq_len == engine.max_seq_len and engine.config.num_blocks == engine.blocks.num_free
+    assert engine.pool.num_slots == engine.handle.num_slots == 2
+    with pytest.raises(TypeError, match="max_lora"):
+        Engine(copy.deepcopy(base), max_lora=2)  # a misspelt setting is not ignored
+
+
+def test_a_model_patched_with_another_layout_is_refused():
+    model = copy.deepcopy(tiny_model("llama", seed=1))
+    lorakit.patch(model, max_loras=2, max_rank=32)
+    with pytest.raises(ValueError, match="already patched with max_loras=2, max_rank=32.*asks for max_loras=8, "
+                                         "max_rank=64"):
+        Engine(model)
+    assert Engine(model, max_loras=2, max_rank=32).pool.num_slots == 2
+
+
+def test_an_adapters_tokenizer_is_read_at_registration_only(tmp_path):
+    from peft import LoraConfig
+    from test_tokens import word_tokenizer
+
+    base = tiny_model("llama", seed=1)
+    folder = pathlib.Path(save_adapter(base, "a", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False),
+                          tmp_path, seed=0).path)
+    engine = Engine(copy.deepcopy(base), word_tokenizer(), max_loras=1, adapters={"a": folder})
+    word_tokenizer(["<x>"]).save_pretrained(folder)  # added after registration: not read
+    assert engine.tokenizer_for("a") is engine.tokenizer
+    engine.register_adapter("a", folder)  # a new version reads it
+    assert engine.tokenizer_for("a") is not engine.tokenizer and "<x>" in engine.tokenizer_for("a").get_vocab()
+    (folder / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(lorakit.AdapterError, match="adapter 'b' at .*its tokenizer cannot be read"):
+        engine.register_adapter("b", folder)
+    assert "b" not in engine.pool.adapters
