@@ -11,40 +11,32 @@ dense [batch, 8, context, 128] cache (no paging: a baseline that reads the same 
 Achieved bandwidth = bytes of K and V read (batch * context * 8 heads * 128 * 2 bytes * 2) / time;
 %copy = that / the copy bandwidth (read + write bytes) of a 2 GiB device-to-device copy.
 
-Timing as in bench_ops.py: per call, from a CUDA graph that makes one call on each of N independent
-copies of the inputs (caches, block tables, queries), N chosen so the copies hold >= 256 MB (at least
-2), so no call finds its keys in the 60 MB L2; median of ``triton.testing.do_bench`` over replays,
-divided by N. Each line is checked against SDPA in float32 before it is timed.
+Timing as in bench_ops.py (``common.rotating_us``): per call, from a CUDA graph that makes one call on each of
+N independent copies of the inputs (caches, block tables, queries), N chosen so the copies hold >= 256 MB
+(at least 2), so no call finds its keys in the 60 MB L2; median of ``triton.testing.do_bench`` over
+replays, divided by N. Each line is checked against SDPA in float32 before it is timed.
 
     PYTHONPATH=src python bench/bench_attention.py --out DIR [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from common import (arg_parser, copy_gbps, fmt, parse_args, rotating_us, rotation_method, setup, setup_line, table,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine.attention import _launch_paged_attention, paged_attention
 
-ROTATION_BYTES = 256 << 20
-MAX_COPIES = 1024
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 BATCHES, CONTEXTS = (1, 16, 64), (256, 2048, 8192)
 TOLERANCE = 2e-2  # relative error against SDPA in float32
-METHOD = (
-    "Per call, replayed from a CUDA graph that makes one call on each of N independent copies of the inputs "
-    "(caches, block tables, metadata, queries), N chosen so the copies hold >= 256 MB (at least 2); median of "
-    "triton.testing.do_bench over replays, divided by N. Bytes = K and V of every sequence read once "
+METHOD = rotation_method("the inputs (caches, block tables, metadata, queries)") + (
+    " Bytes = K and V of every sequence read once "
     "(batch * context * 8 KV heads * 128 * 2 B * 2); copy bandwidth = read + write bytes of a 2 GiB copy."
 )
 
@@ -106,29 +98,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def measure(run, make_copy) -> tuple[float, int]:
-    """Median microseconds per call of ``run`` over a graph of calls on rotating copies, and the copy count."""
-    copies = [make_copy(0)]
-    nbytes = sum(v.nbytes for v in copies[0].values() if isinstance(v, torch.Tensor))
-    n_copies = min(MAX_COPIES, max(2, -(-ROTATION_BYTES // nbytes)))
-    copies += [make_copy(i) for i in range(1, n_copies)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        for _ in range(3):
-            run(copies[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in copies:
-            run(c)
-    ms = triton.testing.do_bench(graph.replay, return_mode="median")
-    del graph, copies
-    torch.cuda.empty_cache()
-    return 1e3 * ms / n_copies, n_copies
-
-
-def bench_row(batch: int, context: int, copy_gbps: float) -> dict:
+def bench_row(batch: int, context: int, copy_bw: float) -> dict:
     row = {"batch": batch, "context": context, "kv_mb": kv_bytes(batch, context) / 1e6}
     p = make_paged(batch, context, seed=0)
     ref = sdpa_reference(p)
@@ -142,83 +112,52 @@ def bench_row(batch: int, context: int, copy_gbps: float) -> dict:
             row[f"{name}_us"] = None
             print(f"  batch {batch} context {context} {name}: WRONG, relative error {err:.3g}", file=sys.stderr)
             continue
-        us, copies = measure(run, make_copy)
+        us, copies = rotating_us(run, make_copy)
         gbps = kv_bytes(batch, context) / (us * 1e-6) / 1e9
         row.update({f"{name}_us": us, f"{name}_copies": copies, f"{name}_gbps": gbps,
-                    f"{name}_pct_copy": 100 * gbps / copy_gbps})
+                    f"{name}_pct_copy": 100 * gbps / copy_bw})
     del p
     torch.cuda.empty_cache()
     return row
 
 
-def copy_gbps() -> float:
-    src = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.nbytes / (ms * 1e-3) / 1e9
-
-
-def git_commit() -> str:
-    if os.environ.get("LORAKIT_COMMIT"):
-        return os.environ["LORAKIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def fmt(v, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def table(rows: list[dict]) -> str:
+def rows_table(rows: list[dict]) -> str:
     head = ("| batch | context | K+V (MB) | lorakit (us) | GB/s | % copy | no split-KV (us) | GB/s | % copy "
             "| SDPA dense (us) | GB/s | % copy | lorakit / SDPA |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = []
     for r in rows:
         ratio = None if None in (r.get("lorakit_us"), r.get("sdpa_dense_us")) else r["lorakit_us"] / r["sdpa_dense_us"]
         cells = [r["batch"], r["context"], fmt(r["kv_mb"])]
         for name in ("lorakit", "lorakit_unsplit", "sdpa_dense"):
             cells += [fmt(r.get(f"{name}_us")), fmt(r.get(f"{name}_gbps"), ".0f"),
                       fmt(r.get(f"{name}_pct_copy"), ".0f")]
-        cells.append(fmt(ratio, ".2f"))
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        lines.append(cells + [fmt(ratio, ".2f")])
+    return table(head, lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for bench_attention.md and .json")
+    p = arg_parser(__doc__, out_help="folder for bench_attention.md and .json")
     p.add_argument("--quick", action="store_true", help="batch 1 and 64 at context 2048 and 8192 only")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA device (torch.cuda.is_available() is False)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-             "cuda": torch.version.cuda, "commit": git_commit(), "quick": args.quick,
-             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-             "copy_gbps": copy_gbps(), "method": METHOD,
-             "shape": dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=str(DTYPE))}
-    print(f"copy {setup['copy_gbps']:.0f} GB/s")
+    args = parse_args(p, argv)
+    s = setup("gpu", "torch", "triton", "cuda", "commit", "date_utc", quick=args.quick, copy_gbps=copy_gbps(),
+              method=METHOD, shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                                        dtype=str(DTYPE)))
+    print(f"copy {s['copy_gbps']:.0f} GB/s")
     batches, contexts = ((1, 64), (2048, 8192)) if args.quick else (BATCHES, CONTEXTS)
     rows = []
     for batch in batches:
         for context in contexts:
-            rows.append(bench_row(batch, context, setup["copy_gbps"]))
+            rows.append(bench_row(batch, context, s["copy_gbps"]))
             r = rows[-1]
             print(f"  batch {batch} context {context}: lorakit {fmt(r.get('lorakit_us'))} us "
                   f"({fmt(r.get('lorakit_pct_copy'), '.0f')} % copy), unsplit {fmt(r.get('lorakit_unsplit_us'))} us, "
                   f"SDPA dense {fmt(r.get('sdpa_dense_us'))} us", flush=True)
     report = "\n\n".join([
         f"# Paged decode attention (bf16, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE})\n\n"
-        f"{setup['gpu']}, torch {setup['torch']}, triton {setup['triton']}, CUDA {setup['cuda']}, commit "
-        f"{setup['commit']}, {setup['date_utc']} UTC{' (--quick)' if args.quick else ''}.\nMeasured copy "
-        f"{setup['copy_gbps']:.0f} GB/s (read + write).\n\n{METHOD}",
-        table(rows)])
-    print("\n" + report)
-    (args.out / "bench_attention.md").write_text(report + "\n")
-    (args.out / "bench_attention.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1) + "\n")
+        f"{setup_line(s)}{' (--quick)' if args.quick else ''}.\nMeasured copy {s['copy_gbps']:.0f} GB/s (read + "
+        f"write).\n\n{METHOD}",
+        rows_table(rows)])
+    write_report(args.out, "bench_attention", report, {"setup": s, "rows": rows})
     return 0
 
 

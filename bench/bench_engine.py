@@ -13,24 +13,17 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
+from common import (TARGETS, arg_parser, copy_gbps, fmt, make_model, parse_args, setup, setup_line, table,
+                    write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_patch import TARGETS, copy_gbps, make_model, write_adapter  # noqa: E402
-
-from lorakit.engine import Engine, SamplingParams  # noqa: E402
+from lorakit.engine import Engine, SamplingParams
 
 PROMPT = 128
 
@@ -94,23 +87,17 @@ def run_peft(model_fn, folders: list[Path], batch: int, decode: int, vocab: int,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny model (smoke run)")
+    p = arg_parser(__doc__, smoke=True)
     p.add_argument("--decode", type=int, default=64, help="decode tokens per request")
     p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
     p.add_argument("--quick", action="store_true", help="batch 64 only")
     p.add_argument("--compile", action="store_true", help="also base at batch 1 and 32 adapters at batch 64 compiled")
     p.add_argument("--compile-only", action="store_true", help="only compiled: base and 8 adapters at batch 64")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("bench_engine.py needs a CUDA device (or --device cpu --tiny for a smoke run)")
-    args.out.mkdir(parents=True, exist_ok=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     layers = 2 if args.tiny else 32
-    gbps = copy_gbps(args.device) if cuda else float("nan")
+    gbps = copy_gbps(1 << 29) if cuda else float("nan")
     batches = (64,) if args.quick else (1, 16, 64)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,21 +174,16 @@ def main(argv=None) -> int:
     base64 = next((r for r in rows if r["what"] == "lorakit, base" and r["batch"] == 64), None)
     for r in rows:
         r["vs_base"] = r["tok_s"] / base64["tok_s"] if base64 and r["batch"] == 64 else float("nan")
-    setup = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                 transformers=transformers.__version__, commit=os.environ.get("LORAKIT_COMMIT", "unknown"),
-                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), layers=layers,
-                 copy_gbps=gbps, prompt=PROMPT, decode=args.decode)
-    table = ["| what | batch | decode tok/s | step (ms) | byte floor (ms) | % of roofline | vs base at batch 64 |",
-             "|---|---|---|---|---|---|---|"]
-    table += [f"| {r['what']} | {r['batch']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
-              f"{r['roofline_pct']:.0f} | {r['vs_base']:.2f} |" for r in rows]
-    header = (f"# Engine decode throughput: Llama-3-8B shape ({layers} layers), random bf16 weights\n\n"
-              f"{setup['device']}, torch {setup['torch']}, transformers {setup['transformers']}, commit "
-              f"{setup['commit']}, {setup['date_utc']} UTC; prompt {PROMPT}, {args.decode} greedy tokens per "
-              f"request, decode steps only; CUDA graphs; copy {gbps:.0f} GB/s measured in the same run.\n\n")
-    (args.out / "bench_engine.md").write_text(header + "\n".join(table) + "\n")
-    (args.out / "bench_engine.json").write_text(json.dumps(dict(setup=setup, rows=rows), indent=1))
-    print(header + "\n".join(table))
+    s = setup("device", "torch", "transformers", "commit", "date_utc", device=args.device, layers=layers,
+              copy_gbps=gbps, prompt=PROMPT, decode=args.decode)
+    head = "| what | batch | decode tok/s | step (ms) | byte floor (ms) | % of roofline | vs base at batch 64 |"
+    rows_md = table(head, ([r["what"], r["batch"], fmt(r["tok_s"], ".0f"), fmt(r["step_ms"], ".2f"),
+                            fmt(r["floor_ms"], ".2f"), fmt(r["roofline_pct"], ".0f"), fmt(r["vs_base"], ".2f")]
+                           for r in rows))
+    report = (f"# Engine decode throughput: Llama-3-8B shape ({layers} layers), random bf16 weights\n\n"
+              f"{setup_line(s)}; prompt {PROMPT}, {args.decode} greedy tokens per request, decode steps only; CUDA "
+              f"graphs; copy {gbps:.0f} GB/s measured in the same run.\n\n{rows_md}")
+    write_report(args.out, "bench_engine", report, dict(setup=s, rows=rows))
     return 0
 
 

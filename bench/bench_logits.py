@@ -15,16 +15,14 @@ token) on a machine without the bundled model.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import (arg_parser, fmt, parse_args, random_weights, setup, setup_line, table,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit import LLM, SamplingParams
 from lorakit.engine.structured import StructuredOutput
@@ -68,18 +66,14 @@ def step_times(llm: LLM, prompts: list[list[int]], adapters: list[str | None], p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = arg_parser(__doc__)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     if args.random_weights:
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.random_weights)
-        config = transformers.AutoConfig.from_pretrained(args.random_weights)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+        model, tokenizer = random_weights(args.random_weights)
+        model = model.cuda().eval()
     else:
         model, tokenizer, _ = load_model(None, "cuda", "bfloat16")
     adapters = bundled_adapters()
@@ -97,22 +91,15 @@ def main(argv=None) -> int:
         ms, n = step_times(llm, prompts, which, params, args.steps)
         results[name] = {"step_ms": ms, "steps_timed": n}
     plain = results["plain"]["step_ms"]
-    setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
-             "date": datetime.date.today().isoformat(), "batch": args.batch, "steps": args.steps,
-             "model": ("random weights of SmolLM2-135M-Instruct's shape" if args.random_weights else
-                       "bundled SmolLM2-135M-Instruct") + ", bf16, CUDA graphs, base + 3 demo adapters round robin"}
-    lines = [f"# bench_logits: decode step with per-request logit processing, batch {args.batch}", "",
-             f"{setup['gpu']}, torch {setup['torch']}, triton {setup['triton']}, commit {setup['commit']}, "
-             f"{setup['date']}. {setup['model']}.", "",
-             "| every request | step ms (median) | / plain | steps timed |", "|---|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['step_ms']:.2f} | {r['step_ms'] / plain:.2f} | {r['steps_timed']} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_logits.md").write_text(text)
-    (args.out / "bench_logits.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1))
+    s = setup("gpu", "torch", "triton", "commit", "date", batch=args.batch, steps=args.steps,
+              model=("random weights of SmolLM2-135M-Instruct's shape" if args.random_weights else
+                     "bundled SmolLM2-135M-Instruct") + ", bf16, CUDA graphs, base + 3 demo adapters round robin")
+    rows_md = table("| every request | step ms (median) | / plain | steps timed |",
+                    ([name, fmt(r["step_ms"], ".2f"), fmt(r["step_ms"] / plain, ".2f"), r["steps_timed"]]
+                     for name, r in results.items()))
+    report = (f"# bench_logits: decode step with per-request logit processing, batch {args.batch}\n\n"
+              f"{setup_line(s)}. {s['model']}.\n\n{rows_md}")
+    write_report(args.out, "bench_logits", report, {"setup": s, "results": results})
     return 0
 
 

@@ -17,35 +17,26 @@ before capture. The PEFT loop syncs with the host (boolean masks), so it runs ea
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-import triton
 from anchors import ANCHORS, H_IN, Anchor  # bench/ is on sys.path when this file runs as a script
+from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotating_us, rotation_method, setup,
+                    setup_line, table, write_report)
 
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.reference import lora_ref
 
-ROTATION_BYTES = 256 << 20  # the copies of one timed problem hold at least this much
-MAX_COPIES = 1024
 SCALE = 0.5
 TOLERANCE = {torch.bfloat16: 2e-2}  # relative error on the delta, ||out - ref|| / ||ref - y||
 CHECK_TOKENS = 64  # tokens compared with the float64 reference
 RANK_SEED = 0  # mixed-rank case: ranks drawn uniformly from 8..128 with this seed
 NAIVE_KEYS = ("x", "y", "A", "B_store", "scales", "slots")
-METHOD = (
-    "Per call, replayed from a CUDA graph that makes one call on each of N independent copies of all "
-    "inputs (x, y, A, B, ranks, scales, metadata, W), N chosen so the copies hold >= 256 MB (at least 2), "
-    "so no call finds its data in L2; median of triton.testing.do_bench over replays, divided by N. "
-    "lorakit's batch metadata is built outside the timed region. The PEFT-style loop cannot be captured "
+METHOD = rotation_method("all inputs (x, y, A, B, ranks, scales, metadata, W)") + (
+    " lorakit's batch metadata is built outside the timed region. The PEFT-style loop cannot be captured "
     "(boolean masks sync with the host): it is timed eagerly over two copies. "
     "Byte floor = (x once + each used adapter's A and B rows up to its rank once + y read and written) "
     "/ the copy bandwidth measured in this run."
@@ -138,31 +129,6 @@ def run_peft_loop(c: dict, num_adapters: int) -> None:
         y[idx] += SCALE * (x[idx] @ c["A"][s, 0].T) @ c["B_store"][s]
 
 
-def measure(run, make_copy, graph: bool = True) -> tuple[float, int]:
-    """Median microseconds per call of ``run`` over a rotation of copies, and the number of copies.
-
-    Eager runs (the PEFT loop, 0.1-13 ms a call) are far from L2 effects and use two copies."""
-    copies = [make_copy()]
-    nbytes = sum(v.nbytes for v in copies[0].values() if isinstance(v, torch.Tensor))
-    n_copies = min(MAX_COPIES, max(2, -(-ROTATION_BYTES // nbytes))) if graph else 2
-    copies += [make_copy() for _ in range(n_copies - 1)]
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and warm up outside capture
-            for _ in range(3):
-                run(copies[0])
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for c in copies:
-                run(c)
-        ms = triton.testing.do_bench(g.replay, return_mode="median")
-    else:
-        ms = triton.testing.do_bench(lambda: [run(c) for c in copies], return_mode="median")
-    return 1e3 * ms / len(copies), len(copies)
-
-
 def check_lorakit(case: Case, p: dict) -> float:
     """Relative error of lorakit's delta against the float64 reference on up to CHECK_TOKENS tokens."""
     y = p["y"].clone()
@@ -185,7 +151,7 @@ def bench_lorakit(case: Case, p: dict, gbps: float) -> dict:
         out["status"] = f"WRONG: relative error {err:.3g} > {TOLERANCE[torch.bfloat16]}, not timed"
         print(f"  {case.mode} T={case.T} L={case.L} h_out={case.h_out}: {out['status']}", file=sys.stderr)
         return out
-    out["lorakit_us"], out["lorakit_copies"] = measure(run_lorakit, lambda: lorakit_copy(p, case.num_slots))
+    out["lorakit_us"], out["lorakit_copies"] = rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))
     return out
 
 
@@ -204,12 +170,14 @@ def bench_row(a: Anchor, gbps: float, quick: bool) -> dict:
     row.update(bench_lorakit(case, p, gbps))
     if row["lorakit_us"] is None:
         return row
-    row["base_gemm_us"], row["base_gemm_copies"] = measure(run_gemm, lambda: gemm_copy(p))
+    row["base_gemm_us"], row["base_gemm_copies"] = rotating_us(run_gemm, lambda i: gemm_copy(p))
     if not quick:
-        naive_copy = partial(clone, p, NAIVE_KEYS)
-        row["gather_bmm_us"], row["gather_bmm_copies"] = measure(run_gather_bmm, naive_copy)
+        def naive_copy(i):
+            return clone(p, NAIVE_KEYS)
+
+        row["gather_bmm_us"], row["gather_bmm_copies"] = rotating_us(run_gather_bmm, naive_copy)
         peft = partial(run_peft_loop, num_adapters=a.L)
-        row["peft_loop_us"], row["peft_loop_copies"] = measure(peft, naive_copy, graph=False)
+        row["peft_loop_us"], row["peft_loop_copies"] = rotating_us(peft, naive_copy, graph=False)
     us = row["lorakit_us"]
     row["pct_copy_bw"] = 100 * row["floor_us"] / us
     row["pct_base_gemm"] = 100 * us / row["base_gemm_us"]
@@ -236,61 +204,25 @@ def bench_mixed(L: int, h_out: int, gbps: float) -> dict:
     return row
 
 
-def copy_gbps() -> float:
-    src = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.nbytes / (ms * 1e-3) / 1e9
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
-def git_commit() -> str:
-    if os.environ.get("LORAKIT_COMMIT"):
-        return os.environ["LORAKIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("LORAKIT_COMMIT", "unknown")
-
-
-def fmt(v, spec: str = ".1f") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    return format(v, spec)
-
-
 def rows_table(rows: list[dict]) -> str:
     head = ("| mode | T | L | r | h_out | lorakit (us) | byte floor (us) | % copy BW | % base GEMM | base GEMM (us) "
             "| PEFT loop* (us) | gather+bmm (us) | best public (us) | lorakit / best | beats naive | <= 1.5x best |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lorakit = fmt(r["lorakit_us"]) if r["status"] == "ok" else r["status"]
-        cells = [r["mode"], r["T"], r["L"], r["r"], r["h_out"], lorakit, fmt(r["floor_us"], ".2f"),
-                 fmt(r.get("pct_copy_bw"), ".0f"), fmt(r.get("pct_base_gemm"), ".0f"), fmt(r["base_gemm_us"]),
-                 fmt(r["peft_loop_us"], ".0f"), fmt(r["gather_bmm_us"], ".0f"), fmt(r["best_us"]),
-                 fmt(r.get("vs_best"), ".2f"), fmt(r.get("beats_naive")), fmt(r.get("within_1_5x_best"))]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines.append("\n*PEFT loop: eager (boolean masks sync with the host), over rotating copies; all else CUDA graphs.")
-    return "\n".join(lines)
+    cells = ([r["mode"], r["T"], r["L"], r["r"], r["h_out"],
+              fmt(r["lorakit_us"]) if r["status"] == "ok" else r["status"], fmt(r["floor_us"], ".2f"),
+              fmt(r.get("pct_copy_bw"), ".0f"), fmt(r.get("pct_base_gemm"), ".0f"), fmt(r["base_gemm_us"]),
+              fmt(r["peft_loop_us"], ".0f"), fmt(r["gather_bmm_us"], ".0f"), fmt(r["best_us"]),
+              fmt(r.get("vs_best"), ".2f"), fmt(r.get("beats_naive")), fmt(r.get("within_1_5x_best"))] for r in rows)
+    return table(head, cells) + (
+        "\n\n*PEFT loop: eager (boolean masks sync with the host), over rotating copies; all else CUDA graphs.")
 
 
 def mixed_table(rows: list[dict]) -> str:
-    lines = ["| T | L | h_out | R_max | mean rank | mixed (us) | all-128 (us) | mixed / all-128 | floor mixed (us) "
-             "| floor all-128 (us) | floor ratio | <= 0.6x |", "|" + "---|" * 12]
-    for r in rows:
-        cells = [r["T"], r["L"], r["h_out"], r["r_max"], fmt(sum(r["ranks"]) / r["L"]), fmt(r["mixed_lorakit_us"]),
-                 fmt(r["all128_lorakit_us"]), fmt(r["ratio"], ".2f"), fmt(r["mixed_floor_us"], ".2f"),
-                 fmt(r["all128_floor_us"], ".2f"), fmt(r["floor_ratio"], ".2f"), fmt(r["meets_0_6x"])]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    head = ("| T | L | h_out | R_max | mean rank | mixed (us) | all-128 (us) | mixed / all-128 | floor mixed (us) "
+            "| floor all-128 (us) | floor ratio | <= 0.6x |")
+    return table(head, ([r["T"], r["L"], r["h_out"], r["r_max"], fmt(sum(r["ranks"]) / r["L"]),
+                         fmt(r["mixed_lorakit_us"]), fmt(r["all128_lorakit_us"]), fmt(r["ratio"], ".2f"),
+                         fmt(r["mixed_floor_us"], ".2f"), fmt(r["all128_floor_us"], ".2f"),
+                         fmt(r["floor_ratio"], ".2f"), fmt(r["meets_0_6x"])] for r in rows))
 
 
 def summary(rows: list[dict], mixed: list[dict]) -> str:
@@ -324,39 +256,29 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for bench_ops.md, .json and .png")
+    p = arg_parser(__doc__, out_help="folder for bench_ops.md, .json and .png")
     p.add_argument("--quick", action="store_true", help="r=16, h_out=4096 rows, lorakit and base GEMM only")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_ops.py needs a CUDA device (torch.cuda.is_available() is False); the numbers it compares "
-                 "against were measured on an H200")
-    args.out.mkdir(parents=True, exist_ok=True)
-    setup = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-             "cuda": torch.version.cuda, "commit": git_commit(), "quick": args.quick,
-             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-             "copy_gbps": copy_gbps(), "matmul_tflops": matmul_tflops(), "method": METHOD}
-    print(f"copy {setup['copy_gbps']:.0f} GB/s, bf16 matmul {setup['matmul_tflops']:.0f} TFLOP/s")
+    args = parse_args(p, argv)
+    s = setup("gpu", "torch", "triton", "cuda", "commit", "date_utc", quick=args.quick, copy_gbps=copy_gbps(),
+              matmul_tflops=matmul_tflops(), method=METHOD)
+    print(f"copy {s['copy_gbps']:.0f} GB/s, bf16 matmul {s['matmul_tflops']:.0f} TFLOP/s")
     rows = []
     for a in selected_anchors(args.quick):
-        rows.append(bench_row(a, setup["copy_gbps"], args.quick))
+        rows.append(bench_row(a, s["copy_gbps"], args.quick))
         print(f"  {a.mode} T={a.T} L={a.L} r={a.r} h_out={a.h_out}: lorakit {fmt(rows[-1]['lorakit_us'])} us "
               f"(best public {a.best_us} us)", flush=True)
         torch.cuda.empty_cache()
     pairs = [(32, 4096)] if args.quick else [(L, n) for n in (4096, 14336) for L in (32, 128)]
-    mixed = [bench_mixed(L, n, setup["copy_gbps"]) for L, n in pairs]
+    mixed = [bench_mixed(L, n, s["copy_gbps"]) for L, n in pairs]
     report = "\n\n".join([
-        f"# lorakit ops vs the best public kernels\n\n{setup['gpu']}, torch {setup['torch']}, triton "
-        f"{setup['triton']}, CUDA {setup['cuda']}, commit {setup['commit']}, {setup['date_utc']} UTC"
-        f"{' (--quick)' if args.quick else ''}.\nMeasured copy {setup['copy_gbps']:.0f} GB/s (read + write), "
-        f"bf16 matmul 8192^3 {setup['matmul_tflops']:.0f} TFLOP/s.\n\n{METHOD}",
+        f"# lorakit ops vs the best public kernels\n\n{setup_line(s)}{' (--quick)' if args.quick else ''}.\n"
+        f"Measured copy {s['copy_gbps']:.0f} GB/s (read + write), bf16 matmul 8192^3 {s['matmul_tflops']:.0f} "
+        f"TFLOP/s.\n\n{METHOD}",
         "## add_lora, one layer (bf16, h_in 4096, every adapter at rank r)", rows_table(rows),
         "## Mixed ranks (ranks uniform in 8..128, seeded) vs every rank 128", mixed_table(mixed),
         "**Summary:** " + summary(rows, mixed)])
-    print("\n" + report)
-    (args.out / "bench_ops.md").write_text(report + "\n")
-    results = {"setup": setup, "rows": rows, "mixed_rank": mixed, "summary": summary(rows, mixed)}
-    (args.out / "bench_ops.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_report(args.out, "bench_ops", report,
+                 {"setup": s, "rows": rows, "mixed_rank": mixed, "summary": summary(rows, mixed)})
     plot(rows, args.out / "bench_ops.png")
     return 0
 

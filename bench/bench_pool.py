@@ -16,39 +16,18 @@ pass it overlaps.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
+from common import (arg_parser, cuda_graph, make_model, parse_args, pinned_gbps, setup, setup_line, write_adapter,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
 
-sys.path.insert(0, str(Path(__file__).parent))
-import lorakit  # noqa: E402
-from bench_patch import make_model, write_adapter  # noqa: E402
+import lorakit
 
 REPS = 20
-
-
-def pinned_gbps(device: str) -> float:
-    """Host-to-device bandwidth from pinned memory: median of 10 copies of 512 MB."""
-    src = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(src.shape, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(11):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return src.nbytes / statistics.median(times[1:]) / 1e9
 
 
 def wall(fn, sync) -> float:
@@ -68,31 +47,14 @@ def forward_graph(model, handle, pool, batch: int, device: str):
         with torch.no_grad():
             return model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
 
-    if device == "cpu":
-        return forward
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph.replay
+    return forward if device == "cpu" else cuda_graph(forward).replay
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny model (smoke run)")
+    p = arg_parser(__doc__, smoke=True)
     p.add_argument("--batch", type=int, default=16)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("bench_pool.py needs a CUDA device (or --device cpu --tiny for a smoke run)")
-    args.out.mkdir(parents=True, exist_ok=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
     model = make_model(2 if args.tiny else 32, args.tiny, args.device)
@@ -154,15 +116,12 @@ def main(argv=None) -> int:
         forward_ms=fwd_ms, forward_with_upload_ms=fwd_up_ms, stall_pct=100 * (fwd_up_ms - fwd_ms) / fwd_ms,
         batch=args.batch, load_ms_all=[1e3 * s for s in load_s], forward_ms_all=alone, forward_up_ms_all=overlapped,
     )
-    setup = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-                 transformers=transformers.__version__, commit=os.environ.get("LORAKIT_COMMIT", "unknown"),
-                 date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), tiny=args.tiny,
-                 layers=model.config.num_hidden_layers)
+    s = setup("device", "torch", "transformers", "commit", "date_utc", device=args.device, tiny=args.tiny,
+              layers=model.config.num_hidden_layers)
     ok_load, ok_stall = result["load_share_of_h2d"] >= 0.7, result["stall_pct"] < 5
-    text = f"""# Adapter pool: loading a Llama-3-8B-shaped rank-16 adapter (all 7 projections, {setup['layers']} layers)
+    text = f"""# Adapter pool: loading a Llama-3-8B-shaped rank-16 adapter (all 7 projections, {s['layers']} layers)
 
-{setup['device']}, torch {setup['torch']}, transformers {setup['transformers']}, commit {setup['commit']}, \
-{setup['date_utc']} UTC. Medians of {REPS} runs.
+{setup_line(s)}. Medians of {REPS} runs.
 
 | what | value | target |
 |---|---|---|
@@ -176,9 +135,7 @@ def main(argv=None) -> int:
 | same, with an upload issued right after it on the side stream | {fwd_up_ms:.3f} ms | |
 | stall | {result['stall_pct']:+.1f} % | < 5 % {'(met)' if ok_stall else '(NOT met)'} |
 """
-    (args.out / "bench_pool.md").write_text(text)
-    (args.out / "bench_pool.json").write_text(json.dumps(dict(setup=setup, result=result), indent=1))
-    print(text)
+    write_report(args.out, "bench_pool", text, dict(setup=s, result=result))
     return 0
 
 

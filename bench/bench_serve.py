@@ -17,13 +17,9 @@ the bundled one (same shapes, same adapters, same work per token): for a machine
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import json
-import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +28,8 @@ from pathlib import Path
 
 import httpx
 import torch
+from common import (arg_parser, fmt, parse_args, random_weights, setup, setup_line, table,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
 
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Why is the sky blue?",
              "Name a fruit that is yellow.", "What do bees make?", "How far is the Moon?",
@@ -122,27 +120,21 @@ def offline(model_dir: Path | None, requests: int, concurrency: int, max_tokens:
 
 def random_model(config_dir: Path, into: Path) -> Path:
     """A model of config_dir's config and tokenizer with random weights, saved (bf16) under ``into``."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(config_dir)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model, tokenizer = random_weights(config_dir)
     folder = into / MODELS[0]
     model.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(config_dir).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p = arg_parser(__doc__)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR",
                    help="serve random weights of this config + tokenizer instead of the bundled model")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse_args(p, argv, needs_cuda=False)
 
     model_dir = None
     extra = []
@@ -183,25 +175,19 @@ def main(argv=None) -> int:
         server.terminate()
         server.wait(60)
 
-    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "commit": os.environ.get("LORAKIT_COMMIT", "unknown"),
-            "date": datetime.date.today().isoformat(), "max_tokens": args.max_tokens,
-            "weights": "random" if args.random_weights else "bundled"}
-    (args.out / "bench_serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# bench_serve: lorakit serve, SmolLM2-135M-Instruct ({meta['weights']} weights) + 3 adapters, bf16, "
-             "CUDA graphs",
-             "", f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}, "
-             f"{meta['date']}. Streaming chat completions, {args.max_tokens} tokens each (ignore_eos), models "
-             "round robin over base / pirate / json / french.", "",
-             "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms "
-             "| step ms | engine busy | offline tok/s | offline step ms | server / offline |", "|" + "---|" * 13]
-    for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.0f} | {r['requests_per_s']:.1f} "
-                     f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['gap_p50_ms']:.2f} "
-                     f"| {r['gap_p99_ms']:.2f} | {r['step_ms']:.2f} | {r['engine_busy']:.2f} "
-                     f"| {r['offline_tokens_per_s']:.0f} | {r['offline_step_ms']:.2f} | {r['vs_offline']:.2f} |")
-    (args.out / "bench_serve.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = setup("gpu", "torch", "triton", "commit", "date", device="cuda" if torch.cuda.is_available() else "cpu",
+                 max_tokens=args.max_tokens, weights="random" if args.random_weights else "bundled")
+    head = ("| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms | step ms "
+            "| engine busy | offline tok/s | offline step ms | server / offline |")
+    rows_md = table(head, ([r["concurrency"], r["requests"], fmt(r["tokens_per_s"], ".0f"), fmt(r["requests_per_s"]),
+                            fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["gap_p50_ms"], ".2f"),
+                            fmt(r["gap_p99_ms"], ".2f"), fmt(r["step_ms"], ".2f"), fmt(r["engine_busy"], ".2f"),
+                            fmt(r["offline_tokens_per_s"], ".0f"), fmt(r["offline_step_ms"], ".2f"),
+                            fmt(r["vs_offline"], ".2f")] for r in rows))
+    report = (f"# bench_serve: lorakit serve, SmolLM2-135M-Instruct ({meta['weights']} weights) + 3 adapters, bf16, "
+              f"CUDA graphs\n\n{setup_line(meta)}. Streaming chat completions, {args.max_tokens} tokens each "
+              f"(ignore_eos), models round robin over base / pirate / json / french.\n\n{rows_md}")
+    write_report(args.out, "bench_serve", report, {"meta": meta, "rows": rows})
     return 0
 
 

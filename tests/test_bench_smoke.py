@@ -1,0 +1,32 @@
+"""The benchmarks on the CPU: every script in bench/ imports (so a moved lorakit name fails here, not on the GPU
+machine), and bench_pool's smoke run (a tiny model, no timing value) writes the report the H200 results in
+bench/results have: the same JSON keys and the same table rows."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
+    script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
+              "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve\n"
+              f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    reference = sorted(BENCH.glob("results/bench_pool_*.json"))[-1]
+    ours, theirs = json.loads((tmp_path / "bench_pool.json").read_text()), json.loads(reference.read_text())
+    assert {k: list(v) for k, v in ours.items()} == {k: list(v) for k, v in theirs.items()}
+
+    def row_labels(md: str) -> list[str]:
+        return [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("|")]
+
+    md = (tmp_path / "bench_pool.md").read_text()
+    assert row_labels(md) == row_labels(reference.with_suffix(".md").read_text())
+    assert md.splitlines()[2].startswith("cpu, torch ")
