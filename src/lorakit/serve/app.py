@@ -47,9 +47,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     app.state.engine, app.state.server = engine, state
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])
-    for kind, handler in ((ApiError, _api_error), (RequestValidationError, _invalid),
-                          (StarletteHTTPException, _http_error), (Exception, _internal)):
-        app.add_exception_handler(kind, handler)
+    for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, error_response)
     if state.config.api_key:
         app.add_middleware(_BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
     app.add_middleware(CountResponses, metrics=state.metrics, routes=app.router.routes)  # last: outside the key check
@@ -112,34 +111,25 @@ ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/ve
           ("POST", "/v1/unload_lora_adapter", unload_lora_adapter)]
 
 
-# Errors, every one as an ApiError in OpenAI's shape.
+# Errors: every one is an ApiError, in OpenAI's shape.
 
-def error_response(e: ApiError) -> JSONResponse:
+async def error_response(request: Request, e: Exception) -> JSONResponse:
+    """The response to whatever a route raised: an ApiError, a body that does not validate, an unknown path (404)
+    or method (405), or a bug (500, its traceback logged)."""
+    if isinstance(e, RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            e = ApiError(400, "the request body is not valid JSON")
+        else:
+            e = ApiError(400, f"invalid request: {where or 'body'}: {first.get('msg', 'bad value')}", where or None)
+    elif isinstance(e, StarletteHTTPException):
+        e = ApiError(e.status_code, {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed "
+                                     f"on {request.url.path}"}.get(e.status_code, str(e.detail)))
+    elif not isinstance(e, ApiError):
+        logger.exception("an unexpected error on %s %s", request.method, request.url.path)
+        e = ApiError(500, f"internal error ({type(e).__name__}); the server log has the details")
     return JSONResponse(e.body(), e.status)
-
-
-async def _api_error(request: Request, e: ApiError):
-    return error_response(e)
-
-
-async def _invalid(request: Request, e: RequestValidationError):
-    first = e.errors()[0] if e.errors() else {}
-    if first.get("type") == "json_invalid":
-        return error_response(ApiError(400, "the request body is not valid JSON"))
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return error_response(ApiError(400, f"invalid request: {where or 'body'}: {first.get('msg', 'bad value')}",
-                                   where or None))
-
-
-async def _http_error(request: Request, e: StarletteHTTPException):  # 404 unknown path, 405 wrong method
-    message = {404: f"no route {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-    return error_response(ApiError(e.status_code, message))
-
-
-async def _internal(request: Request, e: Exception):
-    logger.exception("an unexpected error on %s %s", request.method, request.url.path)
-    return error_response(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details"))
 
 
 class _BearerAuth:
@@ -152,7 +142,6 @@ class _BearerAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
-                response = error_response(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                                        "<key>'"))
-                return await response(scope, receive, send)
+                e = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                return await JSONResponse(e.body(), e.status)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from lorakit.engine import RequestOutput
 from lorakit.engine.engine import TokenLogprob
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, chat_messages, nth_sample
-from lorakit.serve.state import ServerState
+from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
 
 __all__ = ["chat", "completions", "model", "models"]
@@ -51,22 +51,15 @@ def completions(body: CompletionBody, state: ServerState) -> Reply:
     jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
     echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
     logprobs = _Logprobs(state, adapter, len(jobs))
-    head = _head("cmpl", "text_completion", body)
 
-    def choice(i: int, text: str, lps: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
-        return {"index": i, "text": text, "logprobs": logprobs.completion(i, lps), "finish_reason": finish_reason}
+    def choice(i: int, text: str, out: RequestOutput | Result) -> dict:
+        return {"index": i, "text": text, "logprobs": logprobs.completion(i, out.logprobs),
+                "finish_reason": out.finish_reason}
 
-    if body.stream:
-        echo = [choice(i, echoed[i // n], None, None) for i in range(len(jobs))] if body.echo else []
-        return _chunks(body, head, echo, state.stream(jobs), lambda i, out: choice(
-            i, out.text, out.logprobs, out.finish_reason), prompts)
-
-    async def complete() -> dict:
-        results = await state.results(jobs)
-        return {**head, "choices": [choice(i, echoed[i // n] + r.text, r.logprobs, r.finish_reason)
-                                    for i, r in enumerate(results)],
-                "usage": _usage(prompts, sum(len(r.token_ids) for r in results))}
-    return complete()
+    echo = [{"index": i, "text": echoed[i // n], "logprobs": None, "finish_reason": None}
+            for i in range(len(jobs))] if body.echo else []
+    return _reply(body, state, _head("cmpl", "text_completion", body), jobs, prompts, echo,
+                  lambda i, out: choice(i, out.text, out), lambda i, r: choice(i, echoed[i // n] + r.text, r))
 
 
 def chat(body: ChatBody, state: ServerState) -> Reply:
@@ -80,27 +73,19 @@ def chat(body: ChatBody, state: ServerState) -> Reply:
     prompt = state.prompt_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
     params = state.sampling_params(body, [prompt], default_max_tokens=None)
     n = body.n or 1
-    jobs = [(prompt, nth_sample(params, k), adapter) for k in range(n)]
     logprobs = _Logprobs(state, adapter, n)
-    head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body)
 
-    def block(lps: list[TokenLogprob] | None) -> dict | None:
-        return logprobs.chat(lps or []) if body.logprobs else None
+    def block(out: RequestOutput | Result) -> dict | None:
+        return logprobs.chat(out.logprobs or []) if body.logprobs else None
 
-    if body.stream:
-        roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                 for k in range(n)]
-        return _chunks(body, head, roles, state.stream(jobs), lambda k, out: {
-            "index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": block(out.logprobs),
-            "finish_reason": out.finish_reason}, [prompt])
-
-    async def complete() -> dict:
-        results = await state.results(jobs)
-        choices = [{"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r.logprobs),
-                    "finish_reason": r.finish_reason} for k, r in enumerate(results)]
-        return {**head, "choices": choices,
-                "usage": _usage([prompt], sum(len(r.token_ids) for r in results))}
-    return complete()
+    roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for k in range(n)]
+    return _reply(body, state, _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body),
+                  [(prompt, nth_sample(params, k), adapter) for k in range(n)], [prompt], roles,
+                  lambda k, out: {"index": k, "delta": {"content": out.text} if out.text else {},
+                                  "logprobs": block(out), "finish_reason": out.finish_reason},
+                  lambda k, r: {"index": k, "message": {"role": "assistant", "content": r.text},
+                                "logprobs": block(r), "finish_reason": r.finish_reason})
 
 
 def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
@@ -114,21 +99,29 @@ def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _chunks(body: CompletionBody | ChatBody, head: dict, first: list[dict],
-                  outputs: AsyncIterator[tuple[int, RequestOutput]], choice: Callable[[int, RequestOutput], dict],
-                  prompts: list[list[int]]) -> AsyncIterator[dict]:
-    """A stream: the ``first`` choices (before any token), one chunk per output, and last the usage chunk when the
-    client asked for it with stream_options.include_usage (every chunk then carries "usage": null)."""
-    with_usage = body.stream_options is not None and body.stream_options.include_usage
-    extra = {"usage": None} if with_usage else {}
-    for c in first:
-        yield {**head, "choices": [c], **extra}
-    generated = 0
-    async for i, out in outputs:
-        generated += len(out.token_ids)
-        yield {**head, "choices": [choice(i, out)], **extra}
-    if with_usage:
-        yield {**head, "choices": [], "usage": _usage(prompts, generated)}
+def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
+           first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict]
+           ) -> Reply:
+    """The response, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
+    output (``chunk``), and last the usage chunk when the client asked for it with stream_options.include_usage
+    (every chunk then carries "usage": null)."""
+    async def complete() -> dict:
+        results = await state.results(jobs)
+        return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
+                "usage": _usage(prompts, sum(len(r.token_ids) for r in results))}
+
+    async def chunks() -> AsyncIterator[dict]:
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        extra = {"usage": None} if with_usage else {}
+        for c in first:
+            yield {**head, "choices": [c], **extra}
+        generated = 0
+        async for i, out in state.stream(jobs):
+            generated += len(out.token_ids)
+            yield {**head, "choices": [chunk(i, out)], **extra}
+        if with_usage:
+            yield {**head, "choices": [], "usage": _usage(prompts, generated)}
+    return chunks() if body.stream else complete()
 
 
 class _Logprobs:

@@ -1,10 +1,11 @@
 """SGLang's native ``POST /generate`` over lorakit's engine: the request mapped to jobs, the outputs to SGLang's shapes.
 
-``generate(body, state)`` is the handler (as openai.py's are). ``jobs(body, ...)`` turns a request into one ``Job`` (prompt, SamplingParams, adapter) per output, in SGLang's
-order (prompt by prompt, ``n`` samples each), and refuses with ``Refused`` (an HTTP status, a message naming the
-key) whatever lorakit would not do as SGLang does. ``Output`` gathers one job's results as SGLang returns them:
-cumulative ``text`` and ``output_ids``, and ``meta_info`` whose ``finish_reason`` is an object such as
-``{"type": "length", "length": 16}`` or ``{"type": "stop", "matched": 2}``.
+``jobs(body, ...)`` turns a request into one ``Job`` (prompt, SamplingParams, adapter) per output, in SGLang's
+order (prompt by prompt, ``n`` samples each), and refuses with ``Refused`` (an ApiError: an HTTP status, a message
+naming the key) whatever lorakit would not do as SGLang does. ``Output`` gathers one job's results as SGLang returns
+them: cumulative ``text`` and ``output_ids``, and ``meta_info`` whose ``finish_reason`` is an object such as
+``{"type": "length", "length": 16}`` or ``{"type": "stop", "matched": 2}``. ``generate(body, state)`` is the
+handler, a plain function as openai.py's are.
 """
 
 from __future__ import annotations
