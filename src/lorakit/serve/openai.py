@@ -78,14 +78,19 @@ def chat(body: ChatBody, state: ServerState) -> Reply:
     def block(out: RequestOutput | Result) -> dict | None:
         return logprobs.chat(out.logprobs or []) if body.logprobs else None
 
+    def chunk(k: int, out: RequestOutput) -> dict:
+        return {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": block(out),
+                "finish_reason": out.finish_reason}
+
+    def whole(k: int, r: Result) -> dict:
+        return {"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r),
+                "finish_reason": r.finish_reason}
+
+    jobs = [(prompt, nth_sample(params, k), adapter) for k in range(n)]
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for k in range(n)]
-    return _reply(body, state, _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body),
-                  [(prompt, nth_sample(params, k), adapter) for k in range(n)], [prompt], roles,
-                  lambda k, out: {"index": k, "delta": {"content": out.text} if out.text else {},
-                                  "logprobs": block(out), "finish_reason": out.finish_reason},
-                  lambda k, r: {"index": k, "message": {"role": "assistant", "content": r.text},
-                                "logprobs": block(r), "finish_reason": r.finish_reason})
+    head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body)
+    return _reply(body, state, head, jobs, [prompt], roles, chunk, whole)
 
 
 def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
