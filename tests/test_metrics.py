@@ -163,13 +163,13 @@ def test_429_499_and_500_and_streams_the_client_leaves(world):
         with httpx.Client(base_url=url, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json={"model": "v2", "stream": True, **slow}) as r:
                 lines = r.iter_lines()
-                assert r.status_code == 200 and next(lines).startswith("data: {")  # the one slot is taken
+                assert r.status_code == 200 and next(lines).startswith("data: {")  # the one place in flight is taken
                 busy = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
                 assert busy.status_code == 429
                 busy = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True},
                                   timeout=30)
                 assert busy.status_code == 429 and busy.json()["error"]["code"] == 429
-        # The client left the stream: counted once the server notices, which frees the slot.
+        # The client left the stream: counted once the server notices, which frees its place.
         wait_for(lambda: by(scrape(url), "lorakit_stream_errors_total", "endpoint", "status"))
         with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a plain request
             httpx.post(f"{url}/generate", json={"text": "hello", "lora_path": "v2", "sampling_params": {

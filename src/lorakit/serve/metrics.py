@@ -23,14 +23,14 @@ __all__ = ["CountResponses", "Metrics"]
 
 UNMATCHED = "unmatched"  # the endpoint label of every path no route matches (a scanner cannot add labels)
 TIERS = ("gpu", "cpu", "disk")
-_ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (app.py's _sse of an error body)
+_ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (streaming.event of ApiError.body())
 
 
 class Metrics:
     """The series (see docs/serve.md): HTTP responses and failed streams by endpoint; per adapter, generation
     requests by finish reason, tokens, time to first token and per output token, loads, evictions, residency."""
 
-    def __init__(self, engine: Engine, runner: Callable[[], AsyncEngine | None]):
+    def __init__(self, engine: Engine, async_engine: Callable[[], AsyncEngine | None]):
         r = self.registry = prom.CollectorRegistry()
         self.responses = prom.Counter("lorakit_requests", "HTTP responses by endpoint (route template) and status",
                                       ["endpoint", "status"], registry=r)
@@ -47,7 +47,7 @@ class Metrics:
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
                                    ["adapter"], registry=r,
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
-        r.register(_EngineCollector(engine, runner))
+        r.register(_EngineCollector(engine, async_engine))
 
     def request(self, adapter: str) -> RequestMetrics:
         """The metrics of one generation request for ``adapter`` (the label), its clock started now."""
@@ -93,19 +93,19 @@ class RequestMetrics:
 class _EngineCollector:
     """Read at scrape time from the engine thread's state: plain ints and copies of dicts, no lock taken."""
 
-    def __init__(self, engine: Engine, runner: Callable[[], AsyncEngine | None]):
-        self.engine, self.runner = engine, runner
+    def __init__(self, engine: Engine, async_engine: Callable[[], AsyncEngine | None]):
+        self.engine, self.async_engine = engine, async_engine
 
     def collect(self):
-        engine, runner = self.engine, self.runner()
+        engine, async_engine = self.engine, self.async_engine()
         yield GaugeMetricFamily("lorakit_requests_running", "Requests being generated",
                                 value=len(engine.scheduler.running))
         yield GaugeMetricFamily("lorakit_queue_length", "Requests waiting for a batch",
                                 value=len(engine.scheduler.waiting))
         yield GaugeMetricFamily("lorakit_engine_steps", "Engine steps since start",
-                                value=runner.steps if runner else 0)
+                                value=async_engine.steps if async_engine else 0)
         yield GaugeMetricFamily("lorakit_engine_step_seconds", "Wall time inside engine steps since start",
-                                value=runner.step_seconds if runner else 0.0)
+                                value=async_engine.step_seconds if async_engine else 0.0)
         stats = engine.pool.stats
         for name, counts, help_ in (
             ("lorakit_adapter_loads", stats.loads_by_adapter, "Adapter uploads into GPU slots"),

@@ -1,12 +1,13 @@
-"""The OpenAI request bodies lorakit accepts, and the one mapping from a body to ``SamplingParams``.
+"""The request bodies lorakit accepts, the one mapping from an OpenAI body to ``SamplingParams``, and ``ApiError``.
 
 Every parameter is either supported, accepted and ignored (``user``), or refused with a 400 that names it:
 an unknown field with a value other than null is an error, never silently dropped. ``ApiError`` is the one
-error type handlers raise; the app renders it in OpenAI's shape.
+error type handlers raise, and ``ApiError.body()`` the one place an error takes OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,17 +15,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["ApiError", "ChatBody", "CompletionBody", "check_extras", "chat_messages", "sampling_params"]
+__all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
+           "nth_sample", "sampling_params"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):
-    """An error for the client: its HTTP status, message, OpenAI error type and the parameter at fault."""
+    """An error for the client: its HTTP status, message and the parameter at fault; OpenAI's error type follows
+    from the status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.param = status, message, param
+        self.type = ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        """OpenAI's error shape, as a response body and as a stream's error event."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
 class _Open(BaseModel):
@@ -49,8 +59,9 @@ class ResponseFormat(_Open):
     json_schema: JsonSchema | None = None
 
 
-class _Sampling(_Open):
-    """Fields shared by /v1/completions and /v1/chat/completions (null means "not given")."""
+class _Request(_Open):
+    """Fields shared by /v1/completions and /v1/chat/completions, as the API names and types them (null means "not
+    given"); ``sampling_params`` maps them."""
 
     model: str
     max_tokens: int | None = None
@@ -78,7 +89,7 @@ class _Sampling(_Open):
     guided_choice: list[str] | None = None
 
 
-class CompletionBody(_Sampling):
+class CompletionBody(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
@@ -90,10 +101,19 @@ class ChatMessage(_Open):
     name: str | None = None  # accepted; chat templates do not use it
 
 
-class ChatBody(_Sampling):
+class ChatBody(_Request):
     messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+
+class LoadBody(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadBody(BaseModel):
+    lora_name: str
 
 
 def check_extras(model: BaseModel, where: str = "") -> None:
@@ -139,7 +159,7 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
     return out
 
 
-def _structured(body: _Sampling) -> StructuredOutput | None:
+def _structured(body: _Request) -> StructuredOutput | None:
     given = {k: v for k, v in (("response_format", body.response_format), ("guided_json", body.guided_json),
                                ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice))
              if v is not None and not (k == "response_format" and v.type == "text")}
@@ -165,7 +185,7 @@ def _structured(body: _Sampling) -> StructuredOutput | None:
         raise ApiError(400, f"{name}: {e}", param=name) from None
 
 
-def _max_tokens(body: _Sampling, prompt_len: int, max_seq_len: int, limit: int, default: int | None) -> int:
+def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, default: int | None) -> int:
     """What the request asked for, checked against the context and the server's limit (400s, as vLLM)."""
     asked = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     if len(set(asked)) > 1:
@@ -183,6 +203,12 @@ def _max_tokens(body: _Sampling, prompt_len: int, max_seq_len: int, limit: int, 
                             f"asked for ({prompt_len} in the prompt, {max_tokens} for the output); shorten the "
                             f"prompt or lower max_tokens", param="max_tokens")
     return max_tokens
+
+
+# The body's fields that SamplingParams has under the same name and meaning, passed through as given; the rest are
+# mapped below (max_tokens checked against the context, chat's logprobs a flag, logit_bias keyed by strings).
+_PASSED = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                if f.name in _Request.model_fields and f.name not in ("max_tokens", "logprobs", "logit_bias"))
 
 
 def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq_len: int, max_tokens_limit: int,
@@ -218,15 +244,20 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
         if not key.lstrip("-").isdigit():
             raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         bias[int(key)] = value
-    given = {k: v for k, v in dict(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-        stop=body.stop or None, stop_token_ids=tuple(body.stop_token_ids) if body.stop_token_ids else None,
-        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=bias or None).items() if v is not None}
+    given = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
+    if not body.stop:  # "" or []: none
+        given.pop("stop", None)
     max_tokens = _max_tokens(body, prompt_len, max_seq_len, max_tokens_limit, default_max_tokens)
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_output=_structured(body), **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
+                              structured_output=_structured(body), **given)
     except ValueError as e:
         message = str(e).replace("SamplingParams.", "")
         raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+
+
+def nth_sample(params: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples of one request: its seed plus k, so that the samples differ and each repeats."""
+    if params.seed is None or k == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + k) % 2**63)

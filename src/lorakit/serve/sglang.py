@@ -1,29 +1,32 @@
 """SGLang's native ``POST /generate`` over lorakit's engine: the request mapped to jobs, the outputs to SGLang's shapes.
 
 ``jobs(body, ...)`` turns a request into one ``Job`` (prompt, SamplingParams, adapter) per output, in SGLang's
-order (prompt by prompt, ``n`` samples each), and refuses with ``Refused`` (an HTTP status, a message naming the
-key) whatever lorakit would not do as SGLang does. ``Output`` gathers one job's results as SGLang returns them:
-cumulative ``text`` and ``output_ids``, and ``meta_info`` whose ``finish_reason`` is an object such as
-``{"type": "length", "length": 16}`` or ``{"type": "stop", "matched": 2}``.
+order (prompt by prompt, ``n`` samples each), and refuses with ``Refused`` (an ApiError: an HTTP status, a message
+naming the key) whatever lorakit would not do as SGLang does. ``Output`` gathers one job's results as SGLang returns
+them: cumulative ``text`` and ``output_ids``, and ``meta_info`` whose ``finish_reason`` is an object such as
+``{"type": "length", "length": 16}`` or ``{"type": "stop", "matched": 2}``. ``generate(body, state)`` is the
+handler, a plain function as openai.py's are.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import functools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from lorakit.engine import RequestOutput, SamplingParams
+from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
+from lorakit.serve.protocol import ApiError, nth_sample
+from lorakit.serve.state import Result, ServerState
+from lorakit.serve.streaming import Reply
 
-__all__ = ["GenerateBody", "Job", "Output", "Refused", "interleave", "jobs"]
+__all__ = ["GenerateBody", "Job", "Output", "Refused", "generate", "jobs"]
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 MAX_N = 16
@@ -94,13 +97,11 @@ class GenerateBody(BaseModel):
     stream: bool = False
 
 
-class Refused(ValueError):
-    """A request /generate refuses: the HTTP status, a message, and the parameter at fault (OpenAI's ``param``)."""
+class Refused(ApiError):
+    """A request /generate refuses: a message, the parameter at fault (OpenAI's ``param``), the HTTP status."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-        self.type = "not_found_error" if status == 404 else "invalid_request_error"
+        super().__init__(status, message, param)
 
 
 @dataclass
@@ -158,9 +159,7 @@ def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_toke
                 rid = uuid.uuid4().hex
             else:
                 rid = body.rid[i] if isinstance(body.rid, list) else f"{body.rid}_{i}" if batched else body.rid
-            seeded = params if params.seed is None or k == 0 else dataclasses.replace(
-                params, seed=(params.seed + k) % 2**63)  # n samples of one seed differ, and repeat
-            out.append(Job(prompt, seeded, adapter, rid))
+            out.append(Job(prompt, nth_sample(params, k), adapter, rid))
     return out, batched
 
 
@@ -221,24 +220,18 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
         raise Refused(message.replace("SamplingParams.", "sampling_params."), param) from None
 
 
-class Output:
+class Output(Result):
     """One job's results so far, in SGLang's shape. ``prompt_ids``: its prompt, tokenized and checked; the
-    engine's ``eos_token_id`` and the job's ``tokenizer`` tell what a "stop" finish matched."""
+    engine's ``eos_token_id`` and ``text`` (token ids to text) tell what a "stop" finish matched."""
 
-    def __init__(self, job: Job, prompt_ids: list[int], eos_token_id: int | list[int] | None, tokenizer):
-        self.job, self.prompt_ids, self._tokenizer = job, prompt_ids, tokenizer
+    def __init__(self, job: Job, prompt_ids: list[int], eos_token_id: int | list[int] | None,
+                 text: Callable[[list[int]], str]):
+        super().__init__()
+        self.job, self.prompt_ids, self._text = job, prompt_ids, text
         eos = [] if eos_token_id is None or job.params.ignore_eos else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self._stop_ids = {*job.params.stop_token_ids, *eos}
-        self.text, self.token_ids = "", []
-        self.finish_reason: str | None = None
         self._start = time.monotonic()
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        if out.finished:
-            self.finish_reason = out.finish_reason
 
     def as_dict(self, index: int | None = None) -> dict:
         """SGLang's response (``index``: the job's place in a streamed batch)."""
@@ -260,37 +253,29 @@ class Output:
         if self.token_ids and self.token_ids[-1] in self._stop_ids:
             return {"type": "stop", "matched": self.token_ids[-1]}
         stops = self.job.params.stop
-        if len(stops) > 1 and self._tokenizer is not None:  # the one that starts first in the output's text
-            text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if len(stops) > 1:  # the one that starts first in the output's text
+            text = self._text(self.token_ids)
             stops = sorted((s for s in stops if s in text), key=text.find) or stops
         return {"type": "stop", "matched": stops[0] if stops else None}
 
 
-async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """The items of several async iterators as they come, each with its iterator's index. An error in one ends
-    them all (re-raised here); leaving early cancels the rest."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
+def generate(body: GenerateBody, state: ServerState) -> Reply:
+    """POST /generate: the reply, a coroutine of SGLang's response, or with ``stream`` an iterator of cumulative
+    chunks (with ``index`` when batched)."""
+    jobs_, batched = jobs(body, state.adapters, state.config.model_name, state.config.max_tokens_limit)
+    outputs = [Output(job, state.prompt_ids(job.prompt, job.adapter), state.eos_token_id,
+                      functools.partial(state.text, adapter=job.adapter, skip_special_tokens=True)) for job in jobs_]
+    stream = state.stream([(out.prompt_ids, out.job.params, out.job.adapter) for out in outputs])
+    if body.stream:
+        async def chunks():
+            async for i, out in stream:
+                outputs[i].add(out)
+                yield outputs[i].as_dict(i if batched else None)
+        return chunks()
 
-    async def pump(i: int, stream: AsyncIterator) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item, None))
-            await queue.put((i, end, None))
-        except Exception as e:  # noqa: BLE001 - re-raised by the reader
-            await queue.put((i, None, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is end:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
+    async def complete():
+        async for i, out in stream:
+            outputs[i].add(out)
+        results = [out.as_dict() for out in outputs]
+        return results if batched else results[0]
+    return complete()

@@ -1,0 +1,57 @@
+"""Adapters loaded and unloaded at run time, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` as vLLM
+has them, on the engine thread.
+
+Loading from paths is a security boundary: off unless ``allow_runtime_lora``, and then only folders inside
+``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes), and only safetensors
+(the loader never unpickles). A load under a registered name is a hot-swap: running requests keep their version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorakit.layers.adapter import AdapterError
+from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
+from lorakit.serve.state import ServerState
+
+__all__ = ["confined", "load", "unload"]
+
+_OFF = "runtime adapter loading is off; start the server with --allow-runtime-lora"
+
+
+async def load(body: LoadBody, state: ServerState) -> dict:
+    config = state.config
+    if not config.allow_runtime_lora:
+        raise ApiError(403, f"{_OFF} (and --lora-root DIR)")
+    path = confined(body.lora_path, config.lora_roots)
+    if body.lora_name == config.model_name:
+        raise ApiError(400, f"{body.lora_name!r} is the base model's name; pick another", "lora_name")
+    try:
+        version = await state.register_adapter(body.lora_name, path)
+    except (AdapterError, ValueError) as e:
+        raise ApiError(400, str(e), "lora_path") from None
+    return {"status": "ok", "lora_name": body.lora_name, "version": version}
+
+
+async def unload(body: UnloadBody, state: ServerState) -> dict:
+    if not state.config.allow_runtime_lora:
+        raise ApiError(403, _OFF)
+    try:
+        await state.unregister_adapter(body.lora_name)
+    except AdapterError as e:
+        raise ApiError(404, str(e), "lora_name") from None
+    return {"status": "ok", "lora_name": body.lora_name}
+
+
+def confined(path: str, roots: list[Path]) -> Path:
+    """``path`` resolved (links followed) if it and every file in it lie inside one of ``roots``; else ApiError."""
+    if not roots:
+        raise ApiError(403, "runtime loading has no --lora-root to load from", "lora_path")
+    resolved = Path(path).expanduser().resolve()
+    for root in roots:
+        root = Path(root).expanduser().resolve()
+        if resolved.is_relative_to(root):
+            if resolved.is_dir() and any(not f.resolve().is_relative_to(root) for f in resolved.iterdir()):
+                break  # a link inside the folder points outside the root
+            return resolved
+    raise ApiError(403, f"lora_path {path!r} is outside the allowed --lora-root folders", "lora_path")

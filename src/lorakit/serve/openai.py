@@ -1,0 +1,153 @@
+"""OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``: plain functions of (request body,
+ServerState) that a test can call without HTTP.
+
+A handler checks the whole request before anything runs (ApiError) and returns its reply: a coroutine that gives
+the response, or with ``stream`` an async iterator of chunks (``streaming.respond`` sends either). A request's
+choices, ``n`` per prompt and prompt by prompt, run together. The usage and logprobs blocks are built here, once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from lorakit.engine import RequestOutput
+from lorakit.engine.engine import TokenLogprob
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, chat_messages, nth_sample
+from lorakit.serve.state import Result, ServerState
+from lorakit.serve.streaming import Reply
+
+__all__ = ["chat", "completions", "model", "models"]
+
+
+def models(state: ServerState) -> dict:
+    """GET /v1/models: the base model, then every adapter by name."""
+    created = int(time.time())
+    return {"object": "list", "data": [_model(name, state, created)
+                                       for name in (state.config.model_name, *sorted(state.adapters))]}
+
+
+def model(model_id: str, state: ServerState) -> dict:
+    """GET /v1/models/{model_id}."""
+    state.adapter_of(model_id)
+    return _model(model_id, state, int(time.time()))
+
+
+def _model(name: str, state: ServerState, created: int) -> dict:
+    base = state.config.model_name
+    return {"id": name, "object": "model", "created": created, "owned_by": "lorakit",
+            "parent": None if name == base else base}
+
+
+def completions(body: CompletionBody, state: ServerState) -> Reply:
+    """POST /v1/completions: choice ``i * n + k`` is prompt i's k-th sample."""
+    adapter = state.adapter_of(body.model)
+    prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
+        body.prompt[0], int) else [body.prompt]
+    prompts = [state.prompt_ids(p, adapter) for p in prompts]
+    params = state.sampling_params(body, prompts, default_max_tokens=16)
+    n = body.n or 1
+    jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
+    echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
+    logprobs = _Logprobs(state, adapter, len(jobs))
+
+    def choice(i: int, text: str, out: RequestOutput | Result) -> dict:
+        return {"index": i, "text": text, "logprobs": logprobs.completion(i, out.logprobs),
+                "finish_reason": out.finish_reason}
+
+    echo = [{"index": i, "text": echoed[i // n], "logprobs": None, "finish_reason": None}
+            for i in range(len(jobs))] if body.echo else []
+    return _reply(body, state, _head("cmpl", "text_completion", body), jobs, prompts, echo,
+                  lambda i, out: choice(i, out.text, out), lambda i, r: choice(i, echoed[i // n] + r.text, r))
+
+
+def chat(body: ChatBody, state: ServerState) -> Reply:
+    """POST /v1/chat/completions: the messages through the chat template of the adapter's tokenizer."""
+    adapter = state.adapter_of(body.model)
+    messages = chat_messages(body)
+    tokenizer = state.tokenizer(adapter)  # an adapter's own tokenizer may add tokens
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = state.prompt_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
+    params = state.sampling_params(body, [prompt], default_max_tokens=None)
+    n = body.n or 1
+    logprobs = _Logprobs(state, adapter, n)
+
+    def block(out: RequestOutput | Result) -> dict | None:
+        return logprobs.chat(out.logprobs or []) if body.logprobs else None
+
+    def chunk(k: int, out: RequestOutput) -> dict:
+        return {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": block(out),
+                "finish_reason": out.finish_reason}
+
+    def whole(k: int, r: Result) -> dict:
+        return {"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r),
+                "finish_reason": r.finish_reason}
+
+    jobs = [(prompt, nth_sample(params, k), adapter) for k in range(n)]
+    roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for k in range(n)]
+    head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body)
+    return _reply(body, state, head, jobs, [prompt], roles, chunk, whole)
+
+
+def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model}
+
+
+def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+    """The usage block: each prompt's tokens once (not once per choice), and every generated token."""
+    prompt_tokens = sum(map(len, prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
+           first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict]
+           ) -> Reply:
+    """The response, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
+    output (``chunk``), and last the usage chunk when the client asked for it with stream_options.include_usage
+    (every chunk then carries "usage": null)."""
+    async def complete() -> dict:
+        results = await state.results(jobs)
+        return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
+                "usage": _usage(prompts, sum(len(r.token_ids) for r in results))}
+
+    async def chunks() -> AsyncIterator[dict]:
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        extra = {"usage": None} if with_usage else {}
+        for c in first:
+            yield {**head, "choices": [c], **extra}
+        generated = 0
+        async for i, out in state.stream(jobs):
+            generated += len(out.token_ids)
+            yield {**head, "choices": [chunk(i, out)], **extra}
+        if with_usage:
+            yield {**head, "choices": [], "usage": _usage(prompts, generated)}
+    return chunks() if body.stream else complete()
+
+
+class _Logprobs:
+    """OpenAI's logprobs blocks for one request's choices, each token as text by the request's tokenizer."""
+
+    def __init__(self, state: ServerState, adapter: str | None, choices: int):
+        self._text = lambda token_id: state.text([token_id], adapter)
+        self._offsets = [0] * choices  # characters of each choice's text so far (completions' text_offset)
+
+    def completion(self, index: int, lps: list[TokenLogprob] | None) -> dict | None:
+        if not lps:
+            return None
+        tokens = [self._text(t.token_id) for t in lps]
+        starts = []
+        for token in tokens:
+            starts.append(self._offsets[index])
+            self._offsets[index] += len(token)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps], "text_offset": starts,
+                "top_logprobs": [{self._text(i): v for i, v in t.top.items()} for t in lps]}
+
+    def chat(self, lps: list[TokenLogprob]) -> dict:
+        return {"content": [{"token": self._text(t.token_id), "logprob": t.logprob,
+                             "top_logprobs": [{"token": self._text(i), "logprob": v} for i, v in t.top.items()]}
+                            for t in lps]}

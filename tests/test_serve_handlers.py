@@ -1,0 +1,246 @@
+"""The server's parts without HTTP: handlers called as plain functions of (body, ServerState) and equal to
+LLM.generate, the engine thread's contract (only it touches the engine), the limit on requests in flight, replies
+and their errors in OpenAI's shape, and the one mapping to SamplingParams."""
+
+import asyncio
+import copy
+import threading
+
+import pytest
+
+from _serve_helpers import build_world, reference
+from lorakit.engine import Engine, SamplingParams
+from lorakit.serve import ServeConfig, adapters, confined, openai, sglang
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, nth_sample
+from lorakit.serve.state import ServerState
+from lorakit.serve.streaming import DONE, ConcurrencyLimit, interleave, respond
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("handlers"))
+
+
+def served(world, body_of, **config):
+    """``body_of(state)`` (a coroutine) run against a fresh ServerState's engine thread, on an event loop of its
+    own; also every engine method that changes the engine, with the thread that called it."""
+    base, tokenizer, root, paths = world
+    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={"sql": paths["sql"]}, block_size=4)
+    calls = []
+    for name in ("add_request", "abort", "step", "register_adapter", "unregister_adapter"):
+        method = getattr(engine, name)
+        setattr(engine, name, lambda *a, _m=method, _n=name: (calls.append((_n, threading.current_thread().name)),
+                                                               _m(*a))[1])
+    state = ServerState(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config))
+
+    async def main():
+        state.start()
+        try:
+            return await body_of(state)
+        finally:
+            state.stop()
+    return asyncio.run(main()), calls
+
+
+def test_handlers_are_plain_functions_equal_to_llm_generate(world):
+    _, tokenizer, root, paths = world
+
+    async def run(state):
+        plain = await openai.completions(CompletionBody(model="sql", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                        n=2, logprobs=1), state)
+        chunks = [c async for c in openai.completions(CompletionBody(
+            model="tiny", prompt=[PROMPT, "hello"], max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True}), state)]
+        chat = await openai.chat(ChatBody(model="sql", messages=[{"role": "user", "content": "hello world"}],
+                                          max_tokens=5, temperature=0), state)
+        loaded = await adapters.load(LoadBody(lora_name="v2", lora_path=paths["v2"]), state)
+        listed = [m["id"] for m in openai.models(state)["data"]]
+        generated = await sglang.generate(sglang.GenerateBody(text=PROMPT, lora_path="v2", sampling_params={
+            "max_new_tokens": 6, "temperature": 0}), state)
+        await adapters.unload(UnloadBody(lora_name="v2"), state)
+        return plain, chunks, chat, loaded, listed, generated, [m["id"] for m in openai.models(state)["data"]]
+
+    (plain, chunks, chat, loaded, listed, generated, after), calls = served(world, run, allow_runtime_lora=True)
+    ref = reference(world, PROMPT, "sql", max_tokens=8, temperature=0.0)
+    assert [c["text"] for c in plain["choices"]] == [ref.text] * 2 and plain["object"] == "text_completion"
+    assert plain["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 2 * len(ref.token_ids),
+                              "total_tokens": len(ref.prompt_token_ids) + 2 * len(ref.token_ids)}
+    assert "".join(plain["choices"][0]["logprobs"]["tokens"]) == ref.text
+    for i, prompt in enumerate((PROMPT, "hello")):
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+        assert text == reference(world, prompt, None, max_tokens=6, temperature=0.0).text
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == sum(
+        len(tokenizer.encode(p)) for p in (PROMPT, "hello"))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert chat["choices"][0]["message"]["content"] == reference(world, ids, "sql", max_tokens=5,
+                                                                  temperature=0.0).text
+    assert loaded["version"] == 1 and listed == ["tiny", "sql", "v2"] and after == ["tiny", "sql"]
+    assert generated["text"] == reference(world, PROMPT, "x", adapter_path=paths["v2"], max_tokens=6,
+                                          temperature=0.0).text
+    # Only the engine thread touched the engine.
+    assert {name for name, _ in calls} >= {"add_request", "step", "register_adapter", "unregister_adapter"}
+    assert {thread for _, thread in calls} == {"lorakit-engine"}
+
+
+def test_a_handler_refuses_before_anything_runs(world):
+    async def run(state):
+        refusals = []
+        for call in (lambda: openai.completions(CompletionBody(model="nope", prompt="hi"), state),
+                     lambda: openai.completions(CompletionBody(model="tiny", prompt="hi", max_tokens=500), state),
+                     lambda: openai.chat(ChatBody(model="tiny", messages=[]), state),
+                     lambda: sglang.generate(sglang.GenerateBody(text="a", lora_path="nope"), state)):
+            with pytest.raises(ApiError) as e:
+                call()  # raises at once: no coroutine to await, no stream to start
+            refusals.append((e.value.status, e.value.param))
+        with pytest.raises(ApiError, match="--allow-runtime-lora") as e:
+            await adapters.load(LoadBody(lora_name="x", lora_path="/tmp"), state)
+        return refusals + [(e.value.status, e.value.type)]
+
+    refusals, calls = served(world, run)
+    assert refusals == [(404, "model"), (400, "max_tokens"), (400, "messages"), (404, "lora_path"),
+                        (403, "permission_error")]
+    assert not [name for name, _ in calls if name != "step"]
+
+
+def test_api_error_is_openais_shape_and_its_type_follows_the_status():
+    assert ApiError(400, "bad", "temperature").body() == {"error": {
+        "message": "bad", "type": "invalid_request_error", "param": "temperature", "code": 400}}
+    assert [ApiError(s, "x").type for s in (401, 403, 404, 429, 500, 503)] == [
+        "authentication_error", "permission_error", "not_found_error", "rate_limit_error", "internal_server_error",
+        "internal_server_error"]
+    refused = sglang.Refused("unknown adapter", "lora_path", 404)
+    assert isinstance(refused, ApiError) and refused.body()["error"]["type"] == "not_found_error"
+
+
+class _Client:
+    """What ``respond`` reads of a request: whether its client has gone."""
+
+    def __init__(self, gone=False):
+        self.gone = gone
+
+    async def is_disconnected(self):
+        return self.gone
+
+
+def test_the_limit_refuses_at_once_and_a_refused_reply_never_runs():
+    async def main():
+        limit = ConcurrencyLimit(1)
+        started = []
+
+        async def work():
+            started.append(1)
+            return {"ok": True}
+
+        refused = work()
+        async with limit.hold():
+            with pytest.raises(ApiError) as plain:
+                await respond(_Client(), refused, limit)
+            with pytest.raises(ApiError) as streamed:
+                await respond(_Client(), _chunks([{"a": 1}]), limit)
+        answered = await respond(_Client(), work(), limit)
+        return plain.value, streamed.value, refused, started, answered
+
+    plain, streamed, refused, started, answered = asyncio.run(main())
+    assert plain.status == streamed.status == 429 and "limit 1" in plain.message
+    assert refused.cr_frame is None  # closed, never run (no "never awaited" warning)
+    assert started == [1] and answered == {"ok": True}  # the place was freed: the next one ran
+
+
+async def _chunks(items, error=None):
+    for item in items:
+        yield item
+    if error is not None:
+        raise error
+
+
+async def _body(response) -> list[str]:
+    return [part async for part in response.body_iterator]
+
+
+def test_streams_end_with_done_and_an_error_midway_is_an_event():
+    async def main():
+        limit = ConcurrencyLimit(2)
+        ok = await _body(await respond(_Client(), _chunks([{"a": 1}, {"b": 2}]), limit))
+        failed = await _body(await respond(_Client(), _chunks([{"a": 1}], ApiError(400, "bad", "model")), limit))
+        return ok, failed
+
+    ok, failed = asyncio.run(main())
+    assert ok == ['data: {"a": 1}\n\n', 'data: {"b": 2}\n\n', DONE]
+    assert failed == ['data: {"a": 1}\n\n', 'data: {"error": {"message": "bad", "type": "invalid_request_error", '
+                                            '"param": "model", "code": 400}}\n\n', DONE]
+
+
+def test_a_client_that_leaves_cancels_its_reply():
+    async def main():
+        cancelled = asyncio.Event()
+
+        async def forever():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        response = await respond(_Client(gone=True), forever(), ConcurrencyLimit(1))
+        await asyncio.wait_for(cancelled.wait(), 5)
+        return response.status_code
+
+    assert asyncio.run(main()) == 499
+
+
+def test_interleave_merges_and_the_first_error_ends_all():
+    async def main():
+        merged = [item async for item in interleave([_chunks(["a", "b"]), _chunks(["c"])])]
+        closed = []
+
+        async def endless():
+            try:
+                while True:
+                    yield "x"
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(True)
+
+        with pytest.raises(ApiError, match="bad"):
+            async for _ in interleave([endless(), _chunks(["y"], ApiError(400, "bad"))]):
+                pass
+        await asyncio.sleep(0.01)
+        return merged, closed
+
+    merged, closed = asyncio.run(main())
+    assert sorted(merged) == [(0, "a"), (0, "b"), (1, "c")] and [x for i, x in merged if i == 0] == ["a", "b"]
+    assert closed == [True]
+
+
+def test_one_mapping_to_sampling_params():
+    from lorakit.serve.protocol import sampling_params
+
+    passed = dict(temperature=0.5, top_k=3, top_p=0.9, seed=7, stop=["x"], stop_token_ids=[2], ignore_eos=True,
+                  min_tokens=1, presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.1)
+    body = CompletionBody(model="m", prompt="p", max_tokens=4, logit_bias={"5": 1.0}, **passed)
+    params = sampling_params(body, prompt_len=3, max_seq_len=16, max_tokens_limit=8, default_max_tokens=16)
+    assert params == SamplingParams(max_tokens=4, logit_bias={5: 1.0}, **passed)
+    assert sampling_params(CompletionBody(model="m", prompt="p", stop=""), prompt_len=3, max_seq_len=16,
+                           max_tokens_limit=8, default_max_tokens=16) == SamplingParams(max_tokens=13)
+    seeded = SamplingParams(seed=2**63 - 1)
+    assert nth_sample(seeded, 0) is seeded and nth_sample(seeded, 1).seed == 0
+    assert nth_sample(SamplingParams(), 3) == SamplingParams()
+    assert nth_sample(SamplingParams(seed=1, temperature=0.5), 2) == SamplingParams(seed=3, temperature=0.5)
+
+
+def test_confined_resolves_links_and_refuses_what_escapes(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    assert confined(str(root / "a"), [root]) == (root / "a").resolve()
+    (root / "link").symlink_to(outside)
+    (root / "a" / "file").symlink_to(outside / "file")
+    for path in (outside, root / ".." / "outside", root / "link", root / "a"):
+        with pytest.raises(ApiError) as e:
+            confined(str(path), [root])
+        assert e.value.status == 403 and e.value.param == "lora_path"
+    with pytest.raises(ApiError, match="no --lora-root"):
+        confined(str(root / "a"), [])
