@@ -175,18 +175,20 @@ class AdapterPool:
             self._pins.discard(name)
             self._retire(self._current.pop(name))
 
+    # Lookups from any thread without the lock (the engine thread may hold it while it reads an adapter from
+    # disk): each reads a copy of the registry, taken in one step under the GIL.
+
     @property
     def adapters(self) -> dict[str, int]:
         """Registered names and their current version numbers."""
-        with self._lock:
-            return {name: v.number for name, v in self._current.items()}
+        return {name: v.number for name, v in self._current.copy().items()}
 
     def info(self, name: str) -> AdapterInfo:
         """What registration read of the current version of ``name`` (config, modules, added tokens)."""
-        with self._lock:
-            if name not in self._current:
-                raise AdapterError(f"unknown adapter {name!r}; registered: {sorted(self._current) or 'none'}")
-            return self._current[name].info
+        v = self._current.get(name)
+        if v is None:
+            raise AdapterError(f"unknown adapter {name!r}; registered: {sorted(self._current.copy()) or 'none'}")
+        return v.info
 
     # Slots.
 

@@ -5,7 +5,7 @@ its prompt), then admits waiting requests in arrival order while the token budge
 KV cache and the adapter slots allow. The runner executes the batch; ``postprocess()`` appends the sampled
 tokens and retires finished requests.
 
-Adapters: a request holds its adapter's pool slot from admission to its end, so the running requests never
+Adapters: a request holds its adapter slot from admission to its end, so the running requests never
 use more than ``max_loras`` distinct adapters (base requests need no slot). A waiting request whose adapter
 is not resident starts its upload (``pool.prefetch``) and is admitted once it has landed (``pool.ready``),
 so a load never stalls the batch already running.
@@ -94,7 +94,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose keys and values are in the KV cache
     blocks: list[int] = field(default_factory=list)
-    slot: int = -1  # the adapter's pool slot while running, -1 for the base model
+    slot: int = -1  # its adapter slot while running, -1 for the base model
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
     finish_reason: str | None = None
