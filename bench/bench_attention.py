@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from lorakit.engine.attention import _launch_paged_attention, paged_attention
+from lorakit.ops.attention import _launch_paged_attention, paged_attention
 
 ROTATION_BYTES = 256 << 20
 MAX_COPIES = 1024
