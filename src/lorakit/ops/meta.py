@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorakit.ops._checks import cdiv
+from lorakit.ops._checks import cdiv, host_checks_allowed
 
 # Tile slot values below zero: BASE_SLOT tiles hold base-model tokens (no adapter), EMPTY_SLOT tiles
 # are unused capacity (start == end == 0).
@@ -62,7 +62,7 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     # Reading values costs a host sync on CUDA (and a graph break when compiling); there the caller
     # that makes the ids (the patched model's ids()) validates them.
-    if slots.device.type == "cpu" and slots.numel() > 0 and not torch.compiler.is_compiling():
+    if slots.numel() > 0 and host_checks_allowed(slots):
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= num_slots:
             raise ValueError(
