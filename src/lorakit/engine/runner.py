@@ -120,6 +120,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_layout: int | None = None
         self._static: dict[str, torch.Tensor] = {}
+        self._compiles = 0  # decode forwards compiled (with compile=True): one per bucket and slot layout
         # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
         self._decode_model = torch.compile(model, fullgraph=True, dynamic=False) if compile and self.cuda_graphs \
             else model
@@ -193,18 +194,22 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         empty = self._metadata(StepPlan([], []), self.graph_sizes[0], self.graph_sizes[0])
         self._static = {name: empty[name].clone() for name in STEP_TENSORS}
-        for size in tqdm(self.graph_sizes, desc="capturing CUDA graphs", unit="graph"):
-            view = {name: self._static[name][: size + (name == "query_start")] for name in STEP_TENSORS}
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(view, None, self._decode_model)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(view, None, self._decode_model)
-            self._graphs[size] = (graph, out)
+        # With compile=True every bucket of every slot layout is one more compile of the same forward, as
+        # expected; past dynamo's recompile limit (8 by default) a fullgraph compile fails.
+        self._compiles += len(self.graph_sizes)
+        with torch._dynamo.config.patch(recompile_limit=max(self._compiles, torch._dynamo.config.recompile_limit)):
+            for size in tqdm(self.graph_sizes, desc="capturing CUDA graphs", unit="graph"):
+                view = {name: self._static[name][: size + (name == "query_start")] for name in STEP_TENSORS}
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._forward(view, None, self._decode_model)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(view, None, self._decode_model)
+                self._graphs[size] = (graph, out)
         self._graph_layout = layout_version(self.handle)
         logger.info("captured %d decode graphs (batch %d down to %d) in %.1f s", len(self._graphs),
                     self.graph_sizes[0], self.graph_sizes[-1], time.perf_counter() - start)
