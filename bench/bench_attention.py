@@ -29,7 +29,7 @@ import triton
 from common import (arg_parser, copy_gbps, fmt, parse_args, rotating_us, rotation_method, setup, setup_line, table,
                     write_report)  # bench/ is on sys.path when this file runs as a script
 
-from lorakit.engine.attention import _launch_paged_attention, paged_attention
+from lorakit.ops.attention import _launch_paged_attention, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -2,7 +2,7 @@
 
 The Triton kernels run under the interpreter on a CPU (float32 and float16: the interpreter of triton 3.9
 computes bfloat16 dots wrongly) and compiled on a GPU (all dtypes, real sizes: test_attention_gpu.py).
-Every case shuffles the cache blocks, fills every slot no sequence owns with NaN (free blocks and the tail
+Every case shuffles the cache blocks, fills every cache row no sequence owns with NaN (free blocks and the tail
 of each sequence's last block) and puts garbage in the block tables past each sequence's blocks: a kernel
 that reads anything it should not returns NaN.
 """
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _lora_cases import rel_err
-from lorakit.engine import attention as attention_mod
-from lorakit.engine.attention import (
-    ATTENTION_CONFIGS, _launch_paged_attention, _launch_write_kv, num_kv_segments, paged_attention, write_kv,
-)
+from lorakit.ops import attention as attention_mod
+from lorakit.ops import cdiv, paged_attention, write_kv
+from lorakit.ops.attention import ATTENTION_CONFIGS, _launch_paged_attention, _launch_write_kv, num_kv_segments
+from lorakit.ops.reference import attention_ref
 
 # Relative error ||out - ref|| / ||ref|| allowed, by dtype: the output is rounded once, and the kernel
 # rounds the softmax weights to the dtype for the tensor-core dot with V.
@@ -36,13 +36,13 @@ triton_on_cpu = pytest.mark.skipif(
 
 @dataclass
 class AttnCase:
-    """One step of a batch: the caches hold each sequence's context; key/value/slot_mapping its new tokens."""
+    """One step of a batch: the caches hold each sequence's context; key/value/kv_index its new tokens."""
 
     query: torch.Tensor  # [T, Hq, D]
     key: torch.Tensor  # [T, Hkv, D], the new tokens' keys (rows of padding and of seq_lens-0 sequences unused)
     value: torch.Tensor
-    slot_mapping: torch.Tensor  # int64 [T], -1 where nothing is written
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]: context written, every other slot NaN
+    kv_index: torch.Tensor  # int64 [T], -1 where nothing is written
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]: context written, every other row NaN
     v_cache: torch.Tensor
     block_tables: torch.Tensor  # int32 [S, max_blocks], garbage past each sequence's blocks
     seq_lens: torch.Tensor  # int32 [S]
@@ -54,11 +54,11 @@ class AttnCase:
     def written(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches after the step's write, by plain indexing (independent of write_kv)."""
         k, v = self.k_cache.clone(), self.v_cache.clone()
-        rows = (self.slot_mapping >= 0).nonzero().squeeze(1)
-        slots = self.slot_mapping[rows]
+        rows = (self.kv_index >= 0).nonzero().squeeze(1)
+        index = self.kv_index[rows]
         bs = k.shape[1]
-        k[slots // bs, slots % bs] = self.key[rows]
-        v[slots // bs, slots % bs] = self.value[rows]
+        k[index // bs, index % bs] = self.key[rows]
+        v[index // bs, index % bs] = self.value[rows]
         return k, v
 
     def attention_args(self, k_cache=None, v_cache=None) -> tuple:
@@ -79,7 +79,7 @@ def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
     num_seqs = len(seqs)
-    need = [-(-L // block_size) for _, L in seqs]
+    need = [cdiv(L, block_size) for _, L in seqs]
     num_blocks = sum(need) + free_blocks
     order = torch.randperm(num_blocks, generator=cpu_gen).int()
     free = order[sum(need):]
@@ -107,21 +107,21 @@ def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads
 
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
     v_cache = k_cache.clone()
-    slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+    kv_index = torch.full((num_tokens,), -1, dtype=torch.int64)
     for s, (n, L) in enumerate(seqs):
         pos = torch.arange(L)
-        slots = tables[s, pos // block_size].long() * block_size + pos % block_size
+        index = tables[s, pos // block_size].long() * block_size + pos % block_size
         ctx = max(L - n, 0)
         flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k[slots[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
-        flat_v[slots[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
+        flat_k[index[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
+        flat_v[index[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
         if L > 0:
-            slot_mapping[starts[s]:starts[s + 1]] = slots[ctx:]
+            kv_index[starts[s]:starts[s + 1]] = index[ctx:]
     return AttnCase(
         query=randn(num_tokens, num_kv_heads * group, head_dim),
         key=randn(num_tokens, num_kv_heads, head_dim),
         value=randn(num_tokens, num_kv_heads, head_dim),
-        slot_mapping=slot_mapping.to(device),
+        kv_index=kv_index.to(device),
         k_cache=k_cache,
         v_cache=v_cache,
         block_tables=tables.to(device),
@@ -131,40 +131,6 @@ def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads
         softcap=softcap,
         window=window,
     )
-
-
-def attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale, softcap=0.0, window=0,
-                  row_chunk: int = 512) -> torch.Tensor:
-    """float64: per sequence, K and V gathered position by position through the block table, an explicit
-    mask from positions (causal, sliding window), softmax over the visible keys; zero where none is."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-    starts, lens = query_start.tolist(), seq_lens.tolist()
-    for s, L in enumerate(lens):
-        lo, hi = starts[s], starts[s + 1]
-        n = hi - lo
-        if n == 0 or L == 0:
-            continue
-        key_pos = torch.arange(L, device=query.device)
-        blocks = block_tables[s, key_pos // block_size].long()
-        K = k_cache[blocks, key_pos % block_size].double()  # [L, Hkv, D]
-        V = v_cache[blocks, key_pos % block_size].double()
-        for r0 in range(0, n, row_chunk):
-            r1 = min(n, r0 + row_chunk)
-            q_pos = (L - n + torch.arange(r0, r1, device=query.device))[:, None]
-            visible = key_pos[None, :] <= q_pos
-            if window > 0:
-                visible &= key_pos[None, :] > q_pos - window
-            q = query[lo + r0:lo + r1].double().view(r1 - r0, num_kv_heads, group, head_dim)
-            x = torch.einsum("nkgd,lkd->kgnl", q, K) * scale
-            if softcap > 0:
-                x = softcap * torch.tanh(x / softcap)
-            w = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)
-            w = torch.where(visible.any(dim=-1, keepdim=True), w, 0.0)
-            out[lo + r0:lo + r1] = torch.einsum("kgnl,lkd->nkgd", w, V).reshape(r1 - r0, num_heads, head_dim)
-    return out
 
 
 def zero_rows(case: AttnCase) -> torch.Tensor:
@@ -233,7 +199,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @given(case=attn_cases(ALL_DTYPES))
 def test_cpu_path_matches_reference(case):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    write_kv(k_cache, v_cache, case.key, case.value, case.slot_mapping)
+    write_kv(k_cache, v_cache, case.key, case.value, case.kv_index)
     assert all(map(same_bits, (k_cache, v_cache), case.written())), "write_kv must write exactly the valid rows"
     check_attention(paged_attention(*case.attention_args(k_cache, v_cache)), case, "cpu path")
 
@@ -264,7 +230,7 @@ def run_triton(case: AttnCase, kind: str | None, num_segments: int | None) -> to
 @given(case=attn_cases((torch.float32, torch.float16)))
 def test_triton_kernels_match_reference_interpreted(case):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    _launch_write_kv(k_cache, v_cache, case.key, case.value, case.slot_mapping)
+    _launch_write_kv(k_cache, v_cache, case.key, case.value, case.kv_index)
     assert all(map(same_bits, (k_cache, v_cache), case.written())), "write_kv must write exactly the valid rows"
     # Both launch configurations (decode: BLOCK_M 16; prefill: 32 or 64) on any batch, unsplit and split.
     for kind, segments in (("decode", 1), ("prefill", 1), ("decode", 4)):
@@ -332,28 +298,28 @@ def test_split_only_small_grids():
 def write_cases(draw):
     num_blocks, block_size = draw(st.integers(1, 6)), draw(st.sampled_from((1, 4, 16)))
     num_tokens = draw(st.integers(0, 12))
-    num_slots = num_blocks * block_size
+    num_rows = num_blocks * block_size
     gen = torch.Generator().manual_seed(draw(st.integers(0, 1 << 16)))
-    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
-    slots = torch.cat([slots, torch.full((num_tokens - len(slots),), -1)])
-    slots = torch.where(torch.rand(num_tokens, generator=gen) < 0.3, -1, slots)
-    slots = slots[torch.randperm(num_tokens, generator=gen)]
+    index = torch.randperm(num_rows, generator=gen)[:num_tokens]
+    index = torch.cat([index, torch.full((num_tokens - len(index),), -1)])
+    index = torch.where(torch.rand(num_tokens, generator=gen) < 0.3, -1, index)
+    index = index[torch.randperm(num_tokens, generator=gen)]
     heads, head_dim = draw(st.sampled_from((1, 3))), draw(st.sampled_from((8, 24)))
     dtype = draw(st.sampled_from((torch.float32, torch.float16)))
     cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen).to(dtype)
     cache[0, 0] = float("nan")
     kv = torch.randn(2, num_tokens, heads, head_dim, generator=gen).to(dtype)
-    return cache, kv[0], kv[1], slots
+    return cache, kv[0], kv[1], index
 
 
-def check_write(write, cache, key, value, slots) -> None:
+def check_write(write, cache, key, value, kv_index) -> None:
     k_cache, v_cache = cache.clone(), -cache
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            want_k.view(-1, *key.shape[1:])[slot] = key[t]
-            want_v.view(-1, *key.shape[1:])[slot] = value[t]
-    write(k_cache, v_cache, key, value, slots)
+    for t, row in enumerate(kv_index.tolist()):
+        if row >= 0:
+            want_k.view(-1, *key.shape[1:])[row] = key[t]
+            want_v.view(-1, *key.shape[1:])[row] = value[t]
+    write(k_cache, v_cache, key, value, kv_index)
     assert same_bits(k_cache, want_k) and same_bits(v_cache, want_v)
 
 
@@ -384,12 +350,12 @@ def test_opcheck(device, softcap, window):
     torch.library.opcheck(torch.ops.lorakit.paged_attention.default, case.attention_args())
     k_cache, v_cache = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()  # opcheck compares with NaN != NaN
     torch.library.opcheck(torch.ops.lorakit.write_kv.default,
-                          (k_cache, v_cache, case.key, case.value, case.slot_mapping))
+                          (k_cache, v_cache, case.key, case.value, case.kv_index))
 
 
-def attention_step(k_cache, v_cache, query, key, value, slot_mapping, block_tables, seq_lens, query_start):
+def attention_step(k_cache, v_cache, query, key, value, kv_index, block_tables, seq_lens, query_start):
     """What an attention layer does per step: store the new keys and values, then attend."""
-    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    write_kv(k_cache, v_cache, key, value, kv_index)
     out = paged_attention(query * 1.0, k_cache, v_cache, block_tables, seq_lens, query_start, 0.25, softcap=5.0)
     return out + 0.0
 
@@ -401,7 +367,7 @@ def test_compiled_equals_eager_without_graph_breaks(device):
     for seed in range(2):
         case = small_case(seed=seed, dtype=torch.float32 if device == "cpu" else torch.bfloat16).to(device)
         k0, v0 = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
-        args = (case.query, case.key, case.value, case.slot_mapping, case.block_tables, case.seq_lens,
+        args = (case.query, case.key, case.value, case.kv_index, case.block_tables, case.seq_lens,
                 case.query_start)
         k1, v1, k2, v2 = k0.clone(), v0.clone(), k0.clone(), v0.clone()
         eager, comp = attention_step(k1, v1, *args), compiled(k2, v2, *args)
@@ -462,18 +428,17 @@ def test_bad_attention_arguments_name_the_problem(override, message):
         (lambda c: dict(key=c.key.half()), r"key must have dtype in \['torch.float32'\], got torch.float16"),
         (lambda c: dict(value=c.value[:, :1]), r"value must have shape \(8, 2, 16\)"),
         (lambda c: dict(key=c.key[:, :, :8], value=c.value[:, :, :8]), r"key must have shape \(8, 2, 16\)"),
-        (lambda c: dict(slot_mapping=c.slot_mapping.int()), r"slot_mapping must have dtype in \['torch.int64'\]"),
-        (lambda c: dict(slot_mapping=c.slot_mapping[:5]), r"slot_mapping must have shape \(8,\)"),
-        (lambda c: dict(slot_mapping=torch.full((8,), 40)),
-         r"slot_mapping must lie in \[-1, .* = 32\), got .*\[40, 40\]"),
-        (lambda c: dict(slot_mapping=torch.tensor([1, 1, -1, -1, -1, -1, -1, -1])), r"must not name a slot twice"),
+        (lambda c: dict(kv_index=c.kv_index.int()), r"kv_index must have dtype in \['torch.int64'\]"),
+        (lambda c: dict(kv_index=c.kv_index[:5]), r"kv_index must have shape \(8,\)"),
+        (lambda c: dict(kv_index=torch.full((8,), 40)), r"kv_index must lie in \[-1, .* = 32\), got .*\[40, 40\]"),
+        (lambda c: dict(kv_index=torch.tensor([1, 1, -1, -1, -1, -1, -1, -1])), r"must not name a cache row twice"),
         (lambda c: dict(v_cache=c.v_cache.half()), r"v_cache must have dtype in \['torch.float32'\]"),
     ],
 )
 def test_bad_write_kv_arguments_name_the_problem(override, message):
     case = small_case()
     args = dict(k_cache=case.k_cache.clone(), v_cache=case.v_cache.clone(), key=case.key, value=case.value,
-                slot_mapping=case.slot_mapping)
+                kv_index=case.kv_index)
     args.update(override(case))
     with pytest.raises((ValueError, TypeError), match=message):
         write_kv(**args)

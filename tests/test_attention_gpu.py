@@ -1,17 +1,16 @@
 """The attention kernels compiled on a GPU: every dtype, real sizes, NaN-poisoned memory, CUDA graphs.
 
 Real sizes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, block 16) and Gemma-2's
-(head_dim 256, sliding window, softcap). The reference is the float64 one of test_attention.py.
+(head_dim 256, sliding window, softcap). The reference is the float64 one of lorakit.ops.reference.
 """
 
 import pytest
 import torch
 from hypothesis import given, settings
 
-from lorakit.engine.attention import paged_attention, write_kv
-from test_attention import (
-    TOLERANCE, AttnCase, attn_cases, attention_ref, check_attention, make_attn_case, run_triton, same_bits,
-)
+from lorakit.ops import cdiv, paged_attention, write_kv
+from lorakit.ops.reference import attention_ref
+from test_attention import TOLERANCE, AttnCase, attn_cases, check_attention, make_attn_case, run_triton, same_bits
 
 pytestmark = pytest.mark.gpu
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,7 +27,7 @@ def run_step(case: AttnCase) -> torch.Tensor:
     """write_kv then paged_attention through the registered ops; the written caches are checked bitwise."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     poison_cuda_cache()
-    write_kv(k_cache, v_cache, case.key, case.value, case.slot_mapping)
+    write_kv(k_cache, v_cache, case.key, case.value, case.kv_index)
     assert all(map(same_bits, (k_cache, v_cache), case.written())), "write_kv must write exactly the valid rows"
     return paged_attention(*case.attention_args(k_cache, v_cache))
 
@@ -89,7 +88,7 @@ def test_gemma2_window_and_softcap(dtype):
 def fixed_shape_case(seqs, num_tokens: int, num_seqs: int, max_blocks: int, num_blocks: int, seed: int) -> AttnCase:
     """A batch padded to fixed shapes: (0, 0) sequences, padding rows, a fixed block table width and pool."""
     seqs = seqs + [(0, 0)] * (num_seqs - len(seqs))
-    need = [-(-L // 16) for _, L in seqs]
+    need = [cdiv(L, 16) for _, L in seqs]
     return make_attn_case(seqs, **LLAMA, dtype=torch.bfloat16, pad_rows=num_tokens - sum(n for n, _ in seqs),
                           free_blocks=num_blocks - sum(need), extra_cols=max_blocks - max(need), garbage="free",
                           seed=seed, device="cuda")
@@ -115,7 +114,7 @@ def test_cuda_graph_replays_with_changed_metadata(shape):
     out = {}
 
     def step():
-        write_kv(static.k_cache, static.v_cache, static.key, static.value, static.slot_mapping)
+        write_kv(static.k_cache, static.v_cache, static.key, static.value, static.kv_index)
         out["attn"] = paged_attention(static.query, static.k_cache, static.v_cache, static.block_tables,
                                       static.seq_lens, static.query_start, static.scale)
 
@@ -128,7 +127,7 @@ def test_cuda_graph_replays_with_changed_metadata(shape):
     with torch.cuda.graph(graph):
         step()
     for i, batch in enumerate(batches + batches[:1]):
-        for name in ("query", "key", "value", "slot_mapping", "k_cache", "v_cache", "block_tables", "seq_lens",
+        for name in ("query", "key", "value", "kv_index", "k_cache", "v_cache", "block_tables", "seq_lens",
                      "query_start"):
             getattr(static, name).copy_(getattr(batch, name))
         graph.replay()

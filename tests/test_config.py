@@ -89,3 +89,25 @@ def test_an_adapters_tokenizer_is_read_at_registration_only(tmp_path):
     with pytest.raises(lorakit.AdapterError, match="adapter 'b' at .*its tokenizer cannot be read"):
         engine.register_adapter("b", folder)
     assert "b" not in engine.pool.adapters
+
+
+def test_slot_buffers_fit_the_startup_adapters_before_any_request(tmp_path):
+    """The engine grows the slot buffers to the ranks of the adapters it starts with, so its CUDA graphs (captured
+    at startup) are never recaptured for them while serving: no layout change from the first requests."""
+    from peft import LoraConfig
+
+    from lorakit.engine import SamplingParams
+
+    base = tiny_model("llama", seed=1)
+    folders = {f"r{r}": pathlib.Path(save_adapter(base, f"r{r}", LoraConfig(r=r, target_modules=["q_proj", "v_proj"],
+                                                                             init_lora_weights=False),
+                                                  tmp_path, seed=r).path) for r in (4, 24)}
+    engine = Engine(copy.deepcopy(base), max_loras=2, adapters=folders)
+    version = engine.handle.slots.layout_version
+    assert version >= 1 and engine.pool.stats.loads == 0  # grown from the headers, no weights read
+    assert {layer.r_max for name, layer in engine.handle.layers.items() if "q_proj" in name} == {32}
+    for name in (*folders, None):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), name)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.stats.loads == 2 and engine.handle.slots.layout_version == version

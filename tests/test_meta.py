@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _lora_cases import MAPPINGS, make_slots
-from lorakit.ops import LoraMetaBuffers, build_lora_meta
+from lorakit.ops import build_lora_meta
 from lorakit.ops.meta import EMPTY_SLOT, max_tiles
 
 
@@ -41,20 +41,6 @@ def test_build_lora_meta_covers_every_token_once(num_tokens, num_slots, mapping,
     check_meta(meta, slots)
 
 
-def test_buffers_update_in_place_for_any_mapping():
-    bufs = LoraMetaBuffers(max_tokens=700, num_slots=5)
-    ptrs = (bufs.token_slot.data_ptr(), bufs.tiles.data_ptr())
-    gen = torch.Generator().manual_seed(0)
-    for num_tokens in (1, 9, 512, 700, 3):
-        for mapping in MAPPINGS:
-            slots = make_slots(mapping, num_tokens, 5, gen)
-            meta = bufs.update(slots)
-            check_meta(meta, slots)
-            view = bufs.view(num_tokens)
-            assert torch.equal(view.tiles, build_lora_meta(slots, 5).tiles)
-    assert (bufs.token_slot.data_ptr(), bufs.tiles.data_ptr()) == ptrs
-
-
 @pytest.mark.parametrize(
     "slots, num_slots, message",
     [
@@ -68,9 +54,3 @@ def test_buffers_update_in_place_for_any_mapping():
 def test_bad_slots_are_refused(slots, num_slots, message):
     with pytest.raises((ValueError, TypeError), match=message):
         build_lora_meta(slots, num_slots)
-
-
-def test_buffers_refuse_more_tokens_than_capacity():
-    bufs = LoraMetaBuffers(max_tokens=4, num_slots=2)
-    with pytest.raises(ValueError, match=r"num_tokens must lie in \[1, 4\], got 5"):
-        bufs.update(torch.zeros(5, dtype=torch.long))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
-from lorakit.ops import LoraMetaBuffers, add_lora, build_lora_meta, lora_shrink
+from lorakit.ops import add_lora, build_lora_meta, lora_shrink
 from lorakit.ops.reference import lora_ref_by_slot
 
 from test_ops import check_h, check_y
@@ -60,33 +60,9 @@ def test_real_sizes(tokens, in_features, sizes, r_max, num_slots, mapping, min_r
     assert torch.equal(y[base], case.y[base])
 
 
-def test_cuda_graph_replays_with_changed_mapping():
-    """One capture, many mappings: the metadata buffers are updated in place between replays."""
-    num_tokens, num_slots = 48, 6
-    case = make_case(num_tokens, 256, [128, 64], 32, num_slots, "uniform", torch.bfloat16, seed=3).to("cuda")
-    bufs = LoraMetaBuffers(max_tokens=64, num_slots=num_slots, device="cuda")
-    meta = bufs.update(case.slots)
-    y = case.y.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)  # compile first
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
-    gen = torch.Generator().manual_seed(0)
-    for mapping in ("distinct", "zipf", "identical", "all-base", "some-base", "uniform"):
-        slots = make_slots(mapping, num_tokens, num_slots, gen).cuda()
-        bufs.update(slots)
-        y.copy_(case.y)
-        graph.replay()
-        ref = lora_ref_by_slot(case.y, case.x, case.A, case.B, case.ranks, case.scales, slots, case.slice_sizes)
-        assert rel_err(y, ref) <= TOLERANCE[torch.bfloat16], mapping
-
-
 def test_cuda_graph_builds_metadata_inside():
-    """The metadata build itself is capturable: no host sync, fixed shapes."""
+    """One capture, many mappings: the metadata build itself is captured (no host sync, fixed shapes), so a replay
+    after the slots change in place groups the new mapping."""
     num_tokens, num_slots = 33, 5
     case = make_case(num_tokens, 128, [96], 16, num_slots, "uniform", torch.float16, seed=4).to("cuda")
     slots = case.slots.clone()
@@ -104,7 +80,7 @@ def test_cuda_graph_builds_metadata_inside():
     with torch.cuda.graph(graph):
         step()
     gen = torch.Generator().manual_seed(1)
-    for mapping in ("zipf", "some-base", "distinct"):
+    for mapping in ("zipf", "some-base", "distinct", "identical", "all-base", "uniform"):
         slots.copy_(make_slots(mapping, num_tokens, num_slots, gen))
         y.copy_(case.y)
         graph.replay()

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler
+from lorakit.ops import cdiv
 
 
 class FakePool:
@@ -124,7 +125,7 @@ def test_everything_finishes_within_a_bound_and_nothing_is_lost(arrivals, slots,
                                                                  patience, delay, aborts):
     block_size = 4
     longest = max(p + m for _, _, p, m in arrivals)
-    num_blocks = -(-longest // block_size) + extra_blocks  # sometimes barely one request: preemption
+    num_blocks = cdiv(longest, block_size) + extra_blocks  # sometimes barely one request: preemption
     requests, started, arrived_at, _ = simulate(arrivals, slots=slots, num_blocks=num_blocks, block_size=block_size,
                                                 max_num_seqs=max_num_seqs, budget=budget, patience=patience,
                                                 delay=delay, aborts=aborts)

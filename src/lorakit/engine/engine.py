@@ -37,6 +37,7 @@ from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch
+from lorakit.ops import cdiv
 
 logger = logging.getLogger("lorakit.engine")
 
@@ -115,6 +116,10 @@ class Engine:
         manager = self.handle.slots.manager
         self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
             self.handle, cpu_budget_bytes=config.cpu_budget_bytes)
+        self._tokenizers: dict[tuple[str, int], object] = {}  # (adapter, version) -> its folder's tokenizer or False
+        for name, path in (adapters or {}).items():
+            self.register_adapter(name, path)
+        self.pool.reserve(self.pool.adapters)  # slot buffers at these adapters' ranks before the graphs are captured
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience)
@@ -128,9 +133,6 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
-        self._tokenizers: dict[tuple[str, int], object] = {}  # (adapter, version) -> its folder's tokenizer or False
-        for name, path in (adapters or {}).items():
-            self.register_adapter(name, path)
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
 
@@ -347,7 +349,7 @@ def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.
         raise ValueError(f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), "
                          f"got {max_seq_len}")
     block_size = config.block_size
-    blocks_per_seq = -(-max_seq_len // block_size)
+    blocks_per_seq = cdiv(max_seq_len, block_size)
     num_blocks = config.num_blocks
     if num_blocks is None:
         layers, kv_heads, head_dim = kv_shape(model)

@@ -251,6 +251,15 @@ class AdapterPool:
                 raise AdapterError(f"adapter {name!r} is not pinned (pinned: {sorted(self._pins) or 'none'})")
             self._pins.discard(name)
 
+    def reserve(self, names: Iterable[str]) -> bool:
+        """Grow the slot buffers now to the ranks these adapters need, reading no weights, so that CUDA graphs
+        captured afterwards already fit them (growth later means recapturing). True if a buffer grew."""
+        with self._lock:
+            infos = [v.info for v in self._lookup(list(names)) if v is not None]
+            if self._stream is not None:  # growth copies run on the compute stream, after uploads already issued
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            return self.slots.reserve(self.handle.ranks_by_store(infos))
+
     def ready(self, name: str) -> bool:
         """Whether ``name``'s current version is in a slot and its upload has landed (no waiting, no sync):
         a scheduler admits a request once its adapter is ready, so loads never stall the running batch."""

@@ -2,28 +2,33 @@
 
 The model is not changed: lorakit registers an attention function with transformers' attention interface
 ("lorakit") and switches the model to it. Each step's tokens, from every scheduled request, go through the
-model as one packed sequence ``[1, T]`` with their own positions and adapter ids; the attention function
-writes each layer's new keys and values into the paged cache (``lorakit::write_kv``) and attends over each
-request's cached tokens (``lorakit::paged_attention``). No per-architecture code: the layer index comes from
-the attention module's ``layer_idx``, and scaling, softcap and sliding window from the arguments transformers
-passes.
+model as one packed sequence ``[1, T]`` with their own positions, and one ``PagedStep`` passed as the model's
+``lorakit_step`` keyword: the LoRA layers read its adapter ids, and the attention function (to which
+transformers passes the keyword on) writes each layer's new keys and values into the paged cache
+(``lorakit::write_kv``) and attends over each request's cached tokens (``lorakit::paged_attention``). No
+per-architecture code: the layer index comes from the attention module's ``layer_idx``, and scaling, softcap
+and sliding window from the arguments transformers passes.
 
-A step whose requests all decode one token replays a CUDA graph captured for the smallest batch-size
-bucket that fits, from static input buffers; other steps (prefill chunks) run eagerly. The step's metadata
-goes to the device in one pinned copy; the only host sync is reading the sampled tokens.
+A step whose requests all decode one token replays the CUDA graph of the smallest batch-size bucket that fits,
+from static input buffers; other steps (prefill chunks) run eagerly. The graphs are captured when the runner
+starts, largest first into one memory pool, and again whenever the adapters' slot buffers are reallocated.
+The step's metadata goes to the device in one pinned copy; the only host sync is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import transformers
 from torch import nn
+from tqdm import tqdm
 
-from lorakit.engine.attention import paged_attention, write_kv
 from lorakit.engine.scheduler import StepPlan
+from lorakit.layers.context import StepContext
+from lorakit.ops import cdiv, paged_attention, write_kv
 
 logger = logging.getLogger("lorakit.runner")
 
@@ -31,26 +36,24 @@ ATTENTION_NAME = "lorakit"
 
 
 @dataclass
-class AttentionBatch:
-    """What the attention function reads for the current forward pass."""
+class PagedStep(StepContext):
+    """One engine step as the model's layers read it: the adapter ids, and the attention function's KV cache."""
 
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
-    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    kv_index: torch.Tensor  # [T] int64, each token's row of the cache (block * block_size + offset), -1 for padding
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] int32, KV length including the new tokens
     query_start: torch.Tensor  # [S + 1] int32
 
 
-_active: AttentionBatch | None = None
-
-
 def lorakit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
-                      softcap: float | None = None, sliding_window: int | None = None, **kwargs):
+                      softcap: float | None = None, sliding_window: int | None = None,
+                      lorakit_step: PagedStep | None = None, **kwargs):
     """transformers' attention interface: query [1, Hq, T, D], key/value [1, Hkv, T, D] of the new tokens."""
-    batch = _active
-    if batch is None:
+    step = lorakit_step
+    if not isinstance(step, PagedStep):
         raise RuntimeError("the 'lorakit' attention runs only inside lorakit's engine, which sets up the KV cache; "
                            "switch the model back with model.set_attn_implementation('sdpa') to use it alone")
     layer = getattr(module, "layer_idx", None)
@@ -59,10 +62,10 @@ def lorakit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    write_kv(batch.k_caches[layer], batch.v_caches[layer], k, v, batch.slot_mapping)
+    write_kv(step.k_caches[layer], step.v_caches[layer], k, v, step.kv_index)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, batch.k_caches[layer], batch.v_caches[layer], batch.block_tables, batch.seq_lens,
-                          batch.query_start, scale, float(softcap or 0.0), int(sliding_window or 0))
+    out = paged_attention(q, step.k_caches[layer], step.v_caches[layer], step.block_tables, step.seq_lens,
+                          step.query_start, scale, float(softcap or 0.0), int(sliding_window or 0))
     return out.unsqueeze(0), None
 
 
@@ -78,6 +81,17 @@ def kv_shape(model: nn.Module) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def graph_buckets(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph, largest first (the order of capture): ``sizes`` (default
+    1, 2, 4, 8, then every multiple of 16) capped at max_num_seqs, which always gets one."""
+    sizes = sizes or [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs}, reverse=True)
+
+
+# A step's tensors, in the order _metadata packs them (then "keep"); the graphs read static copies of them.
+STEP_TENSORS = ("input_ids", "positions", "lora_ids", "kv_index", "seq_lens", "query_start", "block_tables")
+
+
 class ModelRunner:
     """Runs a scheduled step through the model and returns the logits of the positions that sample."""
 
@@ -88,7 +102,7 @@ class ModelRunner:
         self.handle = handle
         self.device = handle.device
         self.block_size = block_size
-        self.max_blocks = -(-max_seq_len // block_size)
+        self.max_blocks = cdiv(max_seq_len, block_size)
         layers, kv_heads, head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -97,20 +111,23 @@ class ModelRunner:
         self.kv_bytes = 2 * layers * self.k_caches[0].nbytes
         model.set_attn_implementation(ATTENTION_NAME)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        sizes = graph_sizes or [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
-        self.graph_sizes = sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs})
+        self.graph_sizes = graph_buckets(graph_sizes, max_num_seqs)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_layout = handle.slots.layout_version
-        self._static: dict[str, torch.Tensor] | None = None
-        self._graph_pool = None
+        self._graph_layout: int | None = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._compiles = 0  # decode forwards compiled (with compile=True): one per bucket and slot layout
+        self.graph_captures = 0  # times every bucket was captured: once at startup, again after each rank growth
+        self.graph_replays = 0
         # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
         self._decode_model = torch.compile(model, fullgraph=True, dynamic=False) if compile and self.cuda_graphs \
             else model
+        if self.cuda_graphs:
+            self.capture_graphs()
 
     # Host side: the step's metadata as one int64 vector, copied once.
 
     def _metadata(self, plan: StepPlan, rows: int, tokens: int) -> dict[str, torch.Tensor]:
-        ids, pos, lora, slots, seq_lens, starts, keep = [], [], [], [], [], [0], []
+        ids, pos, lora, kv_index, seq_lens, starts, keep = [], [], [], [], [], [0], []
         tables = []
         for item in plan.items:
             r = item.request
@@ -118,15 +135,15 @@ class ModelRunner:
             ids += item.tokens
             pos += range(item.start, item.start + n)
             lora += [r.slot] * n
-            slots += [r.blocks[p // self.block_size] * self.block_size + p % self.block_size
-                      for p in range(item.start, item.start + n)]
+            kv_index += [r.blocks[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(item.start, item.start + n)]
             seq_lens.append(item.start + n)
             starts.append(starts[-1] + n)
             if item.sample:
                 keep.append(starts[-1] - 1)
             tables += r.blocks + [0] * (self.max_blocks - len(r.blocks))
         pad_t, pad_s = tokens - len(ids), rows - len(plan.items)
-        flat = (ids + [0] * pad_t, pos + [0] * pad_t, lora + [-1] * pad_t, slots + [-1] * pad_t,
+        flat = (ids + [0] * pad_t, pos + [0] * pad_t, lora + [-1] * pad_t, kv_index + [-1] * pad_t,
                 seq_lens + [0] * pad_s, starts + [starts[-1]] * pad_s, tables + [0] * (pad_s * self.max_blocks),
                 keep or [max(len(ids) - 1, 0)])
         sizes = [len(f) for f in flat]
@@ -134,76 +151,64 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        parts = dict(zip(("input_ids", "positions", "lora_ids", "slot_mapping", "seq_lens", "query_start",
-                          "block_tables", "keep"), torch.split(dev, sizes)))
+        parts = dict(zip(STEP_TENSORS + ("keep",), torch.split(dev, sizes)))
         for name in ("seq_lens", "query_start", "block_tables"):
             parts[name] = parts[name].to(torch.int32)
         parts["block_tables"] = parts["block_tables"].view(rows, self.max_blocks)
-        parts["num_keep"] = len(keep)
         return parts
 
     def _forward(self, m: dict[str, torch.Tensor], keep: torch.Tensor | None, model: nn.Module | None = None):
-        global _active
-        _active = AttentionBatch(self.k_caches, self.v_caches, m["slot_mapping"], m["block_tables"], m["seq_lens"],
-                                 m["query_start"])
-        try:
-            kwargs = {} if keep is None else {"logits_to_keep": keep}
-            return (self.model if model is None else model)(input_ids=m["input_ids"][None], position_ids=m["positions"][None],
-                              lora_ids=m["lora_ids"][None], use_cache=False, **kwargs).logits[0]
-        finally:
-            _active = None
+        step = PagedStep(m["lora_ids"][None], self.k_caches, self.v_caches, m["kv_index"], m["block_tables"],
+                         m["seq_lens"], m["query_start"])
+        model = self.model if model is None else model
+        kwargs = {} if keep is None else {"logits_to_keep": keep}
+        return model(input_ids=m["input_ids"][None], position_ids=m["positions"][None], lorakit_step=step,
+                     use_cache=False, **kwargs).logits[0]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order."""
         n = len(plan.items)
-        if self.cuda_graphs and plan.is_decode and n <= self.graph_sizes[-1]:
-            size = next(s for s in self.graph_sizes if s >= n)
+        if self.cuda_graphs and plan.is_decode and n <= self.graph_sizes[0]:
+            if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
+                self.capture_graphs()
+            size = min(s for s in self.graph_sizes if s >= n)
             m = self._metadata(plan, size, size)
-            graph, out = self._graph(size)
-            static = self._static
-            for name in ("input_ids", "positions", "lora_ids", "slot_mapping", "seq_lens", "query_start"):
-                static[name][: m[name].numel()].copy_(m[name])
-            static["block_tables"][:size].copy_(m["block_tables"])
+            for name in STEP_TENSORS:
+                self._static[name][: len(m[name])].copy_(m[name])
+            graph, out = self._graphs[size]
             graph.replay()
+            self.graph_replays += 1
             return out[m["keep"]]
         m = self._metadata(plan, n, plan.num_tokens)
         return self._forward(m, m["keep"])
 
-    def _graph(self, size: int):
-        if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
-            self._graphs.clear()  # frees their memory pool: the next capture needs a new one
-            self._graph_pool = torch.cuda.graph_pool_handle()
-            self._graph_layout = self.handle.slots.layout_version
-        if size in self._graphs:
-            return self._graphs[size]
-        biggest = self.graph_sizes[-1]
-        if self._static is None:
-            z = dict(device=self.device)
-            self._static = dict(input_ids=torch.zeros(biggest, dtype=torch.int64, **z),
-                                positions=torch.zeros(biggest, dtype=torch.int64, **z),
-                                lora_ids=torch.full((biggest,), -1, dtype=torch.int64, **z),
-                                slot_mapping=torch.full((biggest,), -1, dtype=torch.int64, **z),
-                                seq_lens=torch.zeros(biggest, dtype=torch.int32, **z),
-                                query_start=torch.zeros(biggest + 1, dtype=torch.int32, **z),
-                                block_tables=torch.zeros(biggest, self.max_blocks, dtype=torch.int32, **z))
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        s = self._static
-        view = dict(input_ids=s["input_ids"][:size], positions=s["positions"][:size], lora_ids=s["lora_ids"][:size],
-                    slot_mapping=s["slot_mapping"][:size], seq_lens=s["seq_lens"][:size],
-                    query_start=s["query_start"][: size + 1], block_tables=s["block_tables"][:size])
-        view["slot_mapping"].fill_(-1)
-        view["seq_lens"].zero_()
-        view["query_start"].zero_()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(view, None, self._decode_model)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._forward(view, None, self._decode_model)
-        self._graphs[size] = (graph, out)
-        logger.info("captured the decode graph for batch %d", size)
-        return self._graphs[size]
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graph of every bucket, largest first, into one memory pool (the smaller graphs
+        reuse what the larger ones freed), from static buffers that hold an empty step until a replay."""
+        start = time.perf_counter()
+        self._graphs.clear()  # frees the old graphs' pool
+        pool = torch.cuda.graph_pool_handle()
+        empty = self._metadata(StepPlan([], []), self.graph_sizes[0], self.graph_sizes[0])
+        self._static = {name: empty[name].clone() for name in STEP_TENSORS}
+        # With compile=True every bucket of every slot layout is one more compile of the same forward, as
+        # expected; past dynamo's recompile limit (8 by default) a fullgraph compile fails.
+        self._compiles += len(self.graph_sizes)
+        with torch._dynamo.config.patch(recompile_limit=max(self._compiles, torch._dynamo.config.recompile_limit)):
+            for size in tqdm(self.graph_sizes, desc="capturing CUDA graphs", unit="graph"):
+                view = {name: self._static[name][: size + (name == "query_start")] for name in STEP_TENSORS}
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._forward(view, None, self._decode_model)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(view, None, self._decode_model)
+                self._graphs[size] = (graph, out)
+        self._graph_layout = self.handle.slots.layout_version
+        self.graph_captures += 1
+        logger.info("captured %d decode graphs (batch %d down to %d) in %.1f s", len(self._graphs),
+                    self.graph_sizes[0], self.graph_sizes[-1], time.perf_counter() - start)

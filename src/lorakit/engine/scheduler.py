@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from lorakit.engine.pool import PoolFull
 from lorakit.layers.adapter import AdapterError
+from lorakit.ops import cdiv
 
 
 class AdapterSlots(Protocol):
@@ -62,7 +63,7 @@ class BlockManager:
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def can_grow(self, blocks: list[int], num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - len(blocks) <= len(self._free)

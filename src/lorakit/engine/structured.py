@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lorakit.ops import cdiv
+
 __all__ = ["Constraint", "Grammars", "StructuredOutput", "unpack_mask"]
 
 logger = logging.getLogger("lorakit.structured")
@@ -100,7 +102,7 @@ class Constraint:
 
     def __init__(self, matcher, n_vocab: int):
         self._matcher = matcher
-        self.words = -(-n_vocab // 32)  # the mask's width in int32 words, as the tokenizer's vocabulary needs
+        self.words = cdiv(n_vocab, 32)  # the mask's width in int32 words, as the tokenizer's vocabulary needs
         self._own = torch.zeros((1, self.words), dtype=torch.int32)  # scratch for a batch of another width
         self.error: str | None = None
 
@@ -157,7 +159,7 @@ class Grammars:
         """[B, ceil(vocab_size / 32)] int32 on the host: row b's allowed next tokens, every bit set where
         ``constraints[b]`` is None. Rows as wide as the batch's mask are filled by llguidance's thread pool in
         one call (without the GIL); the rest (an adapter's tokenizer of another size) one by one."""
-        words = -(-vocab_size // 32)
+        words = cdiv(vocab_size, 32)
         mask = torch.full((len(constraints), words), -1, dtype=torch.int32, pin_memory=pin)
         rows = [(row, c) for row, c in enumerate(constraints) if c is not None]
         together = [(row, c) for row, c in rows if c.words == words and c.error is None]

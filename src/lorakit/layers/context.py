@@ -1,18 +1,29 @@
 """The state one forward pass shares among LoRA layers: which adapter slot each token uses.
 
 The patched model's forward takes ``lora_ids`` ([batch] per sequence or [batch, seq] per token, -1 for
-the base model) and hands them to a ``LoraContext``; each LoRA layer asks the context for the batch
-metadata matching its input's leading shape, which is built once per shape and forward pass.
+the base model), or a ``StepContext`` as ``lorakit_step``, and hands the ids to a ``LoraContext``; each LoRA
+layer asks the context for the batch metadata matching its input's leading shape, which is built once per
+shape and forward pass.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from lorakit.ops import LoraMeta, build_lora_meta
+
+
+@dataclass
+class StepContext:
+    """What one forward pass's layers read besides their inputs, built once by the caller and passed as the
+    model's ``lorakit_step`` keyword: the patched model's pre-hook hands ``lora_ids`` to the LoRA layers, and
+    transformers passes the whole object on to the attention function (the engine's subclass adds its KV cache)."""
+
+    lora_ids: torch.Tensor  # [batch] or [batch, seq] adapter slots, -1 for the base model
 
 
 class LoraContext:

@@ -29,7 +29,8 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
 from lorakit.layers.slot_table import Loaded, SlotTable
-from lorakit.layers.slots import round_up
+from lorakit.layers.slots import LoraSlots
+from lorakit.ops import round_up
 
 
 class LoraHandle:
@@ -117,6 +118,15 @@ class LoraHandle:
                                    f"{t.rows.shape[1] * self.dtype.itemsize} bytes in every slot); patch with "
                                    f"max_token_rows>={t.ids.numel()} to serve it")
         return dataclasses.replace(adapter, tokens=tokens)
+
+    def ranks_by_store(self, infos: Sequence[AdapterInfo]) -> dict[LoraSlots, int]:
+        """The rank each slot store needs to hold every one of these adapters (from their headers)."""
+        need: dict[LoraSlots, int] = {}
+        for info in infos:
+            for module, (rank, _) in info.modules.items():
+                store = store_of(self.layers[module])[0]
+                need[store] = max(need.get(store, 0), rank)
+        return need
 
     def pack(self, adapter: PeftAdapter, pin: bool) -> SlotImage:
         """The adapter laid out as a slot holds it, in the model's dtypes (in pinned memory if ``pin``)."""

@@ -27,6 +27,7 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
+from lorakit.ops import round_up
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
 
@@ -121,7 +122,7 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
     def place(shape, dtype) -> Part:
         nonlocal offset
         part = Part(offset, tuple(shape), dtype)
-        offset += -(-part.nbytes // _ALIGN) * _ALIGN
+        offset += round_up(part.nbytes, _ALIGN)
         return part
 
     plans = []

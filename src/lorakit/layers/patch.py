@@ -21,7 +21,7 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
-from lorakit.ops._checks import MAX_SLICES
+from lorakit.ops import MAX_SLICES
 
 logger = logging.getLogger("lorakit.patch")
 
@@ -166,7 +166,9 @@ def _siblings(model: nn.Module, linears: dict[str, nn.Module]) -> list[list[str]
 
 def _take_lora_ids(ctx: LoraContext):
     def hook(module, args, kwargs):
-        ctx.begin(kwargs.pop("lora_ids", None), kwargs.get("logits_to_keep"))
+        step = kwargs.get("lorakit_step")  # a StepContext: left in kwargs for transformers to pass to attention
+        ids = kwargs.pop("lora_ids", None) if step is None else step.lora_ids
+        ctx.begin(ids, kwargs.get("logits_to_keep"))
         return args, kwargs
 
     return hook

@@ -10,7 +10,7 @@ CPU tier. A table has at most one manager.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,14 @@ class SlotTable:
         """Make room in the padded ranks for ``image`` (on the current stream); True if a buffer grew, which a
         compiled model sees as a new shape (one recompile) and a captured CUDA graph must be recaptured for."""
         grew = grow_for(image)
+        self.layout_version += grew
+        return grew
+
+    def reserve(self, ranks: Mapping[LoraSlots, int]) -> bool:
+        """Grow stores to the given ranks ahead of any upload (loaded slots keep their values); True if any grew."""
+        grew = any(rank > store.r_max for store, rank in ranks.items())
+        for store, rank in ranks.items():
+            store.grow(rank)
         self.layout_version += grew
         return grew
 

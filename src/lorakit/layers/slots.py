@@ -15,9 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+from lorakit.ops import round_up
 
 
 class LoraSlots(nn.Module):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lorakit.layers.slots import round_up
+from lorakit.ops import round_up
 
 
 class TokenRows(nn.Module):

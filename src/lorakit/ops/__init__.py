@@ -1,9 +1,12 @@
-"""LoRA custom ops in the ``lorakit`` namespace: Triton kernels on CUDA, plain torch on CPU, fake kernels.
+"""Custom ops in the ``lorakit`` namespace: Triton kernels on CUDA, plain torch on CPU, fake kernels.
 
     meta = build_lora_meta(slots, num_slots)            # once per batch, shared by every layer
     add_lora(y, x, A, B, ranks, scales, meta, sizes)    # one layer: y[t] += scale * (x[t] @ A[s].T) @ B[s].T
 
-``torch.ops.lorakit.shrink`` and ``torch.ops.lorakit.expand`` are the registered ops; the functions
+    write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
+    out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
+
+``torch.ops.lorakit.shrink`` and ``torch.ops.lorakit.expand`` are the registered LoRA ops; the functions
 here only unpack ``LoraMeta`` and pick ``split_k``.
 """
 
@@ -15,12 +18,14 @@ import torch
 
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
-from lorakit.ops.meta import LoraMeta, LoraMetaBuffers, block_m_for, build_lora_meta
+from lorakit.ops._checks import MAX_SLICES, cdiv, round_up
+from lorakit.ops.attention import paged_attention, write_kv
+from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.shrink import shrink_split_k
 
 __all__ = [
-    "LoraMeta", "LoraMetaBuffers", "add_lora", "block_m_for", "build_lora_meta", "lora_expand", "lora_shrink",
-    "split_columns",
+    "MAX_SLICES", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_expand", "lora_shrink",
+    "paged_attention", "round_up", "split_columns", "write_kv",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Argument checks shared by the op launchers: each error names the argument, its value and what was expected."""
+"""What the op files share: argument checks (each error names the argument, its value and what was expected),
+the gate for checks that read values on the host, one Triton dot, and integer rounding."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SLICES = 4
@@ -13,9 +16,30 @@ MAX_SLICES = 4
 NUM_SMS_GUESS = 132
 
 
-def debug_checks() -> bool:
-    """Value checks that need a host sync on CUDA (ranks <= R_max) run only with LORAKIT_DEBUG=1."""
-    return os.environ.get("LORAKIT_DEBUG", "0") == "1"
+def cdiv(n: int, d: int) -> int:
+    """n / d rounded up."""
+    return -(-n // d)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is >= n."""
+    return cdiv(n, multiple) * multiple
+
+
+def host_checks_allowed(t: torch.Tensor) -> bool:
+    """Value checks read tensors on the host: always on the CPU, on CUDA (a sync) only with LORAKIT_DEBUG=1;
+    never while compiling or capturing a CUDA graph."""
+    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return t.device.type == "cpu" or os.environ.get("LORAKIT_DEBUG", "0") == "1"
+
+
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, float32 accumulation: IEEE-exact for float32 inputs, else on the tensor cores in b's dtype."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b, acc)
 
 
 def check_tensor(
@@ -25,6 +49,7 @@ def check_tensor(
     dim: int,
     dtypes: Sequence[torch.dtype],
     device: torch.device,
+    like: str = "x",
     unit_stride_dim: int | None = None,
 ) -> None:
     if not isinstance(t, torch.Tensor):
@@ -34,7 +59,7 @@ def check_tensor(
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
     if unit_stride_dim is not None and t.shape[unit_stride_dim] > 1 and t.stride(unit_stride_dim) != 1:
         raise ValueError(
             f"{name} must be contiguous in dimension {unit_stride_dim}, got strides {t.stride()} "
@@ -59,10 +84,8 @@ def check_meta(token_slot: torch.Tensor, token_order: torch.Tensor, tiles: torch
 
 
 def check_ranks(ranks: torch.Tensor, r_max: int) -> None:
-    """ranks[s, i] must lie in [0, R_max]; read on the host, so only where that costs no sync."""
-    if ranks.device.type != "cpu" and not debug_checks():
-        return
-    if torch.compiler.is_compiling() or (ranks.is_cuda and torch.cuda.is_current_stream_capturing()):
+    """ranks[s, i] must lie in [0, R_max] (read on the host: see host_checks_allowed)."""
+    if not host_checks_allowed(ranks):
         return
     lo, hi = int(ranks.min()), int(ranks.max())
     if lo < 0 or hi > r_max:

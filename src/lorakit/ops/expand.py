@@ -16,13 +16,7 @@ import triton.language as tl
 
 from lorakit.ops._checks import NUM_SMS_GUESS as _NUM_SMS_GUESS  # module-level: tests vary it
 from lorakit.ops._checks import (
-    FLOAT_DTYPES,
-    MAX_SLICES,
-    check_block_m,
-    check_meta,
-    check_ranks,
-    check_shape,
-    check_tensor,
+    FLOAT_DTYPES, MAX_SLICES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
 )
 
 
@@ -36,13 +30,6 @@ def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R:
         hv += tl.load(h_rows + kk * stride_hk + offs_r[None, :],
                       mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
     return hv
-
-
-@triton.jit
-def _dot(hv, bv, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(hv, bv, acc, input_precision="ieee")
-    return tl.dot(hv.to(bv.dtype), bv, acc)
 
 
 @triton.jit
@@ -67,14 +54,14 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
             offs_r = tl.arange(0, BLOCK_R)
             bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                          mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
-            acc = _dot(hv, bv, acc, IEEE)
+            acc = dot(hv, bv, acc, IEEE)
         else:
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 hc = _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K)
                 bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
-                acc = _dot(hc, bv, acc, IEEE)
+                acc = dot(hc, bv, acc, IEEE)
         tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
 
 

@@ -2,8 +2,8 @@
 
 Every LoRA layer of a forward pass reads the same token -> slot mapping, so the grouping the kernels
 need (tokens sorted by slot, cut into tiles of at most ``block_m`` tokens of one slot) is computed
-once, on the device, with a fixed number of tensor ops and no host sync. ``LoraMetaBuffers`` keeps it
-in preallocated buffers updated in place, so a CUDA graph captured once stays valid for any mapping.
+once, on the device, with a fixed number of tensor ops and no host sync, so it can be captured in a CUDA
+graph with the layers that read it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from lorakit.ops._checks import cdiv, host_checks_allowed
 
 # Tile slot values below zero: BASE_SLOT tiles hold base-model tokens (no adapter), EMPTY_SLOT tiles
 # are unused capacity (start == end == 0).
@@ -25,7 +27,7 @@ def block_m_for(num_tokens: int) -> int:
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Upper bound on tiles: each non-empty segment (slots and base) wastes at most one partial tile."""
-    return -(-num_tokens // block_m) + min(num_slots + 1, num_tokens)
+    return cdiv(num_tokens, block_m) + min(num_slots + 1, num_tokens)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     # Reading values costs a host sync on CUDA (and a graph break when compiling); there the caller
     # that makes the ids (the patched model's ids()) validates them.
-    if slots.device.type == "cpu" and slots.numel() > 0 and not torch.compiler.is_compiling():
+    if slots.numel() > 0 and host_checks_allowed(slots):
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= num_slots:
             raise ValueError(
@@ -101,42 +103,3 @@ def build_lora_meta(slots: torch.Tensor, num_slots: int, block_m: int | None = N
         ]
     ).to(torch.int32)
     return LoraMeta(slots.to(torch.int32), order.to(torch.int32), tiles, num_slots, bm)
-
-
-class LoraMetaBuffers:
-    """Fixed-capacity metadata buffers, updated in place: a CUDA graph captured over ``view(T)`` stays
-    valid for any later mapping of T tokens written with ``update``."""
-
-    def __init__(self, max_tokens: int, num_slots: int, device: torch.device | str = "cpu"):
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.max_tokens = max_tokens
-        self.num_slots = num_slots
-        cap_tiles = max(max_tiles(t, num_slots, block_m_for(t)) for t in (max_tokens, min(max_tokens, 512)))
-        self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self.token_order = torch.arange(max_tokens, dtype=torch.int32, device=device)
-        self.tiles = torch.zeros((3, cap_tiles), dtype=torch.int32, device=device)
-        self.tiles[0].fill_(EMPTY_SLOT)
-
-    def view(self, num_tokens: int) -> LoraMeta:
-        """The metadata of the current mapping of ``num_tokens`` tokens, as views of the buffers."""
-        if not 1 <= num_tokens <= self.max_tokens:
-            raise ValueError(f"num_tokens must lie in [1, {self.max_tokens}], got {num_tokens}")
-        bm = block_m_for(num_tokens)
-        n_tiles = max_tiles(num_tokens, self.num_slots, bm)
-        return LoraMeta(
-            self.token_slot[:num_tokens],
-            self.token_order[:num_tokens],
-            self.tiles[:, :n_tiles],
-            self.num_slots,
-            bm,
-        )
-
-    def update(self, slots: torch.Tensor) -> LoraMeta:
-        """Write the grouping of ``slots`` into the buffers (no host sync) and return its view."""
-        fresh = build_lora_meta(slots, self.num_slots)
-        meta = self.view(fresh.num_tokens)
-        meta.token_slot.copy_(fresh.token_slot)
-        meta.token_order.copy_(fresh.token_order)
-        meta.tiles.copy_(fresh.tiles)
-        return meta

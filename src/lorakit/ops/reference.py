@@ -1,12 +1,14 @@
-"""Plain-loop references for the LoRA ops, in float64: the ground truth for tests and benchmarks.
+"""References for lorakit's ops, in float64: the ground truth for tests and benchmarks.
 
-Slow on purpose: one token, one slice at a time, exactly as the semantics read.
+Slow on purpose and written apart from the ops' CPU paths: the LoRA references take one token and one slice
+at a time, exactly as the semantics read (``lora_ref_by_slot``, for large shapes, computes every slot's delta
+on every token and keeps it where the token uses that slot); the attention reference gathers each sequence's
+keys position by position through its block table and masks by position.
 """
 
 from __future__ import annotations
 
 import itertools
-
 from collections.abc import Sequence
 
 import torch
@@ -82,18 +84,51 @@ def lora_ref_by_slot(
     slots: torch.Tensor,
     slice_sizes: Sequence[int],
 ) -> torch.Tensor:
-    """``lora_ref`` looping over slots instead of tokens, on the inputs' device: for large shapes."""
+    """``lora_ref`` for large shapes, on the inputs' device, in float64: every slot's delta computed for every
+    token, kept on the tokens of that slot (y + sum over s of [slots[t] == s] * delta_s[t]; no per-token loop)."""
     out = y.double().clone()
+    x = x.double()
     offsets = [0, *itertools.accumulate(slice_sizes)]
-    slots = slots.long()
-    for s in torch.unique(slots).tolist():
-        if s < 0:
-            continue
-        idx = (slots == s).nonzero().squeeze(1)
-        xs = x.index_select(0, idx).double()
+    for s in range(A.shape[0]):
+        mine = (slots == s)[:, None]
         for i in range(len(slice_sizes)):
             r = int(ranks[s, i])
             lo, hi = offsets[i], offsets[i + 1]
-            delta = float(scales[s, i]) * (xs @ A[s, i, :r].double().T) @ B[s, lo:hi, :r].double().T
-            out[idx, lo:hi] += delta
+            delta = float(scales[s, i]) * (x @ A[s, i, :r].double().T) @ B[s, lo:hi, :r].double().T
+            out[:, lo:hi] += torch.where(mine, delta, 0.0)
+    return out
+
+
+def attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale, softcap=0.0, window=0,
+                  row_chunk: int = 512) -> torch.Tensor:
+    """``paged_attention`` in float64: per sequence, K and V gathered position by position through the block
+    table, an explicit mask from positions (causal, sliding window), softmax over the visible keys; zero where
+    none is. Rows are taken ``row_chunk`` at a time (long prefills)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for s, L in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        n = hi - lo
+        if n == 0 or L == 0:
+            continue
+        key_pos = torch.arange(L, device=query.device)
+        blocks = block_tables[s, key_pos // block_size].long()
+        K = k_cache[blocks, key_pos % block_size].double()  # [L, Hkv, D]
+        V = v_cache[blocks, key_pos % block_size].double()
+        for r0 in range(0, n, row_chunk):
+            r1 = min(n, r0 + row_chunk)
+            q_pos = (L - n + torch.arange(r0, r1, device=query.device))[:, None]
+            visible = key_pos[None, :] <= q_pos
+            if window > 0:
+                visible &= key_pos[None, :] > q_pos - window
+            q = query[lo + r0:lo + r1].double().view(r1 - r0, num_kv_heads, group, head_dim)
+            x = torch.einsum("nkgd,lkd->kgnl", q, K) * scale
+            if softcap > 0:
+                x = softcap * torch.tanh(x / softcap)
+            w = torch.softmax(x.masked_fill(~visible, float("-inf")), dim=-1)
+            w = torch.where(visible.any(dim=-1, keepdim=True), w, 0.0)
+            out[lo + r0:lo + r1] = torch.einsum("kgnl,lkd->nkgd", w, V).reshape(r1 - r0, num_heads, head_dim)
     return out

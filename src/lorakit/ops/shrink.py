@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import NUM_SMS_GUESS as _NUM_SMS_GUESS  # module-level: tests vary it
-from lorakit.ops._checks import FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor
+from lorakit.ops._checks import (
+    FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+)
 
 
 @triton.jit
@@ -61,10 +63,7 @@ def _shrink_kernel(
             k_mask = offs_k < k_hi
             xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_cols + offs_k[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(xt, at, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, at, acc)
+            acc = dot(xt, at, acc, IEEE)
     # Every (token, rank column) is written by exactly one program per split: zeros for base tokens
     # and rank padding, so the output is fully defined without a memset.
     h_ptrs = h_ptr + pid_k * stride_hk + slice_id * stride_hi + tok[:, None] * stride_ht + offs_r[None, :]

@@ -1,11 +1,11 @@
 """Paged KV-cache attention: ``write_kv`` stores a step's keys and values in the block cache, and
 ``paged_attention`` attends over it, causally, for decode, prefill and chunked prefill alike.
 
-    write_kv(k_cache, v_cache, key, value, slot_mapping)       # in place; slot -1 is skipped
+    write_kv(k_cache, v_cache, key, value, kv_index)           # in place; index -1 is skipped
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
 
 Both are ``torch.library`` custom ops in the ``lorakit`` namespace: Triton kernels on CUDA, plain torch on
-the CPU (the attention's CPU path loops over sequences and serves as its reference), fake kernels. On CUDA
+the CPU (one sequence at a time), fake kernels; ``ops/reference.py`` holds the float64 reference. On CUDA
 no metadata value is read on the host and every grid is sized from shapes, so one CUDA graph replays
 any batch of the same shapes.
 
@@ -30,24 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import FLOAT_DTYPES, NUM_SMS_GUESS, check_shape, check_tensor, debug_checks
+from lorakit.ops._checks import FLOAT_DTYPES, NUM_SMS_GUESS, cdiv, check_shape, check_tensor, dot, host_checks_allowed
 
 __all__ = ["paged_attention", "write_kv"]
-
-
-def _check(name: str, t, *, dim: int, dtypes, like: torch.Tensor, like_name: str,
-           unit_stride_dim: int | None = None) -> None:
-    device = t.device if isinstance(t, torch.Tensor) else like.device
-    check_tensor(name, t, dim=dim, dtypes=dtypes, device=device, unit_stride_dim=unit_stride_dim)
-    if t.device != like.device:
-        raise ValueError(f"{name} must be on {like.device} like {like_name}, got {t.device}")
-
-
-def _host_checks_allowed(t: torch.Tensor) -> bool:
-    """Value checks read metadata on the host: always on the CPU, on CUDA only with LORAKIT_DEBUG=1."""
-    if torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return t.device.type == "cpu" or debug_checks()
 
 
 # ---------------------------------------------------------------------------------------------- write_kv
@@ -55,19 +40,19 @@ def _host_checks_allowed(t: torch.Tensor) -> bool:
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, index_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program per token; padding tokens (slot -1) return at once.
+    # One program per token; padding tokens (index -1) return at once.
     tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok)
-    if slot < 0:
+    index = tl.load(index_ptr + tok)
+    if index < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    block = index // BLOCK_SIZE
+    offset = index % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
@@ -77,12 +62,12 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d, v, mask=mask)
 
 
-def _launch_write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
+def _launch_write_kv(k_cache, v_cache, key, value, kv_index) -> None:
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, kv_index,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -92,9 +77,9 @@ def _launch_write_kv(k_cache, v_cache, key, value, slot_mapping) -> None:
 
 
 def _check_cache(k_cache, v_cache) -> None:
-    _check("k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, like=k_cache, like_name="k_cache", unit_stride_dim=3)
-    _check("v_cache", v_cache, dim=4, dtypes=(k_cache.dtype,), like=k_cache, like_name="k_cache",
-           unit_stride_dim=3)
+    like = dict(device=k_cache.device, like="k_cache")
+    check_tensor("k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, unit_stride_dim=3, **like)
+    check_tensor("v_cache", v_cache, dim=4, dtypes=(k_cache.dtype,), unit_stride_dim=3, **like)
     check_shape("v_cache", v_cache, k_cache.shape, "[num_blocks, block_size, num_kv_heads, head_dim] like k_cache")
     block_size = k_cache.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
@@ -102,54 +87,55 @@ def _check_cache(k_cache, v_cache) -> None:
                          f"of two, got {block_size}")
 
 
-def _check_write_kv_args(k_cache, v_cache, key, value, slot_mapping) -> None:
+def _check_write_kv_args(k_cache, v_cache, key, value, kv_index) -> None:
     _check_cache(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    _check("key", key, dim=3, dtypes=(k_cache.dtype,), like=k_cache, like_name="k_cache", unit_stride_dim=2)
-    _check("value", value, dim=3, dtypes=(k_cache.dtype,), like=k_cache, like_name="k_cache", unit_stride_dim=2)
+    like = dict(device=k_cache.device, like="k_cache")
+    check_tensor("key", key, dim=3, dtypes=(k_cache.dtype,), unit_stride_dim=2, **like)
+    check_tensor("value", value, dim=3, dtypes=(k_cache.dtype,), unit_stride_dim=2, **like)
     num_tokens = key.shape[0]
     check_shape("key", key, (num_tokens, num_kv_heads, head_dim), "[T, num_kv_heads, head_dim] of the cache")
     check_shape("value", value, key.shape, "[T, num_kv_heads, head_dim] like key")
-    _check("slot_mapping", slot_mapping, dim=1, dtypes=(torch.int64,), like=k_cache, like_name="k_cache",
-           unit_stride_dim=0)
-    check_shape("slot_mapping", slot_mapping, (num_tokens,), "one slot per row of key")
-    if not _host_checks_allowed(slot_mapping) or num_tokens == 0:
+    check_tensor("kv_index", kv_index, dim=1, dtypes=(torch.int64,), unit_stride_dim=0, **like)
+    check_shape("kv_index", kv_index, (num_tokens,), "one cache row per row of key")
+    if not host_checks_allowed(kv_index) or num_tokens == 0:
         return
-    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    lo, hi = int(kv_index.min()), int(kv_index.max())
     if lo < -1 or hi >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping must lie in [-1, num_blocks * block_size = {num_blocks * block_size}), "
+        raise ValueError(f"kv_index must lie in [-1, num_blocks * block_size = {num_blocks * block_size}), "
                          f"got values in [{lo}, {hi}]")
-    valid = slot_mapping[slot_mapping >= 0]
+    valid = kv_index[kv_index >= 0]
     if valid.unique().numel() != valid.numel():
-        raise ValueError("slot_mapping must not name a slot twice (two tokens would race for it)")
+        raise ValueError("kv_index must not name a cache row twice (two tokens would race for it)")
 
 
 @torch.library.custom_op("lorakit::write_kv", mutates_args=("k_cache", "v_cache"))
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store each token's key and value in its cache slot, in place.
+             kv_index: torch.Tensor) -> None:
+    """Store each token's key and value in its row of the cache, in place.
 
     Semantics:
-        for t: if slot_mapping[t] >= 0:
-            b, o = divmod(slot_mapping[t], block_size)
+        for t: if kv_index[t] >= 0:
+            b, o = divmod(kv_index[t], block_size)
             k_cache[b, o] = key[t]; v_cache[b, o] = value[t]          (k_cache, v_cache mutated)
 
     k_cache, v_cache: [num_blocks, block_size (a power of two), num_kv_heads, head_dim], float32/float16/
-    bfloat16; key, value: [T, num_kv_heads, head_dim], the caches' dtype; slot_mapping: int64 [T],
-    -1 for padding tokens, no slot twice.
+    bfloat16; key, value: [T, num_kv_heads, head_dim], the caches' dtype; kv_index: int64 [T], each token's
+    row of the cache seen as [num_blocks * block_size, ...] (block * block_size + offset), -1 for padding
+    tokens, no row twice.
     """
-    _check_write_kv_args(k_cache, v_cache, key, value, slot_mapping)
-    _write_kv_torch(k_cache, v_cache, key, value, slot_mapping)
+    _check_write_kv_args(k_cache, v_cache, key, value, kv_index)
+    _write_kv_torch(k_cache, v_cache, key, value, kv_index)
 
 
 @write_kv.register_kernel("cuda")
-def _(k_cache, v_cache, key, value, slot_mapping):
-    _check_write_kv_args(k_cache, v_cache, key, value, slot_mapping)
-    _launch_write_kv(k_cache, v_cache, key, value, slot_mapping)
+def _(k_cache, v_cache, key, value, kv_index):
+    _check_write_kv_args(k_cache, v_cache, key, value, kv_index)
+    _launch_write_kv(k_cache, v_cache, key, value, kv_index)
 
 
 @write_kv.register_fake
-def _(k_cache, v_cache, key, value, slot_mapping):
+def _(k_cache, v_cache, key, value, kv_index):
     return None
 
 
@@ -160,13 +146,6 @@ def _(k_cache, v_cache, key, value, slot_mapping):
 def _tanh(x):
     # From exp2 (no libdevice call, so the interpreter runs it too); saturates to +-1 where exp2 overflows.
     return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -253,13 +232,13 @@ def _paged_attention_kernel(
         kpos = (tile_lo + i) * TILE + offs_n
         k_ok = (kpos >= kv_lo) & (kpos < kv_hi)
         block = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = kpos % BLOCK_SIZE
+        offset = kpos % BLOCK_SIZE
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k_rows = k_ptr + block * stride_kb + slot * stride_ko + kv_head * stride_kh
-        v_rows = v_ptr + block * stride_vb + slot * stride_vo + kv_head * stride_vh
+        k_rows = k_ptr + block * stride_kb + offset * stride_ko + kv_head * stride_kh
+        v_rows = v_ptr + block * stride_vb + offset * stride_vo + kv_head * stride_vh
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, TILE], dtype=tl.float32), IEEE)
+        s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, TILE], dtype=tl.float32), IEEE)
         if USE_SOFTCAP:
             s = (softcap * 1.4426950408889634) * _tanh(s * (scale / softcap))
         else:
@@ -273,7 +252,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     if NUM_SEGMENTS == 1:
@@ -404,9 +383,10 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
 
 def _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale, softcap,
                           sliding_window) -> None:
-    _check("query", query, dim=3, dtypes=FLOAT_DTYPES, like=query, like_name="query", unit_stride_dim=2)
+    like = dict(device=query.device, like="query")
+    check_tensor("query", query, dim=3, dtypes=FLOAT_DTYPES, unit_stride_dim=2, **like)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(name, cache, dim=4, dtypes=(query.dtype,), like=query, like_name="query", unit_stride_dim=3)
+        check_tensor(name, cache, dim=4, dtypes=(query.dtype,), unit_stride_dim=3, **like)
     _check_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -416,13 +396,11 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"query's {num_heads} heads must be a multiple of the cache's num_kv_heads "
                          f"{num_kv_heads} (dimension 2 of k_cache)")
-    _check("seq_lens", seq_lens, dim=1, dtypes=(torch.int32,), like=query, like_name="query", unit_stride_dim=0)
+    check_tensor("seq_lens", seq_lens, dim=1, dtypes=(torch.int32,), unit_stride_dim=0, **like)
     num_seqs = seq_lens.shape[0]
-    _check("query_start", query_start, dim=1, dtypes=(torch.int32,), like=query, like_name="query",
-           unit_stride_dim=0)
+    check_tensor("query_start", query_start, dim=1, dtypes=(torch.int32,), unit_stride_dim=0, **like)
     check_shape("query_start", query_start, (num_seqs + 1,), "[S + 1] for the S sequences of seq_lens")
-    _check("block_tables", block_tables, dim=2, dtypes=(torch.int32,), like=query, like_name="query",
-           unit_stride_dim=1)
+    check_tensor("block_tables", block_tables, dim=2, dtypes=(torch.int32,), unit_stride_dim=1, **like)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must have one row per sequence of seq_lens ({num_seqs}), "
                          f"got shape {tuple(block_tables.shape)}")
@@ -432,7 +410,7 @@ def _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
     if not isinstance(sliding_window, int) or sliding_window < 0:
         raise ValueError(f"sliding_window must be an int >= 0 (0 disables it), got {sliding_window!r}")
-    if _host_checks_allowed(query_start):
+    if host_checks_allowed(query_start):
         _check_metadata_values(query_start, seq_lens, block_tables, num_tokens, block_size, num_blocks)
 
 
@@ -507,11 +485,11 @@ def _(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale, softc
 # ------------------------------------------------------------------------------------------ CPU paths
 
 
-def _write_kv_torch(k_cache, v_cache, key, value, slot_mapping) -> None:
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+def _write_kv_torch(k_cache, v_cache, key, value, kv_index) -> None:
+    valid = kv_index >= 0
+    index = kv_index[valid]
     block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
+    blocks, offsets = index // block_size, index % block_size
     k_cache[blocks, offsets] = key[valid]
     v_cache[blocks, offsets] = value[valid]
 
@@ -527,7 +505,7 @@ def _paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, quer
         lo, hi = starts[s], starts[s + 1]
         if hi == lo or seq_len == 0:
             continue
-        blocks = block_tables[s, : -(-seq_len // block_size)].long()
+        blocks = block_tables[s, : cdiv(seq_len, block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", query[lo:hi].float(), k) * scale
