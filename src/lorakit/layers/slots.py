@@ -24,7 +24,6 @@ class LoraSlots(nn.Module):
     def __init__(self, num_slots: int, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype,
                  device: torch.device, rank_multiple: int):
         super().__init__()
-        self.num_slots = num_slots
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.out_offsets = [0, *itertools.accumulate(self.out_sizes)]
@@ -46,6 +45,10 @@ class LoraSlots(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lora_B.dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.ranks.shape[0]
 
     def grow(self, rank: int) -> None:
         """Make room for rank; loaded slots keep their values exactly."""

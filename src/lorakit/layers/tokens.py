@@ -29,7 +29,7 @@ class TokenRows(nn.Module):
     def __init__(self, num_slots: int, vocab: int, dim: int, dtype: torch.dtype, device: torch.device,
                  multiple: int = 16):
         super().__init__()
-        self.num_slots, self.vocab, self.dim, self.multiple = num_slots, vocab, dim, multiple
+        self.vocab, self.dim, self.multiple = vocab, dim, multiple
         self.k_max = 0   # rows per slot (padded)
         self.added = 0   # ids past the base vocabulary that some adapter defined (head: extra logit columns)
         self.register_buffer("ids1", torch.zeros(num_slots, 0, dtype=torch.int32, device=device), persistent=False)
@@ -38,6 +38,10 @@ class TokenRows(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.rows.dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.rows.shape[0]
 
     def needs_growth(self, k: int, added: int) -> bool:
         return k > self.k_max or added > self.added
