@@ -72,3 +72,33 @@ def test_mixed_batch_with_cuda_graphs_matches_peft(setup):
         total += len(tokens)
     print(f"lorakit bf16 vs PEFT fp32: {exact}/{total} tokens are PEFT's argmax; largest logit gap {gap:.4f}")
     assert exact >= 0.9 * total, (exact, total)
+
+
+def test_compiled_graphs_captured_at_startup_and_again_after_growth(tmp_path):
+    """Engine(compile=True) compiles and captures every bucket at startup; an adapter of a higher rank registered
+    later grows the slots and forces one recapture (10 compiles of one forward, past dynamo's default limit of 8);
+    greedy tokens equal those of the engine without compile."""
+    from _peft_models import tiny_model
+
+    base = tiny_model("llama", seed=3)
+    a = save_adapter(base, "a", LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False), tmp_path, seed=1, std=0.2).path
+    b = save_adapter(base, "b", LoraConfig(r=48, target_modules=["q_proj", "o_proj", "up_proj"],
+                                           init_lora_weights=False), tmp_path, seed=2, std=0.2).path
+    outs = {}
+    for compile in (False, True):
+        engine = Engine(copy.deepcopy(base).to("cuda", torch.bfloat16), max_loras=2, max_num_seqs=16, compile=compile,
+                        adapters={"a": a})
+        assert engine.runner.graph_captures == 1
+        engine.register_adapter("b", b)  # rank 48 > the 16 reserved at start: growth, one recapture
+        gen = torch.Generator().manual_seed(0)
+        got = {}
+        for i, name in enumerate([None, "a", "b"] * 4):
+            prompt = torch.randint(0, 90, (5 + i,), generator=gen).tolist()
+            got[engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), name)] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+        assert engine.runner.graph_captures == 2 and engine.runner.graph_replays > 0
+        outs[compile] = list(got.values())
+    assert outs[True] == outs[False]
