@@ -74,3 +74,50 @@ def reference(world, prompt, adapter, adapter_path=None, **params):
     llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"a": adapter_path or adapters[adapter]}
               if adapter else None, block_size=4)
     return llm.generate([prompt], SamplingParams(**params), adapters=["a" if adapter else None])[0]
+
+
+class Bystander:
+    """A greedy stream that runs while something hostile happens, then must finish with exactly its solo text and
+    never wait longer than ``max_gap`` seconds between two chunks::
+
+        with Bystander(server, world) as b:
+            ...hostile requests...
+        b.check()
+    """
+
+    PROMPT = "What is the capital of France?"
+
+    def __init__(self, server: LiveServer, world, model: str = "tiny", adapter: str | None = None,
+                 max_tokens: int = 48, max_gap: float = 5.0):
+        self.server, self.model, self.max_gap = server, model, max_gap
+        self.solo = reference(world, self.PROMPT, adapter, max_tokens=max_tokens, temperature=0.0,
+                              ignore_eos=True).text
+        self.max_tokens = max_tokens
+        self.text, self.gaps, self.error = "", [], None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            stream = self.server.client().completions.create(
+                model=self.model, prompt=self.PROMPT, max_tokens=self.max_tokens, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True})
+            last = time.perf_counter()
+            for chunk in stream:
+                now = time.perf_counter()
+                self.gaps.append(now - last)
+                last = now
+                self.text += chunk.choices[0].text if chunk.choices else ""
+        except Exception as e:  # noqa: BLE001 - reported by check()
+            self.error = e
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.join(120)
+
+    def check(self):
+        assert self.error is None, f"the bystander stream failed: {self.error!r}"
+        assert self.text == self.solo, "the bystander's text differs from its solo run"
+        assert max(self.gaps, default=0.0) < self.max_gap, f"the bystander waited {max(self.gaps):.1f} s for a chunk"
