@@ -190,8 +190,39 @@ def test_unregistering_an_adapter_ends_its_waiting_requests_only(setup):
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
-    finished = {o.request_id: o.finish_reason for o in outs if o.finished}
-    assert finished == {waiting: "abort", running: "length"}
+    finished = {o.request_id: o for o in outs if o.finished}
+    assert {rid: o.finish_reason for rid, o in finished.items()} == {waiting: "error", running: "length"}
+    assert "adapter 'r8' was unloaded before this request could run" in finished[waiting].error  # not an empty end
+
+
+def test_a_request_that_breaks_a_step_fails_alone(setup):
+    """A value that slips past validation and breaks the step (top_k past int64, as a client once sent) ends its
+    own request with an error; the step runs again without it, and every other request gets exactly the tokens
+    it gets without the bad one around."""
+    base, saved = setup
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = {"base": ([1, 2, 3], None), "r4": ([4, 5, 6, 7], "r4"), "r8": ([8, 9], "r8")}
+
+    def run(with_bad: bool):
+        engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4,
+                        adapters={n: saved[n].path for n in ("r4", "r8")})
+        ids = {engine.add_request(p, greedy, a, request_id=k): k for k, (p, a) in prompts.items()}
+        if with_bad:
+            engine.add_request([3, 1], SamplingParams(max_tokens=6, temperature=1.0, seed=0), "r4", request_id="bad")
+            object.__setattr__(engine._requests["bad"].params, "top_k", 2**63)  # past every check
+        got, ends = {}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.token_ids)
+                if out.finished:
+                    ends[out.request_id] = out
+        return {ids.get(k, k): v for k, v in got.items()}, ends
+
+    alone, _ = run(False)
+    together, ends = run(True)
+    assert ends["bad"].finish_reason == "error" and "failed inside an engine step" in ends["bad"].error
+    assert "Overflow" in ends["bad"].error, ends["bad"].error
+    assert {k: together[k] for k in prompts} == alone
 
 
 def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):

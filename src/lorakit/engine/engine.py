@@ -32,7 +32,7 @@ from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.pool import AdapterPool
 from lorakit.engine.runner import ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
-from lorakit.engine.scheduler import BlockManager, Request, Scheduler
+from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.handle import LoraHandle
@@ -87,6 +87,17 @@ class _NoText:
 
 
 _NO_TEXT = _NoText()
+
+
+@dataclass
+class _Sampled:
+    """What a step sampled, as host lists: one row per request that samples."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
 
 
 @dataclass
@@ -232,22 +243,28 @@ class Engine:
     # Steps.
 
     def step(self) -> list[RequestOutput]:
+        """Schedule a batch, run it, sample, and return what each request gained. A request whose part of the
+        step fails ends alone (finish_reason "error"); the step runs again without it (see ``_isolate``)."""
         outputs, self._aborted = self._aborted, []
         plan = self.scheduler.schedule()
         for request, reason in self.scheduler.failed:  # its adapter could not be loaded: only it ends
-            logger.warning("request %s failed: %s", request.request_id, reason)
-            self._requests.pop(request.request_id, None)
-            outputs.append(RequestOutput(request.request_id, "", [], True, "error", error=reason,
-                                         num_prompt_tokens=len(request.prompt_ids)))
+            outputs.append(self._fail(request, reason))
         self.scheduler.failed.clear()
         if not plan.items:
             return outputs
+        try:
+            result = self._compute(plan)
+        except Exception as e:  # noqa: BLE001 - only the requests that cause it fail
+            plan, result = self._isolate(plan, e, outputs)
+        return outputs + self._commit(plan, result)
+
+    def _compute(self, plan: StepPlan) -> _Sampled | None:
+        """The step's device work: the forward, the structured-output masks, sampling and the step's one host sync.
+        It changes no request's state (its KV writes are of the plan's own positions), so it can run again."""
         logits = self.runner.execute(plan)
-        items = [item for item in plan.items if item.sample]
-        requests = [item.request for item in items]
+        requests = [item.request for item in plan.items if item.sample]
         if not requests:  # only prompt chunks that do not end a prompt
-            self.scheduler.postprocess(plan, {}, {})
-            return outputs
+            return None
         constraints = [r.state.constraint for r in requests]
         constrained = any(c is not None for c in constraints)
         mask = self.grammars.masks(constraints, logits.shape[-1], logits.is_cuda) if constrained else None  # the
@@ -257,38 +274,71 @@ class Engine:
                                     histories=[(r.prompt_ids, r.output_ids) for r in requests],
                                     vocab_size=logits.shape[-1], token_mask=mask)
         result = sample(logits.float(), batch)
-        tokens = result.token_ids.tolist()  # the step's one host sync
-        chosen = result.logprobs.tolist() if result.logprobs is not None else None
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        sampled, finished = {}, {}
-        for row, (request, token) in enumerate(zip(requests, tokens)):
-            state = request.state
+        lists = (t.tolist() if t is not None else None
+                 for t in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs))
+        return _Sampled(requests, *lists)
+
+    def _isolate(self, plan: StepPlan, error: Exception, outputs: list[RequestOutput]):
+        """The step failed: run each request's part alone to find those that fail, end them (finish_reason "error"),
+        and run the step again without them, so everyone else continues as if they had never come. When no request
+        fails alone, the failure is not a request's: it is raised."""
+        logger.warning("a step of %d requests failed (%s: %s); looking for the request that causes it",
+                       len(plan.items), type(error).__name__, error)
+        culprits = {}
+        for item in plan.items:
+            try:
+                self._compute(StepPlan([item], []))
+            except Exception as e:  # noqa: BLE001 - the request's own failure, reported to it
+                culprits[item.request] = e
+        if not culprits:
+            raise error
+        for request, e in culprits.items():
+            self.scheduler.abort(request)
+            outputs.append(self._fail(request, f"this request failed inside an engine step ({type(e).__name__}: "
+                                               f"{e}); the other requests continued"))
+        plan = StepPlan([item for item in plan.items if item.request not in culprits], plan.preempted)
+        return plan, self._compute(plan) if plan.items else None
+
+    def _commit(self, plan: StepPlan, result: _Sampled | None) -> list[RequestOutput]:
+        """Each request's new token: its grammar, text, logprobs and finish; the scheduler's bookkeeping."""
+        outputs, sampled, finished = [], {}, {}
+        for row, request in enumerate(result.requests if result is not None else []):
+            token = result.token_ids[row]
             sampled[request] = token
-            if state.constraint is not None:
-                state.constraint.advance(token)
-                if state.constraint.error is not None:  # this request alone ends
-                    finished[request] = "error"
-                    self._requests.pop(request.request_id, None)
-                    outputs.append(RequestOutput(request.request_id, "", [], True, "error",
-                                                 num_prompt_tokens=len(request.prompt_ids),
-                                                 num_output_tokens=len(request.output_ids),
-                                                 error=state.constraint.error))
-                    continue
-            delta, reason = state.detok.append(token)
-            logprobs = None
-            if state.logprobs is not None:
-                k = request.params.logprobs
-                top = {} if not k else dict(zip(top_ids[row][:k], top_lps[row][:k]))
-                logprobs = [TokenLogprob(token, chosen[row], top)]
-                state.logprobs += logprobs
-            if reason is not None:
-                finished[request] = reason
+            try:
+                out = self._advance(request, token, row, result)
+            except Exception as e:  # noqa: BLE001 - this request alone ends
+                logger.exception("request %s failed after its step", request.request_id)
+                out = self._fail(request, f"{type(e).__name__}: {e}")
+            if out.finished:
+                finished[request] = out.finish_reason
                 self._requests.pop(request.request_id, None)
-            outputs.append(RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
-                                         len(request.prompt_ids), len(request.output_ids) + 1))
+            outputs.append(out)
         self.scheduler.postprocess(plan, sampled, finished)
         return outputs
+
+    def _advance(self, request: Request, token: int, row: int, result: _Sampled) -> RequestOutput:
+        state = request.state
+        if state.constraint is not None:
+            state.constraint.advance(token)
+            if state.constraint.error is not None:  # this request alone ends
+                return self._fail(request, state.constraint.error)
+        delta, reason = state.detok.append(token)
+        logprobs = None
+        if state.logprobs is not None:
+            k = request.params.logprobs
+            top = {} if not k else dict(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
+            logprobs = [TokenLogprob(token, result.logprobs[row], top)]
+            state.logprobs += logprobs
+        return RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
+                             len(request.prompt_ids), len(request.output_ids) + 1)
+
+    def _fail(self, request: Request, reason: str) -> RequestOutput:
+        """The last output of a request that ends with an error (it alone)."""
+        logger.warning("request %s failed: %s", request.request_id, reason)
+        self._requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, "", [], True, "error", error=reason,
+                             num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids))
 
     # Adapters at run time (the server's load/unload endpoints).
 
@@ -305,11 +355,14 @@ class Engine:
             del self._tokenizers[key]  # running requests keep theirs (their detokenizer holds it)
 
     def unregister_adapter(self, name: str) -> None:
-        """Forget an adapter: running requests finish on it; waiting ones end now (finish_reason 'abort')."""
+        """Forget an adapter: running requests finish on it; waiting ones end now with an error their client sees
+        (finish_reason "error", not an empty "abort")."""
         self.pool.unregister(name)
         self._forget_tokenizers(name)
         for request in [r for r in self.scheduler.waiting if r.adapter == name]:
-            self.abort(request.request_id)
+            self.scheduler.abort(request)
+            self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
+                                                     f"on it; send it again with a model that is loaded"))
 
 
 
