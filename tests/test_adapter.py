@@ -455,6 +455,7 @@ PEFT_SAVED = {  # LoraConfig keywords: every way of naming targets, with and wit
     "head": dict(target_modules=["lm_head", "down_proj"]),
     "mts": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
     "mts-head": dict(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"]),  # lm_head: copied, no LoRA
+    "mts-tie": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True),
     "tti": dict(target_modules=["q_proj", "v_proj"], trainable_token_indices=[3, 5]),
     "tti-both": dict(target_modules=["o_proj"], trainable_token_indices={"embed_tokens": [3], "lm_head": [3]}),
 }
