@@ -515,7 +515,7 @@ def test_weights_the_config_does_not_adapt_are_refused(mismatched, caplog):
     model, extra, _ = mismatched
     base = base_modules_of(model)
     msg = refused(extra, base, f"holds LoRA weights of 4 module(s) {MLP}", "does not adapt",
-                  "PEFT drops them", "save_pretrained()", "strict=False", "--lora-non-strict")
+                  "PEFT ignores them", "save_pretrained()", "strict=False", "--lora-non-strict")
     with pytest.raises(AdapterError) as info:
         inspect_peft_adapter("sql", extra, base)
     assert str(info.value) == msg  # the registration check refuses it the same way
@@ -532,7 +532,7 @@ def test_weights_the_config_does_not_adapt_are_refused(mismatched, caplog):
 def test_adapted_modules_without_weights_are_refused(mismatched, caplog):
     model, _, missing = mismatched
     base = base_modules_of(model)
-    msg = refused(missing, base, f"adapter_config.json adapts 4 module(s) {MLP}", "that have no LoRA weights",
+    msg = refused(missing, base, f"the config adapts 4 module(s) {MLP}", "that have no LoRA weights",
                   "PEFT runs them untrained", "strict=False")
     with pytest.raises(AdapterError) as info:
         inspect_peft_adapter("sql", missing, base)
@@ -549,7 +549,8 @@ def test_adapted_modules_without_weights_are_refused(mismatched, caplog):
         with torch.no_grad():
             assert torch.equal(layer(x), layer.base_layer(x))
     for name in ATTN:
-        assert torch.equal(adapter.modules[name].B, peft_model.base_model.model.get_submodule(name).lora_B["default"].weight)
+        ref = peft_model.base_model.model.get_submodule(name)
+        assert torch.equal(adapter.modules[name].B, ref.lora_B["default"].weight)
 
 
 def test_a_long_disagreement_names_the_first_modules_and_counts(folder, base):
@@ -557,7 +558,8 @@ def test_a_long_disagreement_names_the_first_modules_and_counts(folder, base):
     msg = refused(folder, base, "adapts 10 module(s) ['model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate_proj', "
                   "'model.layers.0.mlp.up_proj', 'model.layers.0.self_attn.k_proj'] and 6 more",
                   "holds LoRA weights of 2 module(s) ['lm_head', 'model.embed_tokens']",
-                  "trains token rows of 1 module(s) ['model.embed_tokens']", "; and ")
+                  "trains token rows of 1 module(s) ['model.embed_tokens']",
+                  "adapter_model.safetensors does not match what adapter_config.json adapts: ")
     assert "lm_head'] and" not in msg
 
 

@@ -355,3 +355,13 @@ def test_engine_generates_a_guide_adapters_new_token_as_peft_does(tied, device, 
     ours, plain = llm.generate([prompt, prompt], greedy, adapters=["guide", None])
     assert ours.token_ids == ref
     assert V not in plain.token_ids
+
+
+def test_changed_rows_are_found_across_chunks():
+    from lorakit.layers.adapter_tokens import changed_rows
+
+    base = torch.randn(10, 4)
+    matrix = torch.cat([base, torch.randn(2, 4)]).to(torch.bfloat16)  # rows past the vocabulary are not compared
+    matrix[[0, 2, 3, 9]] += 1
+    for chunk in (1, 3, 4, 10, 64):
+        assert changed_rows(matrix, base, 10, chunk).tolist() == [0, 2, 3, 9]

@@ -5,7 +5,8 @@ rank and scale PEFT's ``LoraLayer`` uses (linear ``y += scale * (x @ A.T) @ B.T`
 ``y += scale * A.T[ids] @ B.T``), or raises ``AdapterError`` naming the adapter, the module and the fix.
 Every ``LoraConfig`` field that changes PEFT's forward is matched or refused; nothing is unpickled. A file and
 config that disagree (weights of modules the config does not adapt, which PEFT ignores; adapted modules without
-weights, which PEFT leaves untrained) are refused unless ``strict=False`` asks for PEFT's behaviour.
+weights, which PEFT leaves untrained) are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a
+config adapts: adapter_targets.py; token rows (trainable tokens, whole embedding / head matrices): adapter_tokens.py.
 Semantics are those of peft 0.21: tuners/lora/{config,layer,model}.py, utils/other.py, utils/save_and_load.py.
 """
 
@@ -31,6 +32,15 @@ from lorakit.layers.adapter_config import (
     read_adapter_config,
 )
 from lorakit.layers.adapter_targets import lora_targets, token_targets
+from lorakit.layers.adapter_tokens import (
+    ModuleTokens,
+    TokenParts,
+    added_ids,
+    check_token_shapes,
+    module_tokens,
+    parts_of,
+    token_key,
+)
 
 __all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "inspect_peft_adapter",
            "load_peft_adapter", "read_adapter_config"]
@@ -39,10 +49,6 @@ logger = logging.getLogger("lorakit.adapter")
 
 PICKLE_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the base model, in every saved key
-_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's TrainableTokensWrapper rows
-_TOKEN_BASE = ".token_adapter.base_layer.weight"  # the whole (resized) matrix under that wrapper
-# What a modules_to_save module's keys hold: the copy, PEFT's second copy of it, the base weight it was made from.
-_FULL_KEYS = ((".modules_to_save.weight", "twin"), (".original_module.weight", "original"), (".weight", "full"))
 
 # "<module>.lora_A.weight" / "<module>.lora_embedding_A", optionally with a PEFT adapter name inside.
 _LORA_KEY = re.compile(r"(?P<module>.+)\.(?:(?P<lin>lora_[AB])(?:\.(?P<an>[^.]+))?\.weight"
@@ -101,15 +107,6 @@ class ModuleLora:
 
 
 @dataclass(frozen=True, eq=False)
-class ModuleTokens:
-    """Rows an adapter puts in place of a token-indexed weight's (input embedding or output head):
-    ids [k] (ascending, int64; ids past the base vocabulary are tokens the adapter adds) and rows [k, dim]."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-
-
-@dataclass(frozen=True, eq=False)
 class PeftAdapter:
     """A loaded adapter: ``modules`` (LoRA) and ``tokens`` (token rows) are keyed by the base model's
     fully-qualified module name."""
@@ -149,7 +146,7 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     config = read_adapter_config(name, path)
     pairs, token_parts = _read_weights(path, config, base_modules, where, strict, tied)
     modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where) for m, (kind, a, b) in pairs.items()}
-    tokens = {m: _module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
+    tokens = {m: module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
               for m, t in token_parts.items()}
     _check_token_modules(modules, tokens, where)
     return PeftAdapter(name, path, config, modules, tokens)
@@ -185,10 +182,9 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     added = set()
     for m, t in token_parts.items():
         base = base_modules[m]
-        _check_token_shapes(m, t, base, where)
+        check_token_shapes(m, t, base, where)
         if base.tokens == "input":
-            added |= set(range(base.vocab, t.full[0])) if t.full is not None else set()
-            added |= {i for i in t.ids if i >= base.vocab} if t.delta is not None else set()
+            added |= added_ids(t, base)
     _check_token_modules(modules, token_parts, where)
     return AdapterInfo(name, path, config, modules, frozenset(added))
 
@@ -206,28 +202,9 @@ def weights_file(path: Path, where: str) -> Path:
     return file
 
 
-@dataclass(frozen=True)
-class _Tokens:
-    """Where one token module's rows are in the file (keys, then header shapes or tensors): ``delta``, PEFT's
-    trainable-token rows of ``ids``, which replace those rows; ``full``, a whole matrix that replaces the weight (a
-    modules_to_save copy, or the resized matrix PEFT saves when the vocabulary grew); ``twin``, PEFT's second
-    copy of a modules_to_save matrix; ``original``, its copy of the model's weight."""
-
-    ids: list[int] | None = None
-    delta: object = None
-    full: object = None
-    twin: object = None
-    original: object = None
-
-
-def _rows(t: _Tokens) -> dict:
-    """The parts of ``t`` the file holds: {part: key, shape or tensor}."""
-    return {p: getattr(t, p) for p in ("delta", "full", "twin", "original") if getattr(t, p) is not None}
-
-
 def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str, strict: bool,
                   tied: bool, header_only: bool = False) -> tuple[dict, dict]:
-    """({module: (kind, A, B)}, {module: _Tokens}) from the weights file, every key accounted for; kind is 'linear'
+    """({module: (kind, A, B)}, {module: TokenParts}) from the weights file, every key accounted for; kind is 'linear'
     or 'embedding'. With header_only, tensors are their shapes, and only the header is read."""
     file = weights_file(path, where)
     try:
@@ -235,9 +212,10 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
             parts, copies, token_keys = _sort_keys(list(f.keys()), config, base_modules, where, strict, tied)
             token_parts = {}
             for module, keys in token_keys.items():
-                got = {part: _header_shape(f, module, key, "token rows", where) for part, key in _rows(keys).items()}
+                found = parts_of(keys)
+                got = {part: _header_shape(f, module, key, "token rows", where) for part, key in found.items()}
                 if not header_only:
-                    got = {part: f.get_tensor(key) for part, key in _rows(keys).items()}
+                    got = {part: f.get_tensor(key) for part, key in found.items()}
                 token_parts[module] = replace(keys, **got)
             for module, key in copies.items():  # PEFT saves the base weight of targeted embeddings / lm_head
                 _check_base_copy(module, tuple(f.get_slice(key).get_shape()), parts, base_modules, where)
@@ -269,7 +247,7 @@ def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int
 def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseModule], where: str, strict: bool,
                tied: bool) -> tuple:
     """Split the file's keys into {module: {param: key}} LoRA weights, {module: key} copies of base weights and
-    {module: _Tokens} token rows; any other key is an error, except the training-only state of variants the config
+    {module: TokenParts} token rows; any other key is an error, except the training-only state of variants the config
     enables. Then hold the file against what the config adapts (``_disagreements``)."""
     skip = [pattern for field, pattern in _TRAINING_ONLY_KEYS.items() if config.get(field)]
     targets = lora_targets(config, base_modules, tied, where)
@@ -286,7 +264,7 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
                 unexpected.append(key)
             continue
         rest = key[len(PEFT_PREFIX):]
-        token = _token_key(rest, roles, tt, targets or set())
+        token = token_key(rest, roles, tt, targets or set())
         if token is not None:
             module, part = token
             if part is None:
@@ -323,70 +301,52 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
                            f"'*.lora_embedding_A' keys under '{PEFT_PREFIX}')")
     missing_rows = {m for m in tt.trainable if m not in tt.optional and "delta" not in tokens.get(m, {})}
     missing_rows |= {m for m in tt.full if "full" not in tokens.get(m, {})}
-    dropped = _disagreements(config, targets, parts, stray_rows, missing_rows, where, strict)
-    for module in dropped:
+    dropped, untrained = _disagreements(config, targets, parts, stray_rows, missing_rows, where, strict)
+    for module in dropped | untrained:  # (an untrained module's copy of its base weight is PEFT's to load)
         parts.pop(module, None)
         copies.pop(module, None)
     for module in missing_rows:
         tokens.pop(module, None)  # what is left of them PEFT loads, but into rows that stay untrained
     if not parts and not tokens:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} holds no LoRA weights that {CONFIG_NAME} adapts")
-    token_keys = {m: _Tokens(ids=tt.trainable.get(m) if "delta" in t else None, **t) for m, t in tokens.items()}
+    token_keys = {m: TokenParts(ids=tt.trainable.get(m) if "delta" in t else None, **t) for m, t in tokens.items()}
     return parts, copies, token_keys
-
-
-def _token_key(rest: str, roles: set, tt, targets: set) -> tuple[str, str | None] | None:
-    """(module, part) of a key holding a token module's rows (part None: rows the config gives that module none);
-    None for any other key."""
-    for suffix, part in ((_DELTA, "delta"), (_TOKEN_BASE, "full")):
-        module = rest[:-len(suffix)] if rest.endswith(suffix) else None
-        if module in roles:
-            return module, part if module in tt.trainable else None
-    for suffix, part in _FULL_KEYS:
-        module = rest[:-len(suffix)] if rest.endswith(suffix) else None
-        if module in tt.full:
-            return module, part
-    module = rest[:-len(".weight")] if rest.endswith(".weight") else None
-    if module in roles and module not in tt.trainable and module not in targets:
-        return module, "full"  # the resized matrix PEFT saves (save_embedding_layers) when the vocabulary grew
-    return None
 
 
 def _disagreements(config: dict, targets: set | None, parts: dict, stray_rows: set, missing_rows: set, where: str,
                    strict: bool) -> set:
     """Refuse (strict) or warn about a weights file that disagrees with what its config adapts; returns the
-    modules whose LoRA weights PEFT would drop."""
+    modules whose LoRA weights PEFT would drop, and those it would run untrained."""
     found = set(parts)
     extra = found - targets if targets is not None else set()
     missing = targets - found if targets is not None else set()
     problems = []  # (what is wrong, what strict=False does about it)
     if targets is None:
-        problems.append((f"{CONFIG_NAME} names no target_modules, so PEFT would pick its defaults for the model "
-                         f"type, which lorakit cannot know", "serving the LoRA weights the file holds"))
+        problems.append(("the config names no target_modules (PEFT would adapt its defaults for the model type, "
+                         "which lorakit cannot hold the file against)", "serving the LoRA weights the file holds"))
     if extra:
-        problems.append((f"{WEIGHTS_NAME} holds LoRA weights of {_some(extra)} that target_modules="
-                         f"{config.get('target_modules')!r:.120} does not adapt (PEFT drops them without a word)",
+        problems.append((f"it holds LoRA weights of {_some(extra)} that target_modules="
+                         f"{config.get('target_modules')!r:.120} does not adapt (PEFT ignores them without a word)",
                          f"dropping the LoRA weights of {_some(extra)}"))
     if stray_rows:
-        problems.append((f"{WEIGHTS_NAME} holds trainable-token rows of {_some(stray_rows)} that "
-                         f"trainable_token_indices does not name (PEFT drops them)",
-                         f"dropping the token rows of {_some(stray_rows)}"))
+        problems.append((f"it holds trainable-token rows of {_some(stray_rows)} that trainable_token_indices does "
+                         f"not name (PEFT ignores them)", f"dropping the token rows of {_some(stray_rows)}"))
     if missing:
-        problems.append((f"{CONFIG_NAME} adapts {_some(missing)} that have no LoRA weights in {WEIGHTS_NAME} "
-                         f"(PEFT runs them untrained)", f"serving {_some(missing)} untrained (no LoRA delta)"))
+        problems.append((f"the config adapts {_some(missing)} that have no LoRA weights in it (PEFT runs them "
+                         f"untrained)", f"serving {_some(missing)} untrained (no LoRA delta)"))
     if missing_rows:
-        problems.append((f"{CONFIG_NAME} trains token rows of {_some(missing_rows)} (trainable_token_indices or "
-                         f"modules_to_save) that have none in {WEIGHTS_NAME} (PEFT leaves them untrained)",
+        problems.append((f"the config trains token rows of {_some(missing_rows)} (trainable_token_indices or "
+                         f"modules_to_save) that have none in it (PEFT leaves them untrained)",
                          f"serving the token rows of {_some(missing_rows)} untrained (the model's own)"))
     if problems and strict:
-        raise AdapterError(f"{where}: {'; and '.join(p for p, _ in problems)}; so what PEFT loads is not the "
-                           f"adapter that was trained. Re-save the adapter with PEFT's save_pretrained(), or make "
-                           f"target_modules (trainable_token_indices, modules_to_save) name exactly the modules the "
-                           f"file holds; to serve it as PEFT loads it, pass strict=False (lorakit serve: "
-                           f"--lora-non-strict)")
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} does not match what {CONFIG_NAME} adapts: "
+                           f"{'; '.join(p for p, _ in problems)}. Re-save the adapter with PEFT's save_pretrained(), "
+                           f"or make target_modules (trainable_token_indices, modules_to_save) name exactly the "
+                           f"modules the file holds; to serve it as PEFT loads it anyway, pass strict=False "
+                           f"(lorakit serve: --lora-non-strict)")
     if problems:
-        logger.warning("%s: strict=False, loading it as PEFT does: %s", where, "; ".join(w for _, w in problems))
-    return extra
+        logger.warning("%s: strict=False, loaded as PEFT loads it: %s", where, "; ".join(w for _, w in problems))
+    return extra, missing
 
 
 def _some(names) -> str:
@@ -426,67 +386,6 @@ def _check_base_copy(module: str, shape: tuple, parts: dict, base_modules: Mappi
         raise AdapterError(f"{where}: module {module!r}: the saved base weight has shape {list(shape)} but the "
                            f"model's is {list(ok[0])}; the vocabulary was probably resized during fine-tuning, "
                            f"which lorakit does not support")
-
-
-def _check_token_shapes(module: str, t: _Tokens, base: BaseModule, where: str) -> None:
-    """``t`` holds shapes: rows as wide as the model's, and as many as the ids or the vocabulary need."""
-    at = f"{where}: module {module!r}"
-    for shape in _rows(t).values():
-        if len(shape) != 2 or shape[1] != base.dim:
-            raise AdapterError(f"{at}: token rows have shape {list(shape)} but the model's rows are {base.dim} "
-                               f"wide; was the adapter trained for another base model?")
-    if t.delta is not None and t.delta[0] != len(t.ids):
-        raise AdapterError(f"{at}: {len(t.ids)} trainable_token_indices but {t.delta[0]} saved rows; the weights "
-                           f"file does not match its config")
-    for part in ("full", "original"):
-        shape = getattr(t, part)
-        if shape is not None and shape[0] < base.vocab:
-            raise AdapterError(f"{at}: the saved matrix has {shape[0]} rows, fewer than the model's vocabulary "
-                               f"({base.vocab}); was the adapter trained for another base model?")
-    if t.twin is not None and t.twin != t.full:
-        raise AdapterError(f"{at}: the two saved copies of the module have shapes {list(t.full)} and "
-                           f"{list(t.twin)}; the weights file is inconsistent, re-save the adapter")
-    if t.full is not None and t.delta is not None and max(t.ids, default=-1) >= t.full[0]:
-        raise AdapterError(f"{at}: trainable token id {max(t.ids)} is past the {t.full[0]} rows of the saved "
-                           f"matrix; the weights file does not match its config")
-
-
-def _module_tokens(module: str, t: _Tokens, base: BaseModule, base_weight, dtype, where: str) -> ModuleTokens:
-    """The rows an adapter replaces or adds, as PEFT loads them: of a whole saved matrix, the rows that differ from
-    the model's and every row past its vocabulary; over those, the trainable-token rows (PEFT writes them into
-    the loaded matrix, so they win)."""
-    at = f"{where}: module {module!r}"
-    _check_token_shapes(module, replace(t, **{p: tuple(x.shape) for p, x in _rows(t).items()}), base, where)
-    for x in _rows(t).values():
-        if x is not None and not x.dtype.is_floating_point:
-            raise AdapterError(f"{at}: token rows must be floating-point, got {x.dtype}")
-        if x is not None and not torch.isfinite(x).all():
-            raise AdapterError(f"{at}: token rows hold NaN or inf values; the adapter is broken, retrain or re-export")
-    ids = torch.zeros(0, dtype=torch.int64)
-    rows = torch.zeros(0, base.dim, dtype=dtype)
-    if t.full is not None:
-        if base_weight is None:
-            raise AdapterError(f"{at}: a whole saved matrix of the module needs the model's weight to compare against")
-        if t.twin is not None and not torch.equal(t.twin, t.full):
-            raise AdapterError(f"{at}: the two saved copies of the module differ; the weights file is inconsistent, "
-                               f"re-save the adapter")
-        if t.original is not None and not torch.equal(t.original[: base.vocab],
-                                                      base_weight.detach().to("cpu", t.original.dtype)):
-            raise AdapterError(f"{at}: the saved copy of the model's weight differs from this model's; was the "
-                               f"adapter trained for another base model?")
-        base_rows = base_weight.detach().to("cpu", t.full.dtype)
-        changed = (t.full[: base.vocab] != base_rows).any(dim=1).nonzero()[:, 0]
-        ids = torch.cat([changed, torch.arange(base.vocab, t.full.shape[0])])
-        rows = t.full[ids].to(dtype)
-    if t.delta is not None:
-        trained = torch.tensor(t.ids, dtype=torch.int64)
-        keep = ~torch.isin(ids, trained)
-        ids, rows = torch.cat([ids[keep], trained]), torch.cat([rows[keep], t.delta.to(dtype)])
-    order = ids.argsort()
-    rows = rows[order].contiguous()
-    if not torch.isfinite(rows).all():
-        raise AdapterError(f"{at}: token rows overflow {dtype}; load it in a wider dtype such as torch.float32")
-    return ModuleTokens(ids[order].contiguous(), rows)
 
 
 def _check_token_modules(modules: Mapping, tokens: Mapping, where: str) -> None:
