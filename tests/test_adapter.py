@@ -600,3 +600,34 @@ def test_stray_or_missing_token_rows(folder, base, caplog):
 def test_bad_target_regex_is_named(folder, base):
     edit_config(folder, target_modules="q_proj(")
     refused(folder, base, "holds an invalid regular expression")
+
+
+TARGET_NAMES = ["q_proj", "v_proj", "o_proj", "down_proj", "mlp.up_proj", "self_attn.k_proj", "embed_tokens",
+                "lm_head", "model.layers.1.mlp.gate_proj", "layers.0.self_attn.q_proj", "proj", "mlp"]
+
+
+@settings(max_examples=25)
+@given(tied=st.booleans(),
+       target=st.one_of(st.lists(st.sampled_from(TARGET_NAMES), min_size=1, max_size=4, unique=True),
+                        st.sampled_from(["all-linear", r".*\.layers\.1\..*", r".*(q|k)_proj", r"model\.embed_tokens",
+                                         r".*\.mlp\.(up|down)_proj|lm_head"])),
+       exclude=st.one_of(st.none(), st.lists(st.sampled_from(TARGET_NAMES), max_size=2, unique=True),
+                         st.sampled_from([r".*\.0\..*", r".*_proj"])),
+       layers=st.sampled_from([None, 0, [1], [0, 1]]), pattern=st.sampled_from([None, "layers", ["h", "layers"]]),
+       to_save=st.sampled_from([None, ["lm_head"], ["embed_tokens"], ["v_proj"]]),
+       tie=st.booleans())
+def test_targets_resolve_as_peft_resolves_them(tied, target, exclude, layers, pattern, to_save, tie):
+    """lorakit's reading of target_modules (and the fields that narrow it) picks the very modules PEFT wraps."""
+    from lorakit.layers.adapter_targets import lora_targets
+
+    assume(not isinstance(target, str) or (layers is None and pattern is None))  # PEFT refuses those too
+    assume(pattern is None or layers is not None)
+    kw = copy.deepcopy(dict(r=2, target_modules=target, exclude_modules=exclude, layers_to_transform=layers,
+                            layers_pattern=pattern, modules_to_save=to_save, ensure_weight_tying=tie))  # PEFT edits
+    model = tiny_llama(tie_word_embeddings=tied)
+    try:
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(**kw))
+    except (ValueError, TypeError, AttributeError):  # nothing matched, a module PEFT cannot wrap, a tie it cannot make
+        assume(False)
+    config = json.loads(json.dumps(peft_model.peft_config["default"].to_dict(), default=sorted))  # as saved
+    assert lora_targets(config, base_modules_of(model), tied, "x") == peft_wrapped(peft_model), config

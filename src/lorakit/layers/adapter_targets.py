@@ -25,7 +25,8 @@ def lora_targets(config: dict, base_modules: Mapping, tied: bool, where: str) ->
         if isinstance(target, str) and target.lower() == "all-linear":  # every linear but the output head
             target = [n for n, m in base_modules.items() if m.kind == "linear" and m.tokens != "output"]
         found = {n for n in base_modules if _is_target(config, target, n)}
-        if tied and config.get("ensure_weight_tying") and _names_embedding(config["target_modules"]):
+        copied = any(m.split(".")[-1] in EMBEDDING_LAYER_NAMES for m in config.get("modules_to_save") or [])
+        if tied and config.get("ensure_weight_tying") and not copied and _names_embedding(config["target_modules"]):
             # PEFT adapts the input embedding and ties the head's LoRA layer to it, whatever else the config says
             found |= {n for n, m in base_modules.items() if m.tokens == "input" and not _is_excluded(config, n)}
             found |= {n for n, m in base_modules.items() if m.tokens == "output"}
