@@ -1,7 +1,9 @@
 """PEFT adapter folders: every module's A, B, rank and scale equal PEFT's own (and give PEFT's forward), and
 every adapter lorakit cannot serve is refused with a message naming the adapter, the module and the problem."""
 
+import copy
 import json
+import logging
 import pickle
 import shutil
 import tempfile
@@ -10,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.tuners.lora.config import MontecloraConfig, VeloraConfig
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from lorakit.layers.adapter import (AdapterError, BaseModule, ModuleLora, PeftAdapter, load_peft_adapter,
-                                    read_adapter_config)
+from lorakit.layers.adapter import (AdapterError, BaseModule, ModuleLora, PeftAdapter, inspect_peft_adapter,
+                                    load_peft_adapter, read_adapter_config)
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # PEFT warns about fan_in_fan_out, embedding saving, ...
 
@@ -42,14 +44,17 @@ def tiny_gpt2():
 
 
 def base_modules_of(model) -> dict[str, BaseModule]:
+    """What lorakit.patch finds: every linear and embedding, the input embedding and output head marked."""
     out = {}
     for name, m in model.named_modules():
+        role = ("input" if m is model.get_input_embeddings() else
+                "output" if m is model.get_output_embeddings() else None)
         if isinstance(m, torch.nn.Linear):
-            out[name] = BaseModule("linear", m.in_features, m.out_features)
+            out[name] = BaseModule("linear", m.in_features, m.out_features, role)
         elif isinstance(m, Conv1D):  # GPT-2 stores weight [in, out]
-            out[name] = BaseModule("linear", m.weight.shape[0], m.weight.shape[1])
+            out[name] = BaseModule("linear", m.weight.shape[0], m.weight.shape[1], role)
         elif isinstance(m, torch.nn.Embedding):
-            out[name] = BaseModule("embedding", m.num_embeddings, m.embedding_dim)
+            out[name] = BaseModule("embedding", m.num_embeddings, m.embedding_dim, role)
     return out
 
 
@@ -65,10 +70,14 @@ def save_peft(model, config: LoraConfig, path, seed=0):
     return peft_model.eval()
 
 
+def is_tied(model) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def load_like_peft(model, config: LoraConfig, path, dtype=torch.float32):
-    base = base_modules_of(model)
+    base, tied = base_modules_of(model), is_tied(model)
     peft_model = save_peft(model, config, path)
-    return load_peft_adapter("sql", path, base, dtype), peft_model
+    return load_peft_adapter("sql", path, base, dtype, tied=tied), peft_model
 
 
 def check_matches_peft(adapter: PeftAdapter, peft_model):
@@ -341,7 +350,7 @@ def test_non_finite_weights_name_the_module(folder, base):
     (f"{QKEY}.lora_B.bias", "lora_bias"),
     (f"{QKEY}.base_layer.bias", "bias='all'"),
     ("base_model.model.model.norm.weight", "full module weights"),
-    ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", "trainable tokens"),
+    ("base_model.model.model.norm.token_adapter.trainable_tokens_delta", "trainable tokens"),
     (f"{QKEY}.lora_velora_embed", "lora_velora_embed"),  # VeLoRA state without velora_config
     (f"{Q}.lora_A.weight", "prefix"),
 ])
@@ -421,3 +430,213 @@ def test_argument_and_dataclass_checks(folder, base):
         ModuleLora(torch.ones(3, 8), torch.ones(4, 3), rank=2, scale=1.0)
     with pytest.raises(ValueError, match="at least one module"):
         PeftAdapter("sql", folder, {}, {})
+
+
+# ---- the file against its config: what PEFT drops or leaves untrained is refused unless strict=False -----------
+
+def peft_wrapped(peft_model) -> set[str]:
+    """The modules PEFT put a LoRA layer on."""
+    return {name for name, m in peft_model.base_model.model.named_modules()
+            if isinstance(m, LoraLayer) and ("default" in m.lora_A or "default" in m.lora_embedding_A)}
+
+
+PEFT_SAVED = {  # LoraConfig keywords: every way of naming targets, with and without token modules
+    "attn": dict(target_modules=["q_proj", "v_proj"]),
+    "all-linear": dict(target_modules="all-linear"),
+    "all-linear-but": dict(target_modules="all-linear", exclude_modules=["down_proj", "layers.0.self_attn.q_proj"]),
+    "regex": dict(target_modules=r".*\.layers\.1\..*(q_proj|up_proj)$"),
+    "exclude-regex": dict(target_modules=["o_proj", "gate_proj"], exclude_modules=r".*\.0\..*"),
+    "layers": dict(target_modules=["k_proj", "gate_proj", "embed_tokens"], layers_to_transform=[1],
+                   layers_pattern="layers"),
+    "layer-int": dict(target_modules=["v_proj", "model.layers.0.mlp.up_proj"], layers_to_transform=1),
+    "embeddings": dict(target_modules=["q_proj", "embed_tokens", "lm_head"]),
+    "tie-both": dict(target_modules=["embed_tokens", "lm_head"], ensure_weight_tying=True),
+    "tie-embed": dict(target_modules=["q_proj", "embed_tokens"], ensure_weight_tying=True),
+    "head": dict(target_modules=["lm_head", "down_proj"]),
+    "mts": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+    "mts-head": dict(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"]),  # lm_head: copied, no LoRA
+    "mts-tie": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"], ensure_weight_tying=True),
+    "tti": dict(target_modules=["q_proj", "v_proj"], trainable_token_indices=[3, 5]),
+    "tti-both": dict(target_modules=["o_proj"], trainable_token_indices={"embed_tokens": [3], "lm_head": [3]}),
+}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_peft_saved_adapter_loads_strictly(tied, tmp_path):
+    """However a config names its targets, PEFT saves weights for exactly the modules it adapts: lorakit resolves
+    the same modules from the config (strict), in the loader and in the header-only check alike."""
+    import lorakit
+
+    model = tiny_llama(tie_word_embeddings=tied)
+    handle = lorakit.patch(copy.deepcopy(model), max_loras=1, max_rank=8)
+    assert handle.tied == tied
+    for name, kw in PEFT_SAVED.items():
+        peft_model = save_peft(copy.deepcopy(model), LoraConfig(r=4, **kw), tmp_path / name)
+        adapter = handle.read_adapter(name, tmp_path / name)
+        info = handle.inspect_adapter(name, tmp_path / name)
+        assert set(adapter.modules) == set(info.modules) == peft_wrapped(peft_model), name
+    # PEFT saves "all-linear" resolved to full names; the shorthand itself resolves the same way
+    edit_config(tmp_path / "all-linear", target_modules="all-linear")
+    assert set(handle.read_adapter("x", tmp_path / "all-linear").modules) == {
+        n for n, m in handle.base_modules.items() if m.kind == "linear" and n != "lm_head"}
+
+
+def test_gpt2_all_linear_loads_strictly(tmp_path):
+    import lorakit
+
+    model = tiny_gpt2()
+    handle = lorakit.patch(copy.deepcopy(model), max_loras=1)
+    peft_model = save_peft(copy.deepcopy(model), LoraConfig(r=4, target_modules="all-linear"), tmp_path / "a")
+    edit_config(tmp_path / "a", target_modules="all-linear")
+    assert set(handle.read_adapter("a", tmp_path / "a").modules) == peft_wrapped(peft_model)
+
+
+@pytest.fixture
+def mismatched(tmp_path):
+    """Folders whose file and config disagree, from adapters PEFT saved: "extra" has an attention config and
+    attention + MLP weights (PEFT drops the MLP's), "missing" an attention + MLP config and attention weights
+    (PEFT runs the MLP untrained)."""
+    model = tiny_llama()
+    attn, mlp = tmp_path / "attn", tmp_path / "mlp"
+    save_peft(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), attn, seed=1)
+    save_peft(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+              mlp, seed=2)
+    extra, missing = Path(shutil.copytree(mlp, tmp_path / "extra")), Path(shutil.copytree(attn, tmp_path / "missing"))
+    shutil.copy(attn / "adapter_config.json", extra)
+    shutil.copy(mlp / "adapter_config.json", missing)
+    return model, extra, missing
+
+
+MLP = [f"model.layers.{i}.mlp.{p}" for i in (0, 1) for p in ("down_proj", "up_proj")]
+ATTN = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+
+
+def test_weights_the_config_does_not_adapt_are_refused(mismatched, caplog):
+    model, extra, _ = mismatched
+    base = base_modules_of(model)
+    msg = refused(extra, base, f"holds LoRA weights of 4 module(s) {MLP}", "does not adapt",
+                  "PEFT ignores them", "save_pretrained()", "strict=False", "--lora-non-strict")
+    with pytest.raises(AdapterError) as info:
+        inspect_peft_adapter("sql", extra, base)
+    assert str(info.value) == msg  # the registration check refuses it the same way
+    with caplog.at_level(logging.WARNING, logger="lorakit.adapter"):
+        adapter = load_peft_adapter("sql", extra, base, torch.float32, strict=False)
+    assert set(adapter.modules) == set(ATTN)
+    assert set(inspect_peft_adapter("sql", extra, base, strict=False).modules) == set(ATTN)
+    assert [r.name for r in caplog.records] == ["lorakit.adapter"] * 2
+    assert f"dropping the LoRA weights of 4 module(s) {MLP}" in caplog.records[0].getMessage()
+    # what remains is what PEFT serves: its forward drops the MLP weights too
+    check_matches_peft(adapter, PeftModel.from_pretrained(copy.deepcopy(model), extra).eval())
+
+
+def test_adapted_modules_without_weights_are_refused(mismatched, caplog):
+    model, _, missing = mismatched
+    base = base_modules_of(model)
+    msg = refused(missing, base, f"the config adapts 4 module(s) {MLP}", "that have no LoRA weights",
+                  "PEFT runs them untrained", "strict=False")
+    with pytest.raises(AdapterError) as info:
+        inspect_peft_adapter("sql", missing, base)
+    assert str(info.value) == msg
+    with caplog.at_level(logging.WARNING, logger="lorakit.adapter"):
+        adapter = load_peft_adapter("sql", missing, base, torch.float32, strict=False)
+    assert set(adapter.modules) == set(ATTN)
+    assert f"serving 4 module(s) {MLP} untrained" in caplog.text
+    # PEFT (default init: lora_B = 0) runs the MLP modules with no delta, as lorakit serves them
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(model), missing).eval()
+    for name in MLP:
+        layer = peft_model.base_model.model.get_submodule(name)
+        x = torch.randn(3, layer.in_features)
+        with torch.no_grad():
+            assert torch.equal(layer(x), layer.base_layer(x))
+    for name in ATTN:
+        ref = peft_model.base_model.model.get_submodule(name)
+        assert torch.equal(adapter.modules[name].B, ref.lora_B["default"].weight)
+
+
+def test_a_long_disagreement_names_the_first_modules_and_counts(folder, base):
+    edit_config(folder, target_modules="all-linear", trainable_token_indices=[3])
+    msg = refused(folder, base, "adapts 10 module(s) ['model.layers.0.mlp.down_proj', 'model.layers.0.mlp.gate_proj', "
+                  "'model.layers.0.mlp.up_proj', 'model.layers.0.self_attn.k_proj'] and 6 more",
+                  "holds LoRA weights of 2 module(s) ['lm_head', 'model.embed_tokens']",
+                  "trains token rows of 1 module(s) ['model.embed_tokens']",
+                  "adapter_model.safetensors does not match what adapter_config.json adapts: ")
+    assert "lm_head'] and" not in msg
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(target_modules=None), "names no target_modules"),
+    (dict(target_modules=["q_proj", "v_proj", "embed_tokens"]), "['lm_head'] that target_modules="),
+    (dict(exclude_modules=["lm_head"]), "['lm_head'] that target_modules="),
+    (dict(layers_to_transform=[1]), "3 module(s) ['model.embed_tokens', 'model.layers.0.self_attn.q_proj', "
+                                    "'model.layers.0.self_attn.v_proj']"),  # embed_tokens: in no layer
+    (dict(modules_to_save=["lm_head"]), "['lm_head'] that target_modules="),  # and its copy is missing
+    (dict(target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head", "o_proj"]), "adapts 2 module(s)"),
+    (dict(target_modules=r".*\.(q|v)_proj"), "['lm_head', 'model.embed_tokens'] that target_modules="),
+])
+def test_config_edits_that_disagree_with_the_file(folder, base, change, needle):
+    edit_config(folder, **change)
+    refused(folder, base, needle, "strict=False")
+    assert load_peft_adapter("sql", folder, base, torch.float32, strict=False).modules
+
+
+def test_stray_or_missing_token_rows(folder, base, caplog):
+    key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    edit_weights(folder, lambda sd: sd.update({key: torch.ones(2, 32)}))
+    refused(folder, base, "holds trainable-token rows of 1 module(s) ['model.embed_tokens']",
+            "trainable_token_indices does not name", "strict=False")
+    with caplog.at_level(logging.WARNING, logger="lorakit.adapter"):
+        assert not load_peft_adapter("sql", folder, base, torch.float32, strict=False).tokens
+    assert "dropping the token rows of 1 module(s) ['model.embed_tokens']" in caplog.text
+    edit_weights(folder, lambda sd: {k: v for k, v in sd.items() if k != key})
+    edit_config(folder, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    edit_weights(folder, lambda sd: {k: v for k, v in sd.items() if "embed_tokens" not in k and "lm_head" not in k}
+                 | {"base_model.model.lm_head.weight": torch.ones(128, 32)})
+    refused(folder, base, "trains token rows of 1 module(s) ['model.embed_tokens'] (trainable_token_indices or "
+            "modules_to_save) that have none")
+    adapter = load_peft_adapter("sql", folder, base, torch.float32, {"lm_head": torch.zeros(128, 32)}, strict=False)
+    assert set(adapter.tokens) == {"lm_head"} and adapter.tokens["lm_head"].ids.numel() == 128
+
+
+def test_bad_target_regex_is_named(folder, base):
+    edit_config(folder, target_modules="q_proj(")
+    refused(folder, base, "holds an invalid regular expression")
+
+
+TARGET_NAMES = ["q_proj", "v_proj", "o_proj", "down_proj", "mlp.up_proj", "self_attn.k_proj", "embed_tokens",
+                "lm_head", "model.layers.1.mlp.gate_proj", "layers.0.self_attn.q_proj", "proj"]
+
+
+@st.composite
+def target_configs(draw) -> dict:
+    """LoraConfig keywords PEFT accepts: a regex string goes without layers_to_transform, layers_pattern with it."""
+    regex = draw(st.booleans())
+    if regex:
+        target = draw(st.sampled_from(["all-linear", r".*\.layers\.1\..*", r".*(q|k)_proj", r"model\.embed_tokens",
+                                       r".*\.mlp\.(up|down)_proj|lm_head"]))
+        layers = pattern = None
+    else:
+        target = draw(st.lists(st.sampled_from(TARGET_NAMES), min_size=1, max_size=4, unique=True))
+        layers = draw(st.sampled_from([None, 0, [1], [0, 1]]))
+        pattern = None if layers is None else draw(st.sampled_from([None, "layers", ["h", "layers"]]))
+    exclude = draw(st.one_of(st.none(), st.lists(st.sampled_from(TARGET_NAMES), max_size=2, unique=True),
+                             st.sampled_from([r".*\.0\..*", r".*_proj"])))
+    return dict(r=2, target_modules=target, exclude_modules=exclude, layers_to_transform=layers,
+                layers_pattern=pattern, modules_to_save=draw(st.sampled_from([None, ["lm_head"], ["embed_tokens"],
+                                                                               ["v_proj"]])),
+                ensure_weight_tying=draw(st.booleans()))
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(tied=st.booleans(), kw=target_configs())
+def test_targets_resolve_as_peft_resolves_them(tied, kw):
+    """lorakit's reading of target_modules (and the fields that narrow it) picks the very modules PEFT wraps."""
+    from lorakit.layers.adapter_targets import lora_targets
+
+    kw = copy.deepcopy(kw)  # PEFT edits the lists it is given
+    model = tiny_llama(tie_word_embeddings=tied)
+    try:
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(**kw))
+    except (ValueError, TypeError, AttributeError):  # nothing matched, a module PEFT cannot wrap, a tie it cannot make
+        assume(False)
+    config = json.loads(json.dumps(peft_model.peft_config["default"].to_dict(), default=sorted))  # as saved
+    assert lora_targets(config, base_modules_of(model), tied, "x") == peft_wrapped(peft_model), config

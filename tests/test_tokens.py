@@ -1,5 +1,6 @@
 """Adapters with token rows (PEFT trainable tokens, added tokens, modules_to_save copies of the embedding and
-head) served per slot beside plain adapters and base rows, against PEFT on a resized model; and the engine
+head, and the whole resized matrices PEFT saves when a fine-tune grew the vocabulary, as its guide for new tokens
+does) served per slot beside plain adapters and base rows, against PEFT on a resized model; and the engine
 generating an added token for its adapter only."""
 
 import copy
@@ -12,7 +13,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import lorakit
-from _lora_cases import rel_err
+from _lora_cases import TOLERANCE, rel_err
 from lorakit.engine import LLM, SamplingParams
 from lorakit.layers.adapter import AdapterError
 
@@ -54,6 +55,8 @@ def adapters_for(base, tmp_path, tied: bool) -> dict:
            "tt": save(base, tmp_path / "tt", 2, trainable_token_indices=[3, 7])}
     if tied:  # the head shares the embedding's token adapter, added ids included
         out["add"] = save(base, tmp_path / "add", 3, trainable_token_indices=[5, V, V + 1])
+        # and its copy: PEFT saves the head's (tied) copy as lm_head.weight, not named in modules_to_save
+        out["mts"] = save(base, tmp_path / "mts", 4, modules_to_save=["embed_tokens"], ensure_weight_tying=True)
     else:
         out["add"] = save(base, tmp_path / "add", 3,
                           trainable_token_indices={"embed_tokens": [5, V, V + 1], "lm_head": [9, V, V + 1]})
@@ -67,6 +70,34 @@ ADDS = {"add": [V, V + 1], "mts": [V, V + 1, V + 2]}  # the ids each adapter add
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def check_rows_match_peft(base, model, handle, folders: dict, adds: dict, device):
+    """Each row of a batch mixing the base model and every adapter (twice) gives PEFT's logits on the resized
+    model; an added token's logit is its adapter's own, -inf for every other row."""
+    names = [None, *folders, *folders]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name in names:
+        ids = torch.randint(0, V, (6,), generator=gen)
+        ids[1], ids[3], ids[4] = 3, 5, 7  # trainable tokens of several adapters, in every row
+        if adds.get(name):
+            ids[2], ids[5] = adds[name][0], adds[name][-1]  # its own added tokens
+        rows.append(ids)
+    input_ids = torch.stack(rows).to(device)
+    with torch.no_grad():
+        ours = model(input_ids, lora_ids=handle.ids(names)).logits
+    for row, name in enumerate(names):
+        ref_model = resized(base) if name is None else PeftModel.from_pretrained(resized(base), folders[name])
+        with torch.no_grad():
+            ref = ref_model.to(device)(input_ids[row: row + 1]).logits[0]
+        assert rel_err(ours[row, :, :V], ref[:, :V]) < TOLERANCE[torch.float32], name
+        for t in range(V, handle.vocab_size):
+            if t in adds.get(name, []):  # its own added tokens: PEFT's logits
+                assert rel_err(ours[row, :, t], ref[:, t]) < TOLERANCE[torch.float32], (name, t)
+            else:  # anyone else's: never sampled
+                assert torch.isinf(ours[row, :, t]).all() and (ours[row, :, t] < 0).all(), (name, t)
+    return names, input_ids, ours
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_token_rows_match_peft_per_row(tied, device, tmp_path):
@@ -76,34 +107,13 @@ def test_token_rows_match_peft_per_row(tied, device, tmp_path):
     handle = lorakit.patch(model, max_loras=4)
     for name, folder in folders.items():
         handle.load_adapter(name, folder)
-    assert handle.vocab_size == V + (ADD if "mts" in folders else 2)
-    names = [None, *folders, *folders]
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for name in names:
-        ids = torch.randint(0, V, (6,), generator=gen)
-        ids[1], ids[4] = 3, 7  # the trainable tokens of "tt", in every row
-        if name in ADDS:
-            ids[2], ids[5] = ADDS[name][0], ADDS[name][-1]  # its own added tokens
-        rows.append(ids)
-    input_ids = torch.stack(rows).to(device)
+    assert handle.vocab_size == V + ADD
+    names, input_ids, ours = check_rows_match_peft(base, model, handle, folders, ADDS, device)
     with torch.no_grad():
-        ours = model(input_ids, lora_ids=handle.ids(names)).logits
         compiled = torch.compile(model, fullgraph=True)(input_ids, lora_ids=handle.ids(names)).logits
     assert torch.equal(torch.isinf(ours), torch.isinf(compiled))
     finite = torch.isfinite(ours)
-    assert rel_err(compiled[finite], ours[finite]) < 1e-5
-    for row, name in enumerate(names):
-        ref_model = resized(base) if name is None else PeftModel.from_pretrained(resized(base), folders[name])
-        with torch.no_grad():
-            ref = ref_model.to(device)(input_ids[row: row + 1]).logits[0]
-        assert rel_err(ours[row, :, :V], ref[:, :V]) < 1e-5, name
-        own = ADDS.get(name, [])
-        for t in range(V, handle.vocab_size):
-            if t in own:  # its own added tokens: PEFT's logits
-                assert rel_err(ours[row, :, t], ref[:, t]) < 1e-5, (name, t)
-            else:  # anyone else's: never sampled
-                assert torch.isinf(ours[row, :, t]).all() and (ours[row, :, t] < 0).all(), (name, t)
+    assert rel_err(compiled[finite], ours[finite]) < TOLERANCE[torch.float32]
 
 
 def test_bad_token_adapters_are_refused_and_change_nothing(tmp_path):
@@ -201,3 +211,157 @@ def test_an_adapters_own_tokenizer_reads_and_writes_its_added_tokens(tmp_path):
                                 eos_token_id=10_000,  # run the 8 tokens, as ignore_eos does
                                 attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
     assert out.token_ids == expected
+
+
+# ---- PEFT's guide for new tokens: resize the model, train the new ids with trainable tokens, save with defaults ----
+
+def guide_save(base, tmp_path, name, seed, **config):
+    """PEFT's recipe for adding tokens: the base model loaded from a folder, resize_token_embeddings (the default
+    mean resizing draws the new rows at random), LoRA with trainable_token_indices on the new ids, "trained"
+    (random rows and LoRA weights), saved with PEFT's defaults. The vocabulary grew, so save_embedding_layers="auto"
+    saves the whole resized embedding and head next to the trainable-token rows."""
+    folder = tmp_path / "base"
+    if not folder.exists():
+        base.save_pretrained(folder)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(V + ADD)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False, **config))
+    for pname, p in peft.named_parameters():
+        if "trainable_tokens_delta" in pname:
+            p.data = torch.randn_like(p) * 0.5
+        elif "modules_to_save" in pname:  # a few retrained rows and every added row
+            p.data[[2, 11]] = torch.randn(2, p.shape[1])
+            p.data[V:] = torch.randn(ADD, p.shape[1])
+    peft.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def guide_adapters(base, tmp_path, tied: bool) -> dict:
+    out = {"guide": guide_save(base, tmp_path, "guide", 5, trainable_token_indices=[5, V, V + 1]),
+           "resized": guide_save(base, tmp_path, "resized", 6)}  # plain LoRA after resizing: whole matrices only
+    if not tied:
+        out["guide-head"] = guide_save(base, tmp_path, "guide-head", 7, trainable_token_indices={
+            "embed_tokens": [5, V, V + 1], "lm_head": [9, V, V + 2]})
+        out["mts"] = guide_save(base, tmp_path, "mts", 8, modules_to_save=["embed_tokens", "lm_head"])
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_peft_add_tokens_guide_matches_peft_per_row(tied, device, tmp_path):
+    base = tiny(tied)
+    folders = guide_adapters(base, tmp_path, tied)
+    from safetensors import safe_open
+
+    with safe_open(folders["guide"] / "adapter_model.safetensors", "pt") as f:  # what PEFT wrote
+        whole = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if "lora_" not in k}
+    head = "lm_head.token_adapter.base_layer.weight" if tied else "lm_head.weight"  # tied: the head's tied adapter
+    assert whole[f"base_model.model.{head}"] == whole[
+        "base_model.model.model.embed_tokens.token_adapter.base_layer.weight"] == (V + ADD, 32)
+    assert whole["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"] == (3, 32)
+    model = copy.deepcopy(base).to(device)
+    handle = lorakit.patch(model, max_loras=len(folders), max_token_rows=16)
+    for name, folder in folders.items():
+        # the registration check agrees with the loader on the tokens the adapter adds: all the resized rows
+        added = handle.inspect_adapter(name, folder).added_tokens
+        loaded = handle.read_adapter(name, folder).tokens["model.embed_tokens"].ids
+        assert added == {int(i) for i in loaded if i >= V} == set(range(V, V + ADD)), name
+        handle.load_adapter(name, folder)
+    assert handle.vocab_size == V + ADD
+    check_rows_match_peft(base, model, handle, folders, {name: list(range(V, V + ADD)) for name in folders}, device)
+
+
+def test_guide_rows_are_the_changed_and_added_rows_with_trainable_rows_on_top(tmp_path):
+    """The rows lorakit keeps from the guide's file: of the whole resized matrix, the added rows (the base rows are
+    unchanged); over them the trainable-token rows, which PEFT writes into the loaded matrix, so they win."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny(tied=False)
+    folder = guide_save(base, tmp_path, "guide", 5, trainable_token_indices=[5, V, V + 1])
+    weights = load_file(folder / "adapter_model.safetensors")
+    whole = weights["base_model.model.model.embed_tokens.token_adapter.base_layer.weight"]
+    whole[7] += 1.0  # a base row the file changes: PEFT loads it too
+    save_file(weights, folder / "adapter_model.safetensors")
+    delta = weights["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"]
+    handle = lorakit.patch(copy.deepcopy(base), max_loras=1)
+    tokens = handle.read_adapter("guide", folder).tokens
+    emb = tokens["model.embed_tokens"]
+    assert emb.ids.tolist() == [5, 7, V, V + 1, V + 2]
+    assert torch.equal(emb.rows, torch.stack([delta[0], whole[7], delta[1], delta[2], whole[V + 2]]))
+    head = tokens["lm_head"]
+    assert head.ids.tolist() == [V, V + 1, V + 2]
+    assert torch.equal(head.rows, weights["base_model.model.lm_head.weight"][V:])
+    peft = PeftModel.from_pretrained(resized(base), folder)
+    merged = peft.base_model.model.model.embed_tokens.token_adapter.get_merged_weights(["default"])
+    assert torch.equal(merged[emb.ids], emb.rows)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bad_guide_files_are_refused(tied, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = tiny(tied)
+    folder = guide_save(base, tmp_path, "guide", 5, trainable_token_indices=[5, V, V + 1])
+    handle = lorakit.patch(copy.deepcopy(base), max_loras=1)
+    good = load_file(folder / "adapter_model.safetensors")
+    key = "base_model.model.model.embed_tokens.token_adapter.base_layer.weight"
+    cases = {
+        "narrow": ({key: good[key][:, :16].contiguous()}, "rows are 32 wide"),
+        "short": ({key: good[key][: V - 1].contiguous()}, "fewer than the model's vocabulary"),
+        "few": ({key: good[key][: V + 1].contiguous()}, f"trainable token id {V + 1} is past the {V + 1} rows"),
+    }
+    if tied:  # the head's tied adapter must give the embedding's rows
+        head = "base_model.model.lm_head.token_adapter.base_layer.weight"
+        cases["untied"] = ({head: good[head] + 1}, "different token rows")
+    for name, (change, message) in cases.items():
+        save_file(good | change, folder / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=message):
+            handle.read_adapter(name, folder)
+        if name != "untied":  # a check of the headers: the registration refuses it too
+            with pytest.raises(AdapterError, match=message):
+                handle.inspect_adapter(name, folder)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_engine_generates_a_guide_adapters_new_token_as_peft_does(tied, device, tmp_path):
+    """The guide's adapter with the head row of new token V set along the hidden state after the prompt: greedy
+    decoding emits V, then reads it back through the adapter's own embedding row; lorakit's engine equals PEFT's
+    generate on the resized model, and the base model never produces V."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny(tied)
+    folder = guide_save(base, tmp_path, "guide", 5, trainable_token_indices=[5, V, V + 1])
+    prompt = [1, 5, 9, 12, 30]
+    with torch.no_grad():
+        h = PeftModel.from_pretrained(resized(base), folder)(
+            torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    weights = load_file(folder / "adapter_model.safetensors")
+    if tied:  # the head's row of V is the embedding's, a trainable row: both copies of it
+        for key in ("model.embed_tokens", "lm_head"):
+            weights[f"base_model.model.{key}.token_adapter.trainable_tokens_delta"][1] = h * (40 / h.dot(h))
+    else:  # the head's row of V comes from the whole resized head PEFT saved
+        weights["base_model.model.lm_head.weight"][V] = h * (40 / h.dot(h))
+    save_file(weights, folder / "adapter_model.safetensors")
+    peft = PeftModel.from_pretrained(resized(base), folder)
+    with torch.no_grad():
+        ref = peft.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=10_000,
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert ref[0] == V
+    llm = LLM(copy.deepcopy(base).to(device), max_loras=1, adapters={"guide": folder})
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ours, plain = llm.generate([prompt, prompt], greedy, adapters=["guide", None])
+    assert ours.token_ids == ref
+    assert V not in plain.token_ids
+
+
+def test_changed_rows_are_found_across_chunks():
+    from lorakit.layers.adapter_tokens import changed_rows
+
+    base = torch.randn(10, 4)
+    matrix = torch.cat([base, torch.randn(2, 4)]).to(torch.bfloat16)  # rows past the vocabulary are not compared
+    matrix[[0, 2, 3, 9]] += 1
+    for chunk in (1, 3, 4, 10, 64):
+        assert changed_rows(matrix, base, 10, chunk).tolist() == [0, 2, 3, 9]

@@ -3,17 +3,21 @@
 Contract: ``load_peft_adapter`` returns, for every base-model module that the weights file names, the A, B,
 rank and scale PEFT's ``LoraLayer`` uses (linear ``y += scale * (x @ A.T) @ B.T``, embedding
 ``y += scale * A.T[ids] @ B.T``), or raises ``AdapterError`` naming the adapter, the module and the fix.
-Every ``LoraConfig`` field that changes PEFT's forward is matched or refused; nothing is unpickled.
+Every ``LoraConfig`` field that changes PEFT's forward is matched or refused; nothing is unpickled. A file and
+config that disagree (weights of modules the config does not adapt, which PEFT ignores; adapted modules without
+weights, which PEFT leaves untrained) are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a
+config adapts: adapter_targets.py; token rows (trainable tokens, whole embedding / head matrices): adapter_tokens.py.
 Semantics are those of peft 0.21: tuners/lora/{config,layer,model}.py, utils/other.py, utils/save_and_load.py.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,13 +31,24 @@ from lorakit.layers.adapter_config import (
     _is_int,
     read_adapter_config,
 )
+from lorakit.layers.adapter_targets import lora_targets, token_targets
+from lorakit.layers.adapter_tokens import (
+    ModuleTokens,
+    TokenParts,
+    added_ids,
+    check_token_shapes,
+    module_tokens,
+    parts_of,
+    token_key,
+)
 
 __all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "inspect_peft_adapter",
            "load_peft_adapter", "read_adapter_config"]
 
+logger = logging.getLogger("lorakit.adapter")
+
 PICKLE_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the base model, in every saved key
-_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's TrainableTokensWrapper rows
 
 # "<module>.lora_A.weight" / "<module>.lora_embedding_A", optionally with a PEFT adapter name inside.
 _LORA_KEY = re.compile(r"(?P<module>.+)\.(?:(?P<lin>lora_[AB])(?:\.(?P<an>[^.]+))?\.weight"
@@ -92,15 +107,6 @@ class ModuleLora:
 
 
 @dataclass(frozen=True, eq=False)
-class ModuleTokens:
-    """Rows an adapter puts in place of a token-indexed weight's (input embedding or output head):
-    ids [k] (ascending, int64; ids past the base vocabulary are tokens the adapter adds) and rows [k, dim]."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
-
-
-@dataclass(frozen=True, eq=False)
 class PeftAdapter:
     """A loaded adapter: ``modules`` (LoRA) and ``tokens`` (token rows) are keyed by the base model's
     fully-qualified module name."""
@@ -125,19 +131,23 @@ class PeftAdapter:
 
 
 def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], dtype: torch.dtype,
-                      base_weights: Mapping[str, torch.Tensor] | None = None) -> PeftAdapter:
+                      base_weights: Mapping[str, torch.Tensor] | None = None, *, strict: bool = True,
+                      tied: bool = False) -> PeftAdapter:
     """Read config + adapter_model.safetensors, map keys to base module names, validate everything, cast weights
     to ``dtype`` (contiguous, on the CPU). ``base_weights``: the token-indexed modules' weights ([vocab, dim]),
-    needed for a full ``modules_to_save`` copy of them (only its rows that differ are kept)."""
+    needed for a whole saved matrix of them (a modules_to_save copy, a resized vocabulary: only the rows that
+    differ or are new are kept). ``strict=False``: load a file that disagrees with its config as PEFT does (its
+    weights of modules the config does not adapt dropped, adapted modules without weights untrained), with a
+    warning, instead of refusing it. ``tied``: the model's output head shares the input embedding's weight."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs, token_parts = _read_weights(path, config, base_modules, where)
+    pairs, token_parts = _read_weights(path, config, base_modules, where, strict, tied)
     modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where) for m, (kind, a, b) in pairs.items()}
-    tokens = {m: _module_tokens(m, how, ids, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
-              for m, (how, ids, t) in token_parts.items()}
+    tokens = {m: module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
+              for m, t in token_parts.items()}
     _check_token_modules(modules, tokens, where)
     return PeftAdapter(name, path, config, modules, tokens)
 
@@ -159,20 +169,22 @@ class AdapterInfo:
         return max((rank for rank, _ in self.modules.values()), default=0)
 
 
-def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]) -> AdapterInfo:
-    """Every check ``load_peft_adapter`` makes except those on the values (NaN, overflow), from the config and
-    the safetensors header alone: cheap enough to refuse a bad adapter when it is registered."""
+def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], *, strict: bool = True,
+                         tied: bool = False) -> AdapterInfo:
+    """Every check ``load_peft_adapter`` makes except those on the values (NaN, overflow, which rows of a whole
+    matrix differ from the model's), from the config and the safetensors header alone: cheap enough to refuse a bad
+    adapter when it is registered. ``strict`` and ``tied`` as for ``load_peft_adapter``, the same decision."""
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs, token_parts = _read_weights(path, config, base_modules, where, header_only=True)
+    pairs, token_parts = _read_weights(path, config, base_modules, where, strict, tied, header_only=True)
     modules = {m: _check_module(m, kind, a, b, config, base_modules, where) for m, (kind, a, b) in pairs.items()}
     added = set()
-    for m, (how, ids, shape) in token_parts.items():
+    for m, t in token_parts.items():
         base = base_modules[m]
-        _check_token_shape(m, how, ids, shape, base, where)
+        check_token_shapes(m, t, base, where)
         if base.tokens == "input":
-            added |= set(range(base.vocab, shape[0])) if how == "full" else {i for i in ids if i >= base.vocab}
+            added |= added_ids(t, base)
     _check_token_modules(modules, token_parts, where)
     return AdapterInfo(name, path, config, modules, frozenset(added))
 
@@ -190,19 +202,21 @@ def weights_file(path: Path, where: str) -> Path:
     return file
 
 
-def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str,
-                  header_only: bool = False) -> dict:
-    """({module: (kind, A, B)}, {module: (how, ids, rows)}) from the weights file, every key accounted for; kind
-    is 'linear' or 'embedding'; how is 'trainable' (rows of ``ids``) or 'full' (a modules_to_save copy, ids
-    None). With header_only, tensors are their shapes, and only the header is read."""
+def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str, strict: bool,
+                  tied: bool, header_only: bool = False) -> tuple[dict, dict]:
+    """({module: (kind, A, B)}, {module: TokenParts}) from the weights file, every key accounted for; kind is 'linear'
+    or 'embedding'. With header_only, tensors are their shapes, and only the header is read."""
     file = weights_file(path, where)
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            parts, copies, token_keys = _sort_keys(list(f.keys()), config, base_modules, where)
+            parts, copies, token_keys = _sort_keys(list(f.keys()), config, base_modules, where, strict, tied)
             token_parts = {}
-            for module, (how, ids, key) in token_keys.items():
-                shape = _header_shape(f, module, key, "token rows", where)
-                token_parts[module] = (how, ids, shape if header_only else f.get_tensor(key))
+            for module, keys in token_keys.items():
+                found = parts_of(keys)
+                got = {part: _header_shape(f, module, key, "token rows", where) for part, key in found.items()}
+                if not header_only:
+                    got = {part: f.get_tensor(key) for part, key in found.items()}
+                token_parts[module] = replace(keys, **got)
             for module, key in copies.items():  # PEFT saves the base weight of targeted embeddings / lm_head
                 _check_base_copy(module, tuple(f.get_slice(key).get_shape()), parts, base_modules, where)
             pairs = {}
@@ -230,67 +244,35 @@ def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int
     return tuple(part.get_shape())
 
 
-def _token_targets(config: dict, base_modules: Mapping[str, BaseModule], where: str) -> tuple[dict, set]:
-    """({module: ids} of trainable_token_indices, {modules} of modules_to_save), resolved to the model's token
-    modules (the input embedding, the output head) as PEFT resolves them: a list targets the input embedding,
-    a dict key or a modules_to_save entry matches the end of a module name."""
-    roles = {name: m.tokens for name, m in base_modules.items() if m.tokens}
-
-    def resolve(key: str, field: str) -> str:
-        hits = [n for n in roles if n == key or n.endswith("." + key)]
-        if not hits:
-            others = [n for n in base_modules if n == key or n.endswith("." + key)]
-            what = (f"{others[0]!r} is not a token embedding or output head" if others
-                    else "the model has no such module")
-            raise AdapterError(f"{where}: {field} names {key!r}, but {what}; lorakit serves token rows of the "
-                               f"input embedding and output head only ({sorted(roles) or 'none found'})")
-        return hits[0]
-
-    tti = config.get("trainable_token_indices") or {}
-    if isinstance(tti, list):
-        inputs = [n for n, role in roles.items() if role == "input"]
-        if not inputs:
-            raise AdapterError(f"{where}: trainable_token_indices needs the model's input embedding, which lorakit "
-                               f"did not find")
-        tti = {inputs[0]: tti}
-    if not isinstance(tti, dict):
-        raise AdapterError(f"{where}: trainable_token_indices must be a list of ids or a dict module -> ids, "
-                           f"got {tti!r:.80}")
-    trainable = {}
-    for key, ids in tti.items():
-        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids) or len(set(ids)) != len(ids):
-            raise AdapterError(f"{where}: trainable_token_indices[{key!r}] must be distinct non-negative token "
-                               f"ids, got {ids!r:.80}")
-        trainable[resolve(key, "trainable_token_indices")] = list(ids)
-    full = {resolve(key, "modules_to_save") for key in (config.get("modules_to_save") or [])}
-    both = full & trainable.keys()
-    if both:
-        raise AdapterError(f"{where}: {sorted(both)} is in both modules_to_save and trainable_token_indices; "
-                           f"PEFT refuses this too, keep one")
-    return trainable, full
-
-
-def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseModule], where: str) -> tuple:
+def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseModule], where: str, strict: bool,
+               tied: bool) -> tuple:
     """Split the file's keys into {module: {param: key}} LoRA weights, {module: key} copies of base weights and
-    {module: (how, ids, key)} token rows; any other key is an error, except the training-only state of
-    variants the config enables."""
+    {module: TokenParts} token rows; any other key is an error, except the training-only state of variants the config
+    enables. Then hold the file against what the config adapts (``_disagreements``)."""
     skip = [pattern for field, pattern in _TRAINING_ONLY_KEYS.items() if config.get(field)]
-    trainable, full = _token_targets(config, base_modules, where)
+    targets = lora_targets(config, base_modules, tied, where)
+    tt = token_targets(config, base_modules, tied, where)
+    roles = {name for name, m in base_modules.items() if m.tokens}
     parts: dict[str, dict[str, str]] = {}
     copies: dict[str, str] = {}
-    tokens: dict[str, tuple] = {}
+    tokens: dict[str, dict[str, str]] = {}
+    stray_rows: set[str] = set()  # trainable-token rows of a token module the config gives none
     unexpected = []
     for key in keys:
-        module = key.removeprefix(PEFT_PREFIX) if key.startswith(PEFT_PREFIX) else None
-        if module is not None and module.endswith(_DELTA) and module[:-len(_DELTA)] in trainable:
-            module = module[:-len(_DELTA)]
-            tokens[module] = ("trainable", trainable[module], key)
+        if not key.startswith(PEFT_PREFIX):
+            if not any(p.search(key) for p in skip):
+                unexpected.append(key)
             continue
-        if module is not None and module.endswith(".weight") and module[:-len(".weight")] in full:
-            module = module[:-len(".weight")]
-            tokens[module] = ("full", None, key)
+        rest = key[len(PEFT_PREFIX):]
+        token = token_key(rest, roles, tt, targets or set())
+        if token is not None:
+            module, part = token
+            if part is None:
+                stray_rows.add(module)
+            else:
+                tokens.setdefault(module, {})[part] = key
             continue
-        m = _LORA_KEY.fullmatch(key.removeprefix(PEFT_PREFIX)) if key.startswith(PEFT_PREFIX) else None
+        m = _LORA_KEY.fullmatch(rest)
         if m is not None:
             adapter_name = m["an"] or m["ean"]
             if adapter_name not in (None, "default"):  # PeftModel.from_pretrained loads "default" keys as they are
@@ -303,8 +285,8 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
                 raise AdapterError(f"{where}: module {m['module']!r} has {param} twice ({slot[param]!r} and "
                                    f"{key!r}); keep one")
             slot[param] = key
-        elif key.startswith(PEFT_PREFIX) and key.endswith(".base_layer.weight"):
-            copies[key[len(PEFT_PREFIX):-len(".base_layer.weight")]] = key
+        elif rest.endswith(".base_layer.weight"):
+            copies[rest[:-len(".base_layer.weight")]] = key
         elif not any(p.search(key) for p in skip):
             unexpected.append(key)
     if unexpected:
@@ -312,14 +294,65 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
         raise AdapterError(f"{where}: {WEIGHTS_NAME} holds {len(unexpected)} weight(s) that are not plain LoRA A/B: "
                            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
                            f"{' (' + '; '.join(what) + ')' if what else ''}; lorakit does not support them")
-    missing = (trainable.keys() | full) - tokens.keys()
-    if missing:
-        raise AdapterError(f"{where}: {CONFIG_NAME} names token rows for {sorted(missing)} but {WEIGHTS_NAME} "
-                           f"holds none for them; the weights file is incomplete, re-save the adapter")
-    if not parts and not tokens:
+    for module in parts:
+        _base_module(module, base_modules, where)  # a module the model lacks: trained for another model
+    if not parts and not tokens and not stray_rows:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} holds no LoRA weights (no '*.lora_A.weight' or "
                            f"'*.lora_embedding_A' keys under '{PEFT_PREFIX}')")
-    return parts, copies, tokens
+    missing_rows = {m for m in tt.trainable if m not in tt.optional and "delta" not in tokens.get(m, {})}
+    missing_rows |= {m for m in tt.full if "full" not in tokens.get(m, {})}
+    dropped, untrained = _disagreements(config, targets, parts, stray_rows, missing_rows, where, strict)
+    for module in dropped | untrained:  # (an untrained module's copy of its base weight is PEFT's to load)
+        parts.pop(module, None)
+        copies.pop(module, None)
+    for module in missing_rows:
+        tokens.pop(module, None)  # what is left of them PEFT loads, but into rows that stay untrained
+    if not parts and not tokens:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} holds no LoRA weights that {CONFIG_NAME} adapts")
+    token_keys = {m: TokenParts(ids=tt.trainable.get(m) if "delta" in t else None, **t) for m, t in tokens.items()}
+    return parts, copies, token_keys
+
+
+def _disagreements(config: dict, targets: set | None, parts: dict, stray_rows: set, missing_rows: set, where: str,
+                   strict: bool) -> set:
+    """Refuse (strict) or warn about a weights file that disagrees with what its config adapts; returns the
+    modules whose LoRA weights PEFT would drop, and those it would run untrained."""
+    found = set(parts)
+    extra = found - targets if targets is not None else set()
+    missing = targets - found if targets is not None else set()
+    problems = []  # (what is wrong, what strict=False does about it)
+    if targets is None:
+        problems.append(("the config names no target_modules (PEFT would adapt its defaults for the model type, "
+                         "which lorakit cannot hold the file against)", "serving the LoRA weights the file holds"))
+    if extra:
+        problems.append((f"it holds LoRA weights of {_some(extra)} that target_modules="
+                         f"{config.get('target_modules')!r:.120} does not adapt (PEFT ignores them without a word)",
+                         f"dropping the LoRA weights of {_some(extra)}"))
+    if stray_rows:
+        problems.append((f"it holds trainable-token rows of {_some(stray_rows)} that trainable_token_indices does "
+                         f"not name (PEFT ignores them)", f"dropping the token rows of {_some(stray_rows)}"))
+    if missing:
+        problems.append((f"the config adapts {_some(missing)} that have no LoRA weights in it (PEFT runs them "
+                         f"untrained)", f"serving {_some(missing)} untrained (no LoRA delta)"))
+    if missing_rows:
+        problems.append((f"the config trains token rows of {_some(missing_rows)} (trainable_token_indices or "
+                         f"modules_to_save) that have none in it (PEFT leaves them untrained)",
+                         f"serving the token rows of {_some(missing_rows)} untrained (the model's own)"))
+    if problems and strict:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} does not match what {CONFIG_NAME} adapts: "
+                           f"{'; '.join(p for p, _ in problems)}. Re-save the adapter with PEFT's save_pretrained(), "
+                           f"or make target_modules (trainable_token_indices, modules_to_save) name exactly the "
+                           f"modules the file holds; to serve it as PEFT loads it anyway, pass strict=False "
+                           f"(lorakit serve: --lora-non-strict)")
+    if problems:
+        logger.warning("%s: strict=False, loaded as PEFT loads it: %s", where, "; ".join(w for _, w in problems))
+    return extra, missing
+
+
+def _some(names) -> str:
+    """'3 module(s) ['a', 'b', 'c']': the first few, sorted, and how many in all."""
+    names = sorted(names)
+    return f"{len(names)} module(s) {names[:4]}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
 
 
 def _key_hint(key: str) -> str | None:
@@ -353,45 +386,6 @@ def _check_base_copy(module: str, shape: tuple, parts: dict, base_modules: Mappi
         raise AdapterError(f"{where}: module {module!r}: the saved base weight has shape {list(shape)} but the "
                            f"model's is {list(ok[0])}; the vocabulary was probably resized during fine-tuning, "
                            f"which lorakit does not support")
-
-
-def _check_token_shape(module: str, how: str, ids, shape: tuple, base: BaseModule, where: str) -> None:
-    at = f"{where}: module {module!r}"
-    if len(shape) != 2 or shape[1] != base.dim:
-        raise AdapterError(f"{at}: token rows have shape {list(shape)} but the model's rows are {base.dim} wide; "
-                           f"was the adapter trained for another base model?")
-    if how == "trainable" and shape[0] != len(ids):
-        raise AdapterError(f"{at}: {len(ids)} trainable_token_indices but {shape[0]} saved rows; the weights file "
-                           f"does not match its config")
-    if how == "full" and shape[0] < base.vocab:
-        raise AdapterError(f"{at}: the saved copy has {shape[0]} rows, fewer than the model's vocabulary "
-                           f"({base.vocab}); was the adapter trained for another base model?")
-
-
-def _module_tokens(module: str, how: str, ids, t: torch.Tensor, base: BaseModule, base_weight, dtype,
-                   where: str) -> ModuleTokens:
-    """The rows an adapter replaces or adds: all of a trainable-tokens delta; of a full copy, the rows that
-    differ from the base weight and every row past the base vocabulary."""
-    at = f"{where}: module {module!r}"
-    _check_token_shape(module, how, ids, tuple(t.shape), base, where)
-    if not t.dtype.is_floating_point:
-        raise AdapterError(f"{at}: token rows must be floating-point, got {t.dtype}")
-    if not torch.isfinite(t).all():
-        raise AdapterError(f"{at}: token rows hold NaN or inf values; the adapter is broken, retrain or re-export")
-    if how == "full":
-        if base_weight is None:
-            raise AdapterError(f"{at}: a full modules_to_save copy needs the base weight to compare against")
-        base_rows = base_weight.detach().to("cpu", t.dtype)
-        changed = (t[: base.vocab] != base_rows).any(dim=1).nonzero()[:, 0]
-        ids = torch.cat([changed, torch.arange(base.vocab, t.shape[0])])
-        t = t[ids]
-    else:
-        ids = torch.tensor(ids, dtype=torch.int64)
-    order = ids.argsort()
-    rows = t[order].to(dtype).contiguous()
-    if not torch.isfinite(rows).all():
-        raise AdapterError(f"{at}: token rows overflow {dtype}; load it in a wider dtype such as torch.float32")
-    return ModuleTokens(ids[order].contiguous(), rows)
 
 
 def _check_token_modules(modules: Mapping, tokens: Mapping, where: str) -> None:

@@ -71,16 +71,19 @@ class LoraHandle:
 
     # Reading adapters for this model (every check in one place).
 
-    def inspect_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """What the config and the weights' header say, checked against this model; reads no weights."""
-        info = inspect_peft_adapter(name, path, self.base_modules)
+    def inspect_adapter(self, name: str, path: str | Path, strict: bool = True) -> AdapterInfo:
+        """What the config and the weights' header say, checked against this model; reads no weights.
+        ``strict=False``: accept a file that disagrees with its config as PEFT loads it (see load_peft_adapter)."""
+        info = inspect_peft_adapter(name, path, self.base_modules, strict=strict, tied=self.tied)
         self._check_rank(info.max_rank, f"adapter {name!r} at {path}")
         return info
 
-    def read_adapter(self, name: str, path: str | Path) -> PeftAdapter:
-        """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError."""
+    def read_adapter(self, name: str, path: str | Path, strict: bool = True) -> PeftAdapter:
+        """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError.
+        ``strict=False``: load a file that disagrees with its config as PEFT does (see load_peft_adapter)."""
         base_weights = {n: self.layers[n].weight for n in self._token_stores}
-        adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights)
+        adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights, strict=strict,
+                                    tied=self.tied)
         self._check_rank(adapter.max_rank, f"adapter {name!r} at {path}")
         return self._tie_tokens(adapter)
 
@@ -98,9 +101,9 @@ class LoraHandle:
         tokens = dict(adapter.tokens)
         inp, out = tokens.get(self._input_name), tokens.get(self._output_name)
         if self.tied and inp is not None:
-            if out is not None and not torch.equal(out.ids, inp.ids):
+            if out is not None and not (torch.equal(out.ids, inp.ids) and torch.equal(out.rows, inp.rows)):
                 raise AdapterError(f"{where}: the model's head is tied to its input embedding, but the adapter "
-                                   f"gives them different token ids; tied layers must share their token ids")
+                                   f"gives them different token rows; tied layers must share their token rows")
             if out is None and adapter.config.get("trainable_token_indices") is not None:
                 tokens[self._output_name] = inp  # PEFT ties the head's token adapter to the embedding's
         vocab = self.base_modules[self._input_name].vocab if self._input_name else 0
