@@ -640,3 +640,18 @@ def test_targets_resolve_as_peft_resolves_them(tied, kw):
         assume(False)
     config = json.loads(json.dumps(peft_model.peft_config["default"].to_dict(), default=sorted))  # as saved
     assert lora_targets(config, base_modules_of(model), tied, "x") == peft_wrapped(peft_model), config
+
+
+def test_a_pattern_built_to_backtrack_forever_is_refused(folder, base):
+    """target_modules / rank_pattern come from whoever wrote the folder: a catastrophic pattern is refused within
+    the match time limit instead of holding the registering thread."""
+    import json
+    import time
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = "(.|.)*[0-9]"  # Python's re: 150 s on one module name
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    with pytest.raises(AdapterError, match="takes too long to match"):
+        load_peft_adapter("sql", folder, base, torch.float32)
+    assert time.perf_counter() - start < 5

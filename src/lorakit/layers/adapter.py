@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -31,7 +32,7 @@ from lorakit.layers.adapter_config import (
     _is_int,
     read_adapter_config,
 )
-from lorakit.layers.adapter_targets import lora_targets, token_targets
+from lorakit.layers.adapter_targets import MATCH_SECONDS, lora_targets, token_targets
 from lorakit.layers.adapter_tokens import (
     ModuleTokens,
     TokenParts,
@@ -395,13 +396,18 @@ def _check_token_modules(modules: Mapping, tokens: Mapping, where: str) -> None:
                            f"the other per module")
 
 
-def _pattern_value(config: dict, field: str, fallback: str, default, module: str):
+def _pattern_value(config: dict, field: str, fallback: str, default, module: str, at: str):
     """PEFT's get_pattern_key (utils/other.py) as LoraModel._create_and_replace uses it: the first key of
     ``config[field]``, in file order (PEFT writes them sorted), that matches the end of the module name at a dot
     boundary, else ``config[fallback]``. Returns the value and where it came from."""
     patterns = config.get(field) or {}
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            found = regex.match(rf"(.*\.)?({key})$", module, timeout=MATCH_SECONDS)
+        except TimeoutError:
+            raise AdapterError(f"{at}: the {field} key {key!r:.80} takes too long to match a module name (over "
+                               f"{MATCH_SECONDS} s: catastrophic backtracking); simplify it") from None
+        if found:
             return patterns[key], f"{field}[{key!r}]"
     return config.get(fallback, default), fallback
 
@@ -426,11 +432,11 @@ def _check_module(module, kind, a_shape, b_shape, config, base_modules, where) -
         raise AdapterError(f"{at}: A {a_shape} and B {b_shape} do not fit the model's module "
                            f"({base.kind} {base.in_features} -> {base.out_features}), which needs A {want_a} and "
                            f"B {want_b}; was the adapter trained for another base model?")
-    r, r_from = _pattern_value(config, "rank_pattern", "r", 8, module)
+    r, r_from = _pattern_value(config, "rank_pattern", "r", 8, module, at)
     if r != rank:
         raise AdapterError(f"{at}: the weights have rank {rank} but {CONFIG_NAME} gives rank {r} (from {r_from}); "
                            f"fix r / rank_pattern to match the weights")
-    alpha, _ = _pattern_value(config, "alpha_pattern", "lora_alpha", 8, module)
+    alpha, _ = _pattern_value(config, "alpha_pattern", "lora_alpha", 8, module, at)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     return rank, float(scale)
 

@@ -5,13 +5,27 @@ Names only: nothing here reads weights."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import regex
 
 from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError, _is_int
 
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")  # peft.utils.constants: what ensure_weight_tying looks for
+
+
+# The config's patterns come from whoever wrote the adapter folder (a runtime load is a security boundary): each
+# match gets a time limit, so a pattern built to backtrack forever is refused instead of holding a thread.
+MATCH_SECONDS = 0.1
+
+
+def _fullmatch(pattern: str, name: str):
+    return regex.fullmatch(pattern, name, timeout=MATCH_SECONDS)
+
+
+def _match(pattern: str, name: str):
+    return regex.match(pattern, name, timeout=MATCH_SECONDS)
 
 
 def lora_targets(config: dict, base_modules: Mapping, tied: bool, where: str) -> set[str] | None:
@@ -30,26 +44,30 @@ def lora_targets(config: dict, base_modules: Mapping, tied: bool, where: str) ->
             # PEFT adapts the input embedding and ties the head's LoRA layer to it, whatever else the config says
             found |= {n for n, m in base_modules.items() if m.tokens == "input" and not _is_excluded(config, n)}
             found |= {n for n, m in base_modules.items() if m.tokens == "output"}
-    except re.error as e:
+    except regex.error as e:
         raise AdapterError(f"{where}: {CONFIG_NAME}: target_modules, exclude_modules, layers_pattern or "
                            f"modules_to_save holds an invalid regular expression ({e})") from e
+    except TimeoutError as e:
+        raise AdapterError(f"{where}: {CONFIG_NAME}: a pattern in target_modules, exclude_modules, layers_pattern "
+                           f"or modules_to_save takes too long to match a module name (over {MATCH_SECONDS} s: "
+                           f"catastrophic backtracking); simplify it") from e
     return found
 
 
 def _names_embedding(target) -> bool:
     if isinstance(target, str):
-        return any(re.fullmatch(target, name) for name in EMBEDDING_LAYER_NAMES)
+        return any(_fullmatch(target, name) for name in EMBEDDING_LAYER_NAMES)
     return any(t.split(".")[-1] in EMBEDDING_LAYER_NAMES for t in target)
 
 
 def _is_excluded(config: dict, name: str) -> bool:
     exclude = config.get("exclude_modules")
-    if isinstance(exclude, str) and re.fullmatch(exclude, name):
+    if isinstance(exclude, str) and _fullmatch(exclude, name):
         return True
     if isinstance(exclude, list) and (name in exclude or any(name.endswith("." + e) for e in exclude)):
         return True
     # adapters never wrap a modules_to_save module (its copy is trained whole)
-    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.get("modules_to_save") or [])
+    return any(_match(rf"(^|.*\.){m}($|\..*)", name) for m in config.get("modules_to_save") or [])
 
 
 def _is_target(config: dict, target, name: str) -> bool:
@@ -58,7 +76,7 @@ def _is_target(config: dict, target, name: str) -> bool:
     if _is_excluded(config, name):
         return False
     if isinstance(target, str):
-        return re.fullmatch(target, name) is not None
+        return _fullmatch(target, name) is not None
     if name in target:
         return True
     if not any(name.endswith("." + t) for t in target):
@@ -68,10 +86,10 @@ def _is_target(config: dict, target, name: str) -> bool:
         return True
     patterns = config.get("layers_pattern")
     if not patterns:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # the first numbered segment
+        match = _match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # the first numbered segment
     else:
         for pattern in [patterns] if isinstance(patterns, str) else patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            match = _match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
             if match is not None:
                 break
     if match is None:
