@@ -125,7 +125,8 @@ class PeftAdapter:
 
 
 def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], dtype: torch.dtype,
-                      base_weights: Mapping[str, torch.Tensor] | None = None) -> PeftAdapter:
+                      base_weights: Mapping[str, torch.Tensor] | None = None,
+                      strict: bool = True) -> PeftAdapter:  # strict: merged with adapter-format
     """Read config + adapter_model.safetensors, map keys to base module names, validate everything, cast weights
     to ``dtype`` (contiguous, on the CPU). ``base_weights``: the token-indexed modules' weights ([vocab, dim]),
     needed for a full ``modules_to_save`` copy of them (only its rows that differ are kept)."""
@@ -159,7 +160,8 @@ class AdapterInfo:
         return max((rank for rank, _ in self.modules.values()), default=0)
 
 
-def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]) -> AdapterInfo:
+def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule],
+                         strict: bool = True) -> AdapterInfo:  # strict: merged with adapter-format
     """Every check ``load_peft_adapter`` makes except those on the values (NaN, overflow), from the config and
     the safetensors header alone: cheap enough to refuse a bad adapter when it is registered."""
     path = Path(path)

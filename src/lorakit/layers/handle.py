@@ -71,16 +71,16 @@ class LoraHandle:
 
     # Reading adapters for this model (every check in one place).
 
-    def inspect_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+    def inspect_adapter(self, name: str, path: str | Path, strict: bool = True) -> AdapterInfo:
         """What the config and the weights' header say, checked against this model; reads no weights."""
-        info = inspect_peft_adapter(name, path, self.base_modules)
+        info = inspect_peft_adapter(name, path, self.base_modules, strict=strict)
         self._check_rank(info.max_rank, f"adapter {name!r} at {path}")
         return info
 
-    def read_adapter(self, name: str, path: str | Path) -> PeftAdapter:
+    def read_adapter(self, name: str, path: str | Path, strict: bool = True) -> PeftAdapter:
         """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError."""
         base_weights = {n: self.layers[n].weight for n in self._token_stores}
-        adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights)
+        adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights, strict=strict)
         self._check_rank(adapter.max_rank, f"adapter {name!r} at {path}")
         return self._tie_tokens(adapter)
 
