@@ -205,7 +205,7 @@ def read_tokenizer(name: str, folder: str | Path, roots: Sequence[str | Path] | 
     fix = "fix or remove the tokenizer files in the folder"
     with _private_copy(folder, where) as copy:
         def take(file: str) -> None:
-            if os.path.lexists(folder / file):
+            if os.path.lexists(folder / file) and not (copy / file).exists():
                 _copy_in(_resolve(folder / file, roots, where, file), copy / file, TOKENIZER_FILE_BYTES, where)
 
         take("tokenizer_config.json")
