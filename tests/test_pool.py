@@ -268,7 +268,8 @@ def test_what_is_served_is_what_was_registered(folders, tmp_path):
     bytes at the same real paths, or that adapter alone fails closed until it is registered again."""
     base, saved, _ = folders
     _, handle, pool = fresh_pool(base, max_loras=2, budget=6 << 10)  # one q4 or mlp2 image at a time
-    same, edited, swapped, moved = (_copy(saved["q4"].path, tmp_path / n) for n in ("same", "edited", "swapped", "moved"))
+    same, edited, swapped, moved = (_copy(saved["q4"].path, tmp_path / n)
+                                    for n in ("same", "edited", "swapped", "moved"))
     for name in ("same", "edited", "swapped", "moved"):
         pool.register(name, tmp_path / name)
     pool.register("steady", saved["mlp2"].path)  # each registration dropped the one before from the CPU tier
