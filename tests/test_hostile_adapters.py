@@ -16,9 +16,9 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from _serve_helpers import Bystander, LiveServer, build_world, reference
+from _serve_helpers import Bystander, build_world, reference, start
 from lorakit.engine import Engine, EngineConfig
-from lorakit.serve import ServeConfig, cli, create_app
+from lorakit.serve import cli
 
 PROMPT = "hello world"
 
@@ -31,10 +31,7 @@ def world(tmp_path_factory):
 @pytest.fixture
 def server(world):
     """sql and chat registered, runtime loads from the adapter root, a CPU tier (16 KiB) that holds one of them."""
-    base, tokenizer, root, paths = world
-    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: paths[n] for n in ("sql", "chat")},
-                    block_size=4, patience=4, cpu_budget_bytes=16 << 10)
-    live = LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], allow_runtime_lora=True)))
+    live = start(world, engine_options={"cpu_budget_bytes": 16 << 10}, allow_runtime_lora=True)
     yield live
     live.close()
 
