@@ -60,11 +60,12 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start(world, adapters=("sql", "chat"), **config):
-    """A live server named "tiny" with ``adapters`` registered, two GPU slots, runtime loads from the root."""
+def start(world, adapters=("sql", "chat"), engine_options=None, **config):
+    """A live server named "tiny" with ``adapters`` registered, two GPU slots, runtime loads from the root;
+    ``engine_options``: other EngineConfig fields (e.g. a cpu_budget_bytes that forces CPU-tier evictions)."""
     base, tokenizer, root, paths = world
     engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: paths[n] for n in adapters},
-                    block_size=4, patience=4)
+                    block_size=4, patience=4, **(engine_options or {}))
     return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)))
 
 

@@ -235,16 +235,20 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):
     bad.mkdir()
     (bad / "adapter_config.json").write_text((Path(saved["r4"].path) / "adapter_config.json").read_text())
     weights = load_file(Path(saved["r4"].path) / "adapter_model.safetensors")
-    weights[next(k for k in weights if "lora_A" in k)][0, 0] = float("nan")
     save_file(weights, bad / "adapter_model.safetensors")
-    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4, adapters={"r8": saved["r8"].path})
-    engine.register_adapter("nan", bad)  # the header is fine: the values are read at first use
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4, adapters={"r8": saved["r8"].path},
+                    cpu_budget_bytes=40 << 10)
+    engine.register_adapter("nan", bad)
+    engine.register_adapter("filler", saved["r8"].path)  # the CPU tier drops "nan": it is read again at first use
+    weights[next(k for k in weights if "lora_A" in k)][0, 0] = float("nan")
+    save_file(weights, bad / "adapter_model.safetensors")  # and its files changed since it was registered
     good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), "r8")
     broken = engine.add_request([4, 5], SamplingParams(max_tokens=5), "nan")
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
     finished = {o.request_id: o for o in outs if o.finished}
-    assert finished[broken].finish_reason == "error" and "NaN" in finished[broken].error
+    assert finished[broken].finish_reason == "error" and "changed on disk since it was registered" in \
+        finished[broken].error
     assert [t for o in outs if o.request_id == good for t in o.token_ids] == reference(base, saved, [1, 2, 3], "r8", 5)
     assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -60,12 +60,11 @@ def post(url, path, body, headers=KEY, **kw):
 
 def test_every_response_and_every_adapter_is_counted_exactly(world):
     _, _, root, adapters = world
-    nan = root / "nan"  # a header that checks out, values that do not: its stream fails at first use
+    nan = root / "nan"  # changed on disk after its load and dropped from the CPU tier: its stream fails at first use
     shutil.copytree(adapters["sql"], nan)
-    weights = load_file(nan / "adapter_model.safetensors")
-    weights[next(k for k in weights if "lora_A" in k)][0, 0] = float("nan")
-    save_file(weights, nan / "adapter_model.safetensors")
-    live = start(world, adapters=("sql", "chat", "v2"), api_key="secret", allow_runtime_lora=True)
+    # A CPU tier that holds v2 (27 KiB) and nothing beside it.
+    live = start(world, adapters=("sql", "chat", "v2"), engine_options={"cpu_budget_bytes": 28 << 10},
+                 api_key="secret", allow_runtime_lora=True)
     engine = live.server.config.app.state.engine
     url = live.url
     sent = Counter()  # (endpoint, status) -> responses
@@ -102,6 +101,12 @@ def test_every_response_and_every_adapter_is_counted_exactly(world):
         # A stream that fails midway: its status is 200, its error event a 400.
         check(post(url, "/v1/load_lora_adapter", {"lora_name": "nan", "lora_path": str(nan)}),
               "/v1/load_lora_adapter", 200)
+        weights = load_file(nan / "adapter_model.safetensors")
+        weights[next(k for k in weights if "lora_A" in k)][0, 0] = float("nan")
+        save_file(weights, nan / "adapter_model.safetensors")
+        out = check(post(url, "/v1/completions", {"model": "v2", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                  "ignore_eos": True}), "/v1/completions", 200)  # drops nan's image
+        used["v2"].append((out.json()["usage"]["prompt_tokens"], 2, "length"))
         with httpx.stream("POST", f"{url}/v1/completions", headers=KEY, timeout=60, json={
                 "model": "nan", "prompt": "hi", "max_tokens": 3, "stream": True}) as r:
             events = list(r.iter_lines())
@@ -137,7 +142,7 @@ def test_every_response_and_every_adapter_is_counted_exactly(world):
             label: sum(1 for _, g, _ in r if g) for label, r in used.items()}  # one first token per request
         assert by(series, "lorakit_time_per_output_token_seconds_count", "adapter") == {
             label: sum(max(g - 1, 0) for _, g, _ in r) for label, r in used.items()}  # one gap per further token
-        # Three adapters through two GPU slots: sql, v2, chat, then sql again; the last two each evicted one.
+        # Three adapters through two GPU slots: sql, v2, chat, sql again, v2 again; each load after two evicted one.
         loads = by(series, "lorakit_adapter_loads_total", "adapter")
         evictions = by(series, "lorakit_adapter_evictions_total", "adapter")
         assert loads == engine.pool.stats.loads_by_adapter and set(loads) == {"sql", "v2", "chat"}

@@ -44,6 +44,8 @@ class EngineConfig:
     graph_sizes: tuple[int, ...] | None = _opt(None, "batch-size buckets of the decode graphs (default 1, 2, 4, 8, "
                                                "16, 32, ... up to max_num_seqs)")
     cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
+    lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
+                             "--lora-non-strict")
 
     def __post_init__(self):
         PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
@@ -55,7 +57,7 @@ class EngineConfig:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_int("patience", self.patience, 0)
         _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
-        for name in ("cuda_graphs", "compile"):
+        for name in ("cuda_graphs", "compile", "lora_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.graph_sizes is not None:

@@ -33,6 +33,7 @@ from lorakit.engine.pool import AdapterPool
 from lorakit.engine.runner import ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
+from lorakit.engine.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammars
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.handle import LoraHandle
@@ -89,6 +90,14 @@ class _NoText:
 _NO_TEXT = _NoText()
 
 
+@dataclass(frozen=True)
+class CheckedAdapter:
+    """An adapter folder read and checked in full by ``Engine.read_adapter``, ready for ``install_adapter``."""
+
+    snapshot: Snapshot
+    tokenizer: object  # the folder's tokenizer, False when it has none
+
+
 @dataclass
 class _Sampled:
     """What a step sampled, as host lists: one row per request that samples."""
@@ -126,8 +135,8 @@ class Engine:
         self.config = config = _resolve(config, model, text_config, self.handle.device)
         manager = self.handle.slots.manager
         self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
-            self.handle, cpu_budget_bytes=config.cpu_budget_bytes)
-        self._tokenizers: dict[tuple[str, int], object] = {}  # (adapter, version) -> its folder's tokenizer or False
+            self.handle, cpu_budget_bytes=config.cpu_budget_bytes, strict=config.lora_strict)
+        self._tokenizers: dict[Snapshot, object] = {}  # an adapter version -> its folder's tokenizer, or False
         for name, path in (adapters or {}).items():
             self.register_adapter(name, path)
         self.pool.reserve(self.pool.adapters)  # slot buffers at these adapters' ranks before the graphs are captured
@@ -193,13 +202,15 @@ class Engine:
 
     def tokenizer_for(self, adapter: str | None):
         """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,
-        safe from any thread (``register_adapter`` reads an adapter's tokenizer, on the engine's thread)."""
+        safe from any thread (``read_adapter`` reads an adapter's tokenizer when it is registered)."""
         if adapter is None:
             return self.tokenizer
-        key = (adapter, self.pool.adapters.get(adapter))
-        tokenizer = self._tokenizers.get(key)
-        if tokenizer is None and key[1] is not None:  # registered on the pool directly: read it now
-            tokenizer = self._tokenizers[key] = _own_tokenizer(adapter, self.pool.info(adapter).path)
+        snapshot = self.pool.snapshot(adapter)
+        if snapshot is None:
+            return self.tokenizer
+        tokenizer = self._tokenizers.get(snapshot)
+        if tokenizer is None:  # registered on the pool directly: read it now
+            tokenizer = self._tokenizers[snapshot] = read_tokenizer(adapter, snapshot.info.path)
         return tokenizer or self.tokenizer
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
@@ -343,16 +354,36 @@ class Engine:
     # Adapters at run time (the server's load/unload endpoints).
 
     def register_adapter(self, name: str, path: str | Path) -> int:
-        """Register (or hot-swap) an adapter on the pool and read the tokenizer its folder carries, if any."""
-        tokenizer = _own_tokenizer(name, Path(path))  # first: a tokenizer that cannot be read refuses the adapter
-        version = self.pool.register(name, path)
-        self._forget_tokenizers(name)
-        self._tokenizers[(name, version)] = tokenizer
+        """Register (or hot-swap) an adapter, with the tokenizer its folder carries if any: ``install_adapter(
+        read_adapter(name, path))``. Returns its version number."""
+        return self.install_adapter(self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: str | Path, roots: Sequence[str | Path] | None = None) -> CheckedAdapter:
+        """Read an adapter folder once and check it in full: the pool's snapshot of its config and weights
+        (``AdapterPool.read``), and its tokenizer (``read_tokenizer``), every file inside ``roots`` when given. Changes
+        nothing and touches only what never changes, so any thread may call it (the server reads off the engine
+        thread). Raises AdapterError (ValueError for a bad name)."""
+        snapshot = self.pool.read(name, path, roots)
+        return CheckedAdapter(snapshot, read_tokenizer(name, snapshot.info.path, roots))
+
+    def install_adapter(self, checked: CheckedAdapter) -> int:
+        """Make a checked adapter the current version of its name (cheap: reads nothing); its version number."""
+        snapshot = checked.snapshot
+        self._tokenizers[snapshot] = checked.tokenizer  # first: the new version is never found without it
+        try:
+            version = self.pool.install(snapshot)
+        except BaseException:
+            self._tokenizers.pop(snapshot, None)
+            raise
+        self._forget_tokenizers(snapshot.name)
         return version
 
     def _forget_tokenizers(self, name: str) -> None:
-        for key in [k for k in self._tokenizers if k[0] == name]:
-            del self._tokenizers[key]  # running requests keep theirs (their detokenizer holds it)
+        """Drop the tokenizers of ``name``'s versions but the current one (running requests keep theirs: their
+        detokenizer holds it)."""
+        current = self.pool.snapshot(name)
+        for snapshot in [s for s in list(self._tokenizers) if s.name == name and s is not current]:
+            self._tokenizers.pop(snapshot, None)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter: running requests finish on it; waiting ones end now with an error their client sees
@@ -364,19 +395,6 @@ class Engine:
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
                                                      f"on it; send it again with a model that is loaded"))
 
-
-
-def _own_tokenizer(name: str, folder: Path):
-    """The tokenizer an adapter folder carries (``False`` when it has none: the engine's serves it)."""
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return False
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # noqa: BLE001 - any failure to read it refuses the adapter, naming why
-        raise AdapterError(f"adapter {name!r} at {folder}: its tokenizer cannot be read ({type(e).__name__}: "
-                           f"{e}); fix or remove the tokenizer files in the folder") from e
 
 
 def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:

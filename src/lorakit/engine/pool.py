@@ -2,11 +2,14 @@
 
 Three tiers, as S-LoRA has them:
 
-- **disk**: ``register(name, path)`` records a PEFT folder under a name. Only the config and the
-  safetensors header are read, and every check that needs no weight values runs then, so a bad adapter
-  is refused at registration. Registering an existing name again is a hot-swap: a new version.
+- **disk**: ``register(name, path)`` records a PEFT folder under a name: ``read`` (any thread) reads its files
+  once into a private copy, hashes them and checks everything (config, keys, shapes, rank, every value), so a
+  bad adapter is refused at registration; ``install`` (cheap) makes that snapshot the name's current version.
+  Registering an existing name again is a hot-swap: a new version.
 - **CPU**: ``SlotImage``s (the adapter packed as a slot holds it, in the model's dtype, in pinned memory
-  on a GPU machine), least-recently-used first out under a byte budget.
+  on a GPU machine), least-recently-used first out under a byte budget. A version's first image is its
+  snapshot's: what is served is what was checked. Read again after an eviction, the files must give the
+  same sha256 at the same real paths, or that adapter fails closed (``AdapterError``) until registered again.
 - **GPU**: the patched model's ``max_loras`` slots. ``acquire(names)`` returns slot ids for a batch,
   loading what is missing into free slots or evicting the least recently used adapter that no running
   request holds and nobody pinned; ``release(slots)`` gives them back.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -38,16 +42,35 @@ from pathlib import Path
 
 import torch
 
+from lorakit.engine.snapshot import Changed, Snapshot, read_snapshot, reread
 from lorakit.layers.adapter import AdapterError, AdapterInfo
-from lorakit.layers.image import SlotImage, needs_growth
 from lorakit.layers.handle import LoraHandle
+from lorakit.layers.image import SlotImage, needs_growth
 
 logger = logging.getLogger("lorakit.pool")
 
-__all__ = ["AdapterPool", "PoolFull"]
+__all__ = ["AdapterPool", "PoolFull", "Snapshot", "check_name"]
 
 
 CPU_BUDGET_BYTES = 2 << 30  # the CPU tier's default size
+
+
+_NAME = re.compile(r"[A-Za-z0-9_:+-][A-Za-z0-9._:+-]{0,127}")
+NAME_RULE = "1 to 128 characters of letters, digits and . _ : + - (not starting with '.')"
+
+
+def check_name(name) -> str:
+    """``name`` if it is a valid adapter name (``NAME_RULE``: no paths, markup or control characters), else
+    ValueError."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"an adapter name must be {NAME_RULE}, got {_shown(name)}")
+    return name
+
+
+def _shown(value) -> str:
+    """``value`` for a message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(value)} characters)"
 
 
 class PoolFull(Exception):
@@ -61,12 +84,17 @@ class _Version:
 
     name: str
     number: int
-    info: AdapterInfo
+    snapshot: Snapshot
     nbytes: int  # of its packed image
     slot: int | None = None
     refs: int = 0
     retired: bool = False
     ready: object = None  # the upload's CUDA event until the compute stream has waited for it
+    changed: str | None = None  # why its files no longer match the snapshot: it fails closed
+
+    @property
+    def info(self) -> AdapterInfo:
+        return self.snapshot.info
 
     def __repr__(self) -> str:
         return f"{self.name!r} v{self.number}"
@@ -102,9 +130,10 @@ class AdapterPool:
 
     ``cpu_budget_bytes``: the CPU cache's size (default ``CPU_BUDGET_BYTES``, 2 GiB). At start, the slot buffers
     at the model's ``max_rank`` must fit in free device memory, or the pool refuses to start and says what to lower.
+    ``strict``: refuse adapters whose weights and config targets disagree (``handle.read_adapter``'s ``strict``).
     """
 
-    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = CPU_BUDGET_BYTES):
+    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = CPU_BUDGET_BYTES, strict: bool = True):
         if not isinstance(handle, LoraHandle):
             raise TypeError(f"AdapterPool needs the LoraHandle lorakit.patch returned, got {type(handle).__name__}")
         if not isinstance(cpu_budget_bytes, int) or cpu_budget_bytes < 0:
@@ -112,6 +141,7 @@ class AdapterPool:
         # Fixed at start.
         self.handle = handle
         self.device = handle.device
+        self.strict = strict
         self._check_memory(cpu_budget_bytes)
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -142,36 +172,49 @@ class AdapterPool:
 
     def register(self, name: str, path: str | Path) -> int:
         """Register the PEFT folder at ``path`` as ``name``, or as a new version of it (hot-swap: running
-        requests finish on the version they hold). Checks the config and the weights' header now, reading
-        no weights (except for a pinned name, whose new version is loaded now when a slot is free, else at
-        its next use); returns the version number. On error nothing changes."""
-        if not isinstance(name, str) or not name or name != name.strip():
-            raise ValueError(f"an adapter name must be a non-empty string without surrounding spaces, got {name!r}")
-        info = self.handle.inspect_adapter(name, path)  # outside the lock: file reads
-        where = f"adapter {name!r} at {path}"
-        nbytes = self._image_bytes(info)
-        if nbytes > self._cpu.budget:
-            raise AdapterError(f"{where}: it takes {nbytes / 2**20:.1f} MiB, more than the whole CPU cache "
-                               f"({self._cpu.budget / 2**20:.1f} MiB); raise cpu_budget_bytes")
+        requests finish on the version they hold): ``install(read(name, path))``. Returns the version number.
+        On error nothing changes."""
+        return self.install(self.read(name, path))
+
+    def read(self, name: str, path: str | Path, roots: Sequence[str | Path] | None = None) -> Snapshot:
+        """Read the PEFT folder at ``path`` for ``name`` once and check it in full, changing nothing (any thread; a
+        server reads off its engine thread). The files are resolved (inside ``roots`` when given), copied
+        privately while hashed, and everything is checked on that copy: the config, every key, module and shape,
+        the rank, the size against the CPU budget, every value (NaN, overflow). Raises AdapterError (ValueError
+        for a bad name)."""
+        snapshot = read_snapshot(self.handle, check_name(name), path, roots, strict=self.strict, pin=self._pin,
+                                 max_bytes=self._cpu.budget)
+        snapshot.reader = self
+        return snapshot
+
+    def install(self, snapshot: Snapshot) -> int:
+        """Make a snapshot from ``read`` the current version of its name (a hot-swap when the name is registered:
+        running requests finish on the version they hold; a pinned name's new version is loaded now when a slot is
+        free). Cheap: reads nothing. Returns the version number."""
+        if snapshot.reader is not self:
+            raise ValueError(f"the snapshot of {snapshot.name!r} was read by another pool; read it with this one")
         with self._lock:
-            old = self._current.get(name)
-            version = _Version(name, old.number + 1 if old else 1, info, nbytes)
-            image = self._image(version) if name in self._pins else None  # may raise: nothing changed yet
-            self._current[name] = version
+            image, snapshot.image = snapshot.image, None
+            if image is None:
+                raise ValueError(f"the snapshot of {snapshot.name!r} is installed already; read the folder again")
+            old = self._current.get(snapshot.name)
+            version = _Version(snapshot.name, old.number + 1 if old else 1, snapshot, image.nbytes)
+            self._current[snapshot.name] = version
             if old is not None:
                 self.stats.swaps += 1
                 self._retire(old)
-            if image is not None:  # a pinned name's new version takes its pin: loaded now if a slot is free
-                self._cache(version, image)
+            self._cache(version, image)
+            if snapshot.name in self._pins:  # the new version takes the pin
                 self._make_resident([version], evict=True, strict=False)
-            logger.info("registered %r (%.1f MiB, rank <= %d)", version, nbytes / 2**20, info.max_rank)
+            logger.info("registered %r from %s (%.1f MiB, rank <= %d, sha256 %s)", version, snapshot.info.path,
+                        image.nbytes / 2**20, snapshot.info.max_rank, snapshot.sha256)
             return version.number
 
     def unregister(self, name: str) -> None:
         """Forget ``name``: new requests cannot use it; running ones finish on the version they hold."""
         with self._lock:
             if name not in self._current:
-                raise AdapterError(f"no adapter {name!r} is registered (registered: {self._names()})")
+                raise AdapterError(f"no adapter {_shown(name)} is registered (registered: {self._names()})")
             self._pins.discard(name)
             self._retire(self._current.pop(name))
 
@@ -182,6 +225,16 @@ class AdapterPool:
     def adapters(self) -> dict[str, int]:
         """Registered names and their current version numbers."""
         return {name: v.number for name, v in self._current.copy().items()}
+
+    @property
+    def versions(self) -> dict[str, tuple[int, str]]:
+        """Registered names and their current versions: (number, sha256 of the files as read)."""
+        return {name: (v.number, v.snapshot.sha256) for name, v in self._current.copy().items()}
+
+    def snapshot(self, name: str) -> Snapshot | None:
+        """The snapshot of ``name``'s current version (None when it is not registered): one object per version."""
+        v = self._current.get(name)
+        return None if v is None else v.snapshot
 
     def info(self, name: str) -> AdapterInfo:
         """What registration read of the current version of ``name`` (config, modules, added tokens)."""
@@ -369,11 +422,14 @@ class AdapterPool:
             self.stats.cpu_hits += 1
             return image
         self.stats.cpu_misses += 1
-        adapter = self.handle.read_adapter(v.name, v.info.path)
-        if {m: lora.rank for m, lora in adapter.modules.items()} != {m: r for m, (r, _) in v.info.modules.items()}:
-            raise AdapterError(f"adapter {v.name!r} at {v.info.path}: the files changed since it was registered; "
-                               f"register it again")
-        return self.handle.pack(adapter, pin=self._pin)
+        if v.changed is None:
+            try:
+                return reread(self.handle, v.snapshot, strict=self.strict, pin=self._pin)
+            except Changed as e:
+                v.changed = (f"adapter {v.name!r} at {v.info.path}: changed on disk since it was registered ({e}); "
+                             f"register it again")
+                logger.warning("%s", v.changed)
+        raise AdapterError(v.changed)
 
     def _cache(self, v: _Version, image: SlotImage) -> None:
         cache = self._cpu
@@ -435,15 +491,6 @@ class AdapterPool:
             self._cpu.nbytes -= image.nbytes
         if v.refs == 0:
             self._free(v)
-
-    def _image_bytes(self, info: AdapterInfo) -> int:
-        """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype."""
-        itemsize = self.handle.dtype.itemsize
-        total = 0
-        for module, (rank, _) in info.modules.items():
-            base = self.handle.base_modules[module]
-            total += rank * (base.in_features + base.out_features) * itemsize
-        return total
 
     def _check_memory(self, cpu_budget: int) -> None:
         config = self.handle.config

@@ -1,16 +1,20 @@
 """Read and validate a PEFT LoRA ``adapter_config.json``: every LoraConfig field that changes PEFT's
 forward is matched by lorakit or refused with an ``AdapterError`` naming the adapter and the fix.
-Semantics are those of peft 0.21 (tuners/lora/config.py)."""
+Semantics are those of peft 0.21 (tuners/lora/config.py). The work is bounded: a config larger than
+``MAX_CONFIG_BYTES`` is refused unread, one nested deeper than ``MAX_JSON_DEPTH`` unparsed."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KiB
+MAX_JSON_DEPTH = 64  # arrays and objects inside one another; PEFT's configs nest 3 deep
 
 
 class AdapterError(ValueError):
@@ -64,15 +68,48 @@ def read_adapter_config(name: str, path) -> dict:
                 "it looks like a full model (config.json), not a PEFT adapter" if (path / "config.json").exists()
                 else "pass the folder PEFT's save_pretrained() wrote")
         raise AdapterError(f"{where}: no {CONFIG_NAME} in the folder; {hint}")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
-        raise AdapterError(f"{where}: {CONFIG_NAME} is not readable, valid JSON ({e}); re-save the adapter with "
-                           f"PEFT's save_pretrained()") from e
+    config = read_json(file, where, MAX_CONFIG_BYTES, "re-save the adapter with PEFT's save_pretrained()")
     if not isinstance(config, dict):
         raise AdapterError(f"{where}: {CONFIG_NAME} must hold a JSON object, got {type(config).__name__}")
     _check_config(config, where)
     return config
+
+
+def read_json(file: Path, where: str, max_bytes: int, fix: str):
+    """The JSON value in ``file``, refused (AdapterError naming the file and ``fix``) when it is larger than
+    ``max_bytes`` (read no further), nested deeper than ``MAX_JSON_DEPTH``, or not readable, valid JSON."""
+    name = Path(file).name
+    try:
+        with open(file, "rb") as f:
+            data = f.read(max_bytes + 1) if os.fstat(f.fileno()).st_size <= max_bytes else None
+    except OSError as e:
+        raise AdapterError(f"{where}: {name} is not readable ({e}); {fix}") from e
+    if data is None or len(data) > max_bytes:
+        raise AdapterError(f"{where}: {name} is larger than {max_bytes} bytes, far more than such a file holds; "
+                           f"{fix}")
+    return parse_json(data, f"{where}: {name}", fix)
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def parse_json(data: bytes, what: str, fix: str):
+    """``data`` parsed as JSON, nested at most ``MAX_JSON_DEPTH`` deep (counted before parsing: Python's parser
+    recurses), else AdapterError naming ``what`` and ``fix``."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"{what} is not UTF-8 text ({e}); {fix}") from e
+    depth = 0
+    for bracket in _BRACKETS.findall(_JSON_STRING.sub("", text)):  # brackets outside strings
+        depth += 1 if bracket in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise AdapterError(f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep; {fix}")
+    try:
+        return json.loads(text)
+    except ValueError as e:  # JSONDecodeError
+        raise AdapterError(f"{what} is not readable, valid JSON ({e}); {fix}") from e
 
 
 def _is_int(v) -> bool:

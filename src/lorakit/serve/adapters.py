@@ -1,15 +1,19 @@
 """Adapters loaded and unloaded at run time, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` as vLLM
-has them, on the engine thread.
+has them.
 
 Loading from paths is a security boundary: off unless ``allow_runtime_lora``, and then only folders inside
-``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes), and only safetensors
-(the loader never unpickles). A load under a registered name is a hot-swap: running requests keep their version.
+``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes; every file is checked
+again when it is read), only safetensors (the loader never unpickles), only names the pool accepts
+(``check_name``). The files are read once and checked in full off the engine thread; what is served is that
+snapshot (``lorakit.engine.snapshot``). A load under a registered name is a hot-swap: running requests keep their
+version, and a load that fails leaves the old version serving.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from lorakit.engine.pool import check_name
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState
@@ -17,15 +21,20 @@ from lorakit.serve.state import ServerState
 __all__ = ["confined", "load", "unload"]
 
 _OFF = "runtime adapter loading is off; start the server with --allow-runtime-lora"
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 async def load(body: LoadBody, state: ServerState) -> dict:
     config = state.config
     if not config.allow_runtime_lora:
         raise ApiError(403, f"{_OFF} (and --lora-root DIR)")
-    path = confined(body.lora_path, config.lora_roots)
+    try:
+        check_name(body.lora_name)
+    except ValueError as e:
+        raise ApiError(400, str(e), "lora_name") from None
     if body.lora_name == config.model_name:
         raise ApiError(400, f"{body.lora_name!r} is the base model's name; pick another", "lora_name")
+    path = confined(body.lora_path, config.lora_roots)
     try:
         version = await state.register_adapter(body.lora_name, path)
     except (AdapterError, ValueError) as e:
@@ -44,14 +53,26 @@ async def unload(body: UnloadBody, state: ServerState) -> dict:
 
 
 def confined(path: str, roots: list[Path]) -> Path:
-    """``path`` resolved (links followed) if it and every file in it lie inside one of ``roots``; else ApiError."""
+    """``path`` resolved (links followed) if it and every file in it lie inside one of ``roots``; else ApiError
+    (400 for what is not a path: NUL bytes, more than ``MAX_PATH_CHARS``, a name the system refuses)."""
     if not roots:
         raise ApiError(403, "runtime loading has no --lora-root to load from", "lora_path")
-    resolved = Path(path).expanduser().resolve()
-    for root in roots:
-        root = Path(root).expanduser().resolve()
-        if resolved.is_relative_to(root):
-            if resolved.is_dir() and any(not f.resolve().is_relative_to(root) for f in resolved.iterdir()):
-                break  # a link inside the folder points outside the root
-            return resolved
-    raise ApiError(403, f"lora_path {path!r} is outside the allowed --lora-root folders", "lora_path")
+    if "\0" in path or len(path) > MAX_PATH_CHARS:
+        raise ApiError(400, f"lora_path must be a folder path of at most {MAX_PATH_CHARS} characters without NUL "
+                            f"bytes, got {len(path)} characters", "lora_path")
+    try:
+        resolved = Path(path).expanduser().resolve()
+        for root in roots:
+            root = Path(root).expanduser().resolve()
+            if resolved.is_relative_to(root):
+                if resolved.is_dir() and any(not f.resolve().is_relative_to(root) for f in resolved.iterdir()):
+                    break  # a link inside the folder points outside the root
+                return resolved
+    except (OSError, RuntimeError) as e:  # a name too long, a loop of links
+        raise ApiError(400, f"lora_path {_shown(path)} cannot be resolved ({getattr(e, 'strerror', None) or e})",
+                       "lora_path") from None
+    raise ApiError(403, f"lora_path {_shown(path)} is outside the allowed --lora-root folders", "lora_path")
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 200 else f"{text[:160]!r}... ({len(text)} characters)"

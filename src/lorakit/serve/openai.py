@@ -22,22 +22,26 @@ __all__ = ["chat", "completions", "model", "models"]
 
 
 def models(state: ServerState) -> dict:
-    """GET /v1/models: the base model, then every adapter by name."""
-    created = int(time.time())
-    return {"object": "list", "data": [_model(name, state, created)
-                                       for name in (state.config.model_name, *sorted(state.adapters))]}
+    """GET /v1/models: the base model, then every adapter by name, with its version and sha256 under "lorakit"."""
+    created, versions = int(time.time()), state.adapter_versions
+    return {"object": "list", "data": [_model(name, state, created, versions)
+                                       for name in (state.config.model_name, *sorted(versions))]}
 
 
 def model(model_id: str, state: ServerState) -> dict:
     """GET /v1/models/{model_id}."""
     state.adapter_of(model_id)
-    return _model(model_id, state, int(time.time()))
+    return _model(model_id, state, int(time.time()), state.adapter_versions)
 
 
-def _model(name: str, state: ServerState, created: int) -> dict:
+def _model(name: str, state: ServerState, created: int, versions: dict[str, tuple[int, str]]) -> dict:
     base = state.config.model_name
-    return {"id": name, "object": "model", "created": created, "owned_by": "lorakit",
-            "parent": None if name == base else base}
+    entry = {"id": name, "object": "model", "created": created, "owned_by": "lorakit",
+             "parent": None if name == base else base}
+    if name != base and name in versions:
+        number, sha256 = versions[name]
+        entry["lorakit"] = {"version": number, "sha256": sha256}  # which files, as read when it was registered
+    return entry
 
 
 def completions(body: CompletionBody, state: ServerState) -> Reply:

@@ -1,13 +1,15 @@
 """What every handler is given: ``ServerState``, the server's config, metrics, limit on requests in flight, and its
 one door to the engine.
 
-Only the engine thread touches the engine. From the event loop, ServerState only looks things up (the registered
-adapters, a tokenizer, a prompt's token ids, the context length); whatever reads adapter files or changes the
-engine (a request, a load, an unload) goes to the engine thread through ``AsyncEngine``.
+Only the engine thread changes the engine. From the event loop, ServerState only looks things up (the registered
+adapters, a tokenizer, a prompt's token ids, the context length); whatever changes the engine (a request, a load, an
+unload) goes to the engine thread through ``AsyncEngine``. A load reads and checks the adapter's files on a worker
+thread first (``Engine.read_adapter`` changes nothing), so the engine thread only installs what was checked.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,7 @@ class ServerState:
         self.async_engine: AsyncEngine | None = None
         self.metrics = Metrics(engine, lambda: self.async_engine)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
+        self._reading = asyncio.Lock()  # one adapter read at a time: each holds a whole adapter in memory
 
     def start(self) -> None:
         self.async_engine = AsyncEngine(self._engine)
@@ -71,6 +74,11 @@ class ServerState:
     def adapters(self) -> dict[str, int]:
         """Registered adapters and their versions."""
         return self._engine.pool.adapters
+
+    @property
+    def adapter_versions(self) -> dict[str, tuple[int, str]]:
+        """Registered adapters and their versions: (number, sha256 of the files as read)."""
+        return self._engine.pool.versions
 
     @property
     def eos_token_id(self) -> int | list[int] | None:
@@ -111,8 +119,12 @@ class ServerState:
     # On the engine thread.
 
     async def register_adapter(self, name: str, path: Path) -> int:
-        """Reads the adapter's files (400 for a bad one); its version."""
-        return await self.async_engine.call(self._engine.register_adapter, name, path)
+        """Reads and checks the adapter's files on a worker thread (every file inside the --lora-root folders;
+        AdapterError for a bad one) while the engine keeps stepping, then installs them on the engine thread; its
+        version."""
+        async with self._reading:
+            checked = await asyncio.to_thread(self._engine.read_adapter, name, path, self.config.lora_roots or None)
+        return await self.async_engine.call(self._engine.install_adapter, checked)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.async_engine.call(self._engine.unregister_adapter, name)

@@ -1,0 +1,258 @@
+"""An adapter folder read once, as untrusted input: what is served is what was checked.
+
+``read_snapshot`` resolves each file's path (inside the allowed folders, when there are any), opens it at that real
+path without following a link, reads only a regular file of bounded size, and copies it into a private folder
+while hashing it. Everything is checked on that copy, in full (config, keys, shapes, rank, every value), and
+packed: the ``Snapshot``. A file changed or swapped on disk afterwards cannot reach it, and a later re-read
+(``reread``, after the CPU tier dropped the image) must find the same bytes at the same real paths, or raises
+``Changed``. ``read_tokenizer`` reads an adapter's tokenizer files the same way, and never runs code from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorakit.layers.adapter import AdapterError, AdapterInfo
+from lorakit.layers.adapter_config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
+from lorakit.layers.handle import LoraHandle
+from lorakit.layers.image import SlotImage
+
+__all__ = ["Changed", "FileRecord", "Snapshot", "read_snapshot", "read_tokenizer", "reread"]
+
+TOKENIZER_FILE_BYTES = 64 << 20  # per tokenizer file; the largest vocabularies' tokenizer.json take ~35 MB
+# Files transformers reads for a tokenizer, besides those its class names (vocab_files_names); nothing else is read.
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt",
+                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model", "tekken.json")
+_TEMPLATES = "additional_chat_templates"  # transformers' folder of extra chat templates (*.jinja)
+
+
+class Changed(AdapterError):
+    """A file is no longer the one that was read (other bytes, a link now, gone): its adapter fails closed."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file as it was read: its name in the folder, the real path it was read from, its size and sha256."""
+
+    name: str
+    real: Path
+    size: int
+    sha256: str
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """An adapter as ``read_snapshot`` read it: checked in full, identified by ``sha256`` (``digest`` of its config
+    and weights files as read), packed into ``image`` for the CPU tier. Installing it takes the image (a snapshot
+    installs once); ``files`` tell a re-read where the same bytes must be."""
+
+    name: str
+    info: AdapterInfo  # info.path: the folder's real path
+    sha256: str
+    files: tuple[FileRecord, ...]
+    image: SlotImage | None = field(default=None, repr=False)
+    reader: object = field(default=None, repr=False)  # what read it (an AdapterPool: its model's layout)
+
+
+def read_snapshot(handle: LoraHandle, name: str, path: str | Path, roots: Sequence[str | Path] | None, *,
+                  strict: bool, pin: bool, max_bytes: int) -> Snapshot:
+    """Read the PEFT folder at ``path`` once and check it in full for ``handle``'s model; its packed image may take at
+    most ``max_bytes``. Changes nothing; raises AdapterError."""
+    where = f"adapter {name!r} at {path}"
+    folder = _resolve(path, roots, where, "the folder")
+    where = f"adapter {name!r} at {folder}"
+    files = {file: _resolve(folder / file, roots, where, file)
+             for file in (CONFIG_NAME, WEIGHTS_NAME) if os.path.lexists(folder / file)}
+    info = handle.inspect_adapter(name, folder, strict=strict)  # the cheap refusals (config, header) before the copy
+    _check_size(image_bytes(handle, info), max_bytes, where)
+    with _private_copy(folder, where) as copy:
+        if files.keys() != {CONFIG_NAME, WEIGHTS_NAME}:
+            raise AdapterError(f"{where}: its files changed while they were read; try again")
+        limits = {CONFIG_NAME: MAX_CONFIG_BYTES, WEIGHTS_NAME: os.stat(files[WEIGHTS_NAME]).st_size}
+        records = tuple(_copy_in(real, copy / file, limits[file], where) for file, real in files.items())
+        adapter = handle.read_adapter(name, copy, strict=strict)
+        info = handle.inspect_adapter(name, copy, strict=strict)
+    image = handle.pack(adapter, pin=pin)
+    _check_size(image.nbytes, max_bytes, where)
+    return Snapshot(name, dataclasses.replace(info, path=folder), digest(records), records, image)
+
+
+def reread(handle: LoraHandle, snapshot: Snapshot, *, strict: bool, pin: bool) -> SlotImage:
+    """The snapshot's image read again from its files; ``Changed`` unless the same real paths (no link on the way)
+    give the same sha256."""
+    folder = snapshot.info.path
+    with _private_copy(folder, f"adapter {snapshot.name!r} at {folder}") as copy:
+        records = [_recopy(record, copy) for record in snapshot.files]
+        now = digest(records)
+        if now != snapshot.sha256:
+            raise Changed(f"sha256 {now}, registered {snapshot.sha256}")
+        adapter = handle.read_adapter(snapshot.name, copy, strict=strict)
+    return handle.pack(adapter, pin=pin)
+
+
+def digest(records: Iterable[FileRecord]) -> str:
+    """One sha256 for the files: of the lines ``sha256sum`` prints for them (in the folder, ``sha256sum
+    adapter_config.json adapter_model.safetensors | sha256sum`` gives the same)."""
+    return hashlib.sha256("".join(f"{r.sha256}  {r.name}\n" for r in records).encode()).hexdigest()
+
+
+def image_bytes(handle: LoraHandle, info: AdapterInfo) -> int:
+    """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype."""
+    itemsize = handle.dtype.itemsize
+    total = 0
+    for module, (rank, _) in info.modules.items():
+        base = handle.base_modules[module]
+        total += rank * (base.in_features + base.out_features) * itemsize
+    return total
+
+
+def _check_size(nbytes: int, max_bytes: int, where: str) -> None:
+    if nbytes > max_bytes:
+        raise AdapterError(f"{where}: it takes {nbytes / 2**20:.1f} MiB, more than the whole CPU cache "
+                           f"({max_bytes / 2**20:.1f} MiB); raise cpu_budget_bytes")
+
+
+# Files.
+
+def _resolve(path: str | Path, roots: Sequence[str | Path] | None, where: str, what: str) -> Path:
+    """``path`` with every link resolved; AdapterError when ``roots`` are given and it lies outside all of them."""
+    real = Path(os.path.realpath(path))
+    if roots is not None and not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
+        raise AdapterError(f"{where}: {what} resolves to {real}, outside the folders adapters may be loaded from")
+    return real
+
+
+@contextlib.contextmanager
+def _private_copy(folder: Path, where: str) -> Iterator[Path]:
+    """A folder only this process writes (mode 0700), removed afterwards, to copy ``folder``'s files into. Errors
+    raised inside name ``folder`` instead of the copy; an OSError becomes an AdapterError."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="lorakit-adapter-") as copy:
+            try:
+                yield Path(copy)
+            except AdapterError as e:
+                raise type(e)(str(e).replace(copy, str(folder))) from e
+    except OSError as e:
+        raise AdapterError(f"{where}: its files could not be read ({e})") from e
+
+
+def _copy_in(real: Path, dest: Path, max_bytes: int, where: str = "") -> FileRecord:
+    """Copy the regular file at ``real`` (no link followed there) to ``dest`` while hashing it. AdapterError when
+    it is not a regular file or is larger than ``max_bytes`` (read no further); ``Changed`` when it is a link."""
+    at = f"{where}: " if where else ""
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO cannot hang the open
+    except OSError as e:
+        if os.path.islink(real):
+            raise Changed(f"{at}{dest.name} is a link now") from e
+        raise AdapterError(f"{at}{dest.name} cannot be read ({e.strerror})") from e
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AdapterError(f"{at}{dest.name} is not a regular file")
+        if st.st_size > max_bytes:
+            raise AdapterError(f"{at}{dest.name} has {st.st_size} bytes, more than the {max_bytes} lorakit reads")
+        h, size = hashlib.sha256(), 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "xb") as out:
+            while chunk := f.read(min(1 << 22, max_bytes + 1 - size)):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise AdapterError(f"{at}{dest.name} grew past {max_bytes} bytes while it was read")
+                h.update(chunk)
+                out.write(chunk)
+    return FileRecord(dest.name, Path(real), size, h.hexdigest())
+
+
+def _recopy(record: FileRecord, folder: Path) -> FileRecord:
+    """Copy the file ``record`` was read from into ``folder`` again; ``Changed`` unless the same real path (no link
+    on the way) holds a regular file of the same size (the caller compares the hashes)."""
+    if not os.path.lexists(record.real):
+        raise Changed(f"{record.name} is gone")
+    if os.path.realpath(record.real) != str(record.real):
+        raise Changed(f"{record.name} no longer resolves to {record.real}: a link is on the way")
+    try:
+        new = _copy_in(record.real, folder / record.name, record.size)
+    except Changed:
+        raise
+    except AdapterError as e:  # not a regular file, or larger
+        raise Changed(str(e)) from e
+    if new.size != record.size:
+        raise Changed(f"{record.name} has {new.size} bytes, {record.size} when it was registered")
+    return new
+
+
+# Tokenizers.
+
+def read_tokenizer(name: str, folder: str | Path, roots: Sequence[str | Path] | None = None):
+    """The tokenizer an adapter folder carries (``False`` when it has none: the engine's serves it), read from a
+    private copy of its tokenizer files (inside ``roots`` when given). Never runs or imports code from the folder:
+    a tokenizer_config.json with ``auto_map`` (custom code) or a ``tokenizer_class`` that is not one of
+    transformers' tokenizer classes is refused (AdapterError)."""
+    folder = Path(folder)
+    where = f"adapter {name!r} at {folder}"
+    if not any(os.path.lexists(folder / f) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return False
+    fix = "fix or remove the tokenizer files in the folder"
+    with _private_copy(folder, where) as copy:
+        def take(file: str) -> None:
+            if os.path.lexists(folder / file) and not (copy / file).exists():
+                _copy_in(_resolve(folder / file, roots, where, file), copy / file, TOKENIZER_FILE_BYTES, where)
+
+        take("tokenizer_config.json")
+        config = {}
+        if (copy / "tokenizer_config.json").exists():
+            config = parse_json((copy / "tokenizer_config.json").read_bytes(), f"{where}: tokenizer_config.json", fix)
+        if not isinstance(config, dict):
+            raise AdapterError(f"{where}: tokenizer_config.json must hold a JSON object; {fix}")
+        if config.get("auto_map"):
+            raise AdapterError(f"{where}: tokenizer_config.json has auto_map {str(config['auto_map'])[:200]}: a "
+                               f"tokenizer in custom code, and lorakit never runs code from an adapter folder; "
+                               f"remove auto_map")
+        cls = _tokenizer_class(config.get("tokenizer_class"), where)
+        for file in {*_TOKENIZER_FILES, *(getattr(cls, "vocab_files_names", None) or {}).values()}:
+            if isinstance(file, str) and "/" not in file:
+                take(file)
+        if (folder / _TEMPLATES).is_dir():
+            for template in sorted((folder / _TEMPLATES).glob("*.jinja"))[:64]:
+                take(f"{_TEMPLATES}/{template.name}")
+        import transformers
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(copy, trust_remote_code=False,
+                                                                   local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure to read it refuses the adapter, naming why
+            raise AdapterError(f"{where}: its tokenizer cannot be read ({type(e).__name__}: {str(e)[:500]}); "
+                               f"{fix}") from e
+    tokenizer.name_or_path = str(folder)
+    return tokenizer
+
+
+def _tokenizer_class(name, where: str):
+    """The transformers tokenizer class ``name`` names (None for none); AdapterError when transformers has no
+    tokenizer class of that name (it would fall back to another, or to custom code)."""
+    if name is None:
+        return None
+    from transformers import PreTrainedTokenizerBase
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    cls = None
+    if isinstance(name, str) and len(name) <= 100 and name.isidentifier():
+        cls = tokenizer_class_from_name(name)
+        if cls is None and not name.endswith("Fast"):
+            cls = tokenizer_class_from_name(name + "Fast")
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase)
+            and cls.__module__.startswith("transformers.")):
+        raise AdapterError(f"{where}: tokenizer_config.json names tokenizer_class {str(name)[:100]!r}, which is not "
+                           f"a tokenizer class of transformers; name one it has (e.g. PreTrainedTokenizerFast), or "
+                           f"remove the tokenizer files to use the base model's tokenizer")
+    return cls
