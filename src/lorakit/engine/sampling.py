@@ -98,7 +98,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
-        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32, allowed="an int >= 1 (and < 2**31)")
         _check_float("temperature", self.temperature, f"a float in [0, {MAX_TEMPERATURE:g}]",
                      lambda t: 0 <= t <= MAX_TEMPERATURE)
         _check_int("top_k", self.top_k, -1, MAX_INT32, allowed=f"0 or -1 (off) or an int in [1, {MAX_INT32}]")
