@@ -5,7 +5,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 it), ``GET /health``, ``GET /metrics`` (Prometheus). This file only assembles them: a route binds a path to its
 handler (openai.py, sglang.py, adapters.py: plain functions of the validated body and the ServerState), and
 ``streaming.respond`` sends the handler's reply. Whatever fails, the client gets an error in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed.
+``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed. A
+body larger than ``max_body_bytes`` is refused (413) before anything reads it whole or parses it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         app.add_api_route(path, endpoint, methods=[method])
     for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, error_response)
+    app.add_middleware(_BodyLimit, limit=state.config.max_body_bytes)  # inside the key check: no key, no reading
     if state.config.api_key:
         app.add_middleware(_BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
     app.add_middleware(CountResponses, metrics=state.metrics, routes=app.router.routes)  # last: outside the key check
@@ -85,15 +87,15 @@ async def model(model_id: str, state: State):
 
 
 async def completions(body: CompletionBody, request: Request, state: State):
-    return await respond(request, openai.completions(body, state), state.in_flight)
+    return await respond(request, await openai.completions(body, state), state.in_flight)
 
 
 async def chat(body: ChatBody, request: Request, state: State):
-    return await respond(request, openai.chat(body, state), state.in_flight)
+    return await respond(request, await openai.chat(body, state), state.in_flight)
 
 
 async def generate(body: sglang.GenerateBody, request: Request, state: State):
-    return await respond(request, sglang.generate(body, state), state.in_flight)
+    return await respond(request, await sglang.generate(body, state), state.in_flight)
 
 
 async def load_lora_adapter(body: LoadBody, state: State):
@@ -118,7 +120,7 @@ async def error_response(request: Request, e: Exception) -> JSONResponse:
     or method (405), or a bug (500, its traceback logged)."""
     if isinstance(e, RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = ".".join(str(p)[:100] for p in first.get("loc", ()) if p != "body")[:300]
         if first.get("type") == "json_invalid":
             e = ApiError(400, "the request body is not valid JSON")
         else:
@@ -145,3 +147,44 @@ class _BearerAuth:
                 e = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
                 return await JSONResponse(e.body(), e.status)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Refuses a request body larger than ``limit`` bytes with a 413: at once when its Content-Length says so, else
+    as soon as the bytes read pass it, before the app reads or parses any of it. Plain ASGI: the body is read here
+    and handed on whole; after it, ``receive`` is the server's (a disconnect still reaches the app)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        e = ApiError(413, f"the request body is larger than this server accepts ({self.limit} bytes, "
+                          f"--max-body-bytes)")
+        await JSONResponse(e.body(), e.status, headers={"connection": "close"})(scope, receive, send)

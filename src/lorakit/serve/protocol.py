@@ -8,6 +8,7 @@ error type handlers raise, and ``ApiError.body()`` the one place an error takes 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,11 +17,19 @@ from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
-           "nth_sample", "sampling_params"]
+           "nth_sample", "samples", "sampling_params", "shown", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_N = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """Something a client sent, as an error message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit + 2 else f"{text[:limit]}..."
 
 
 class ApiError(Exception):
@@ -123,9 +132,9 @@ def check_extras(model: BaseModel, where: str = "") -> None:
         if isinstance(value, BaseModel):
             check_extras(value, f"{where}{name}.")
     if extra:
-        names = ", ".join(f"'{where}{k}'" for k in sorted(extra))
+        names = ", ".join(shown(f"{where}{k}") for k in sorted(extra)[:10])
         raise ApiError(400, f"unsupported parameter(s): {names}; lorakit does not implement them (docs/serve.md "
-                            f"lists what it supports); remove them", param=f"{where}{sorted(extra)[0]}")
+                            f"lists what it supports); remove them", param=f"{where}{sorted(extra)[0]}"[:100])
 
 
 def chat_messages(body: ChatBody) -> list[dict[str, str]]:
@@ -140,7 +149,7 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
             raise ApiError(400, f"{where}.role: '{m.role}' messages need tool calling, which lorakit does not "
                                 f"support", param=f"{where}.role")
         if m.role not in CHAT_ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(m.role)}",
                            param=f"{where}.role")
         if isinstance(m.content, list):
             parts = []
@@ -219,9 +228,7 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     whatever room the context leaves, up to the server's limit).
     """
     check_extras(body)
-    n = 1 if body.n is None else body.n
-    if not 1 <= n <= 16:
-        raise ApiError(400, f"n must be in [1, 16], got {n}", param="n")
+    n = samples(body)
     if body.best_of is not None and body.best_of != n:
         raise ApiError(400, f"best_of={body.best_of} (other than n) is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
@@ -241,9 +248,9 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
         logprobs = body.logprobs
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-        bias[int(key)] = value
+        if token_id(key) is None:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {shown(key)}", param="logit_bias")
+        bias[token_id(key)] = value
     given = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
     if not body.stop:  # "" or []: none
         given.pop("stop", None)
@@ -254,6 +261,20 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     except ValueError as e:
         message = str(e).replace("SamplingParams.", "")
         raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+
+
+def token_id(key: str) -> int | None:
+    """A logit_bias key as an int: ASCII digits with an optional sign, at most 20 of them (None otherwise: int()
+    reads "²" as no number, and refuses 5,000 digits)."""
+    return int(key) if re.fullmatch(r"-?[0-9]{1,20}", key) else None
+
+
+def samples(body: CompletionBody | ChatBody) -> int:
+    """The request's ``n``, samples per prompt (400 outside [1, 16])."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {shown(n)}", param="n")
+    return n
 
 
 def nth_sample(params: SamplingParams, k: int) -> SamplingParams:
