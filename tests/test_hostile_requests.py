@@ -188,7 +188,8 @@ def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(world, server):
             assert "--max-prompt-chars" in error_of(r, 400)["message"]
             r = post(server, "/generate", {"text": huge})
             assert "--max-prompt-chars" in error_of(r, 400)["message"]
-            r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 1000})
+            many = [{"role": "user", "content": ""}] * 1000
+            r = post(server, "/v1/chat/completions", {"model": "tiny", "messages": many})
             assert "cannot fit" in error_of(r, 400)["message"]
     finally:
         engine.prompt_ids = prompt_ids

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
@@ -120,6 +121,19 @@ class LoadBody(BaseModel):
     lora_name: str
     lora_path: str
 
+    @field_validator("lora_path")
+    @classmethod
+    def _a_path(cls, path: str) -> str:
+        """What the file system could not even look up is a bad value, not a server error: a NUL, a name longer than
+        a file name can be, an unknown user's ``~user``."""
+        if "\x00" in path or len(path) > 4096 or any(len(part) > 255 for part in path.split("/")):
+            raise ValueError("not a path: a NUL character, or more than 4096 characters or 255 in one name")
+        try:
+            Path(path).expanduser()
+        except RuntimeError as e:
+            raise ValueError(f"not a path: {e}") from None
+        return path
+
 
 class UnloadBody(BaseModel):
     lora_name: str
@@ -200,8 +214,8 @@ def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, d
     if len(set(asked)) > 1:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens")
     room = max_seq_len - prompt_len
-    if not asked:  # the endpoint's default, cut to what fits
-        return max(1, min(room, limit) if default is None else min(default, room))
+    if not asked:  # the endpoint's default, cut to what fits and to the server's limit
+        return max(1, min(room, limit) if default is None else min(default, room, limit))
     max_tokens = asked[0]
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
