@@ -174,6 +174,23 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(world):
         live.close()
 
 
+def test_a_body_of_millions_of_items_is_refused_at_once(world, server):
+    """Validating 9 MiB of [[1, "a"]] x 1,000,000 (a union tried branch by branch, an error for each item) held the
+    event loop for more than five minutes; a million one-token prompts were each tokenized on it."""
+    with bystander(server, world, max_gap=2.0):
+        for path, body in (("/v1/completions", {"model": "tiny", "prompt": [[1, "a"]] * 1_000_000}),
+                           ("/v1/completions", {"model": "tiny", "prompt": [[1]] * 1_500_000}),
+                           ("/generate", {"input_ids": [[1]] * 1_500_000}),
+                           ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}] * 900_000}),
+                           ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {
+                               str(i): "x" for i in range(500_000)}}),
+                           ("/v1/completions", "[" * 1_000_000 + "]" * 1_000_000)):
+            start_time = time.monotonic()
+            error = error_of(post(server, path, body), 400)
+            assert time.monotonic() - start_time < 5, (path, error)
+            assert "65536" in error["message"] or "parsing the body" in error["message"], error
+
+
 def test_a_10_mb_prompt_is_refused_before_it_is_tokenized(world, server):
     engine = server.server.config.app.state.engine
     tokenized = []
@@ -229,6 +246,8 @@ def test_stop_strings_are_bounded_in_count_and_length(world, server):
     """1,000,000 stop strings slowed a concurrent stream from 3 s to 84 s: each is looked for at every token."""
     with bystander(server, world):
         r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["ab"] * 1_000_000})
+        assert error_of(r, 400)["param"] == "stop"  # past MAX_ITEMS: refused as the body is read
+        r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["ab"] * 10_000})
         error = error_of(r, 400)
         assert "--max-stop-strings" in error["message"] and error["param"] == "stop"
         r = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["a" * 257]})

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
@@ -45,6 +45,42 @@ class ApiError(Exception):
     def body(self) -> dict:
         """OpenAI's error shape, as a response body and as a stream's error event."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+# The most items of a list or an object in a request whose size nothing else bounds (prompts of a batch, messages,
+# stop_token_ids, logit_bias, ...): pydantic validates a body on the event loop, and a 16 MiB one of two million
+# small lists took seconds, during which no stream moved.
+MAX_ITEMS = 65536
+
+
+def _at_most_max_items(value: Any) -> Any:
+    if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
+        raise ValueError(f"at most {MAX_ITEMS} items, got {len(value)}")
+    return value
+
+
+def _list(item: Any) -> Any:
+    """A list of at most MAX_ITEMS items, refused at its first bad item (not with an error for each of a million)."""
+    return Annotated[list[item], Field(fail_fast=True), BeforeValidator(_at_most_max_items)]
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which of a prompt's shapes ``value`` is meant to be, read from its first item: only that shape is validated
+    (a union tries each, with an error per item of a list that is not it)."""
+    if not isinstance(value, list):
+        return "text"
+    return "texts" if value and isinstance(value[0], str) else _ids_kind(value)
+
+
+def _ids_kind(value: Any) -> str:
+    """"batch" for a list of lists (of token ids), else "ids" (one prompt's)."""
+    return "batch" if isinstance(value, list) and value and isinstance(value[0], list) else "ids"
+
+
+# A completion's prompt: a string, a list of them, a list of token ids, or a list of such lists.
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[_list(str), Tag("texts")],
+                         Annotated[_list(int), Tag("ids")], Annotated[_list(_list(int)), Tag("batch")]],
+                   Discriminator(_prompt_kind)]
 
 
 class _Open(BaseModel):
@@ -81,8 +117,8 @@ class _Request(_Open):
     top_k: int | None = None  # vLLM's extra
     n: int | None = None
     best_of: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extra
+    stop: str | _list(str) | None = None
+    stop_token_ids: _list(int) | None = None  # vLLM's extra
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -91,28 +127,28 @@ class _Request(_Open):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], BeforeValidator(_at_most_max_items)] | None = None
     user: str | None = None  # accepted and ignored
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extras
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: _list(str) | None = None
 
 
 class CompletionBody(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool | None = None
 
 
 class ChatMessage(_Open):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | _list(dict[str, Any]) | None = None
     name: str | None = None  # accepted; chat templates do not use it
 
 
 class ChatBody(_Request):
-    messages: list[ChatMessage]
+    messages: _list(ChatMessage)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -214,8 +250,8 @@ def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, d
     if len(set(asked)) > 1:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens")
     room = max_seq_len - prompt_len
-    if not asked:  # the endpoint's default, cut to what fits and to the server's limit
-        return max(1, min(room, limit) if default is None else min(default, room, limit))
+    if not asked:  # the endpoint's default, cut to what fits
+        return max(1, min(room, limit) if default is None else min(default, room))
     max_tokens = asked[0]
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")

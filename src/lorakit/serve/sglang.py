@@ -16,13 +16,13 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.protocol import MAX_N, ApiError, nth_sample, shown, token_id
+from lorakit.serve.protocol import MAX_ITEMS, MAX_N, ApiError, _ids_kind, _list, nth_sample, shown, token_id
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
 
@@ -40,11 +40,11 @@ def _number(v) -> bool:
 
 
 def _strings(v) -> bool:
-    return isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)
+    return isinstance(v, str) or isinstance(v, list) and len(v) <= MAX_ITEMS and all(isinstance(s, str) for s in v)
 
 
 def _ints(v) -> bool:
-    return isinstance(v, list) and all(_int(i) for i in v)
+    return isinstance(v, list) and len(v) <= MAX_ITEMS and all(_int(i) for i in v)
 
 
 # sampling_params keys lorakit supports: key -> (SamplingParams field, what the value must be, its check). Adding a
@@ -64,8 +64,8 @@ SUPPORTED: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "presence_penalty": ("presence_penalty", "a number", _number),
     "frequency_penalty": ("frequency_penalty", "a number", _number),
     "repetition_penalty": ("repetition_penalty", "a number", _number),
-    "logit_bias": ("logit_bias", "an object of token id -> bias", lambda v: isinstance(v, dict) and all(
-        not k.startswith("-") and token_id(k) is not None and _number(b) for k, b in v.items())),
+    "logit_bias": ("logit_bias", "an object of token id -> bias", lambda v: isinstance(v, dict) and len(v) <= MAX_ITEMS
+                   and all(not k.startswith("-") and token_id(k) is not None and _number(b) for k, b in v.items())),
     "json_schema": ("structured_output", "a JSON schema as a string", lambda v: isinstance(v, str)),
     "regex": ("structured_output", "a string", lambda v: isinstance(v, str)),
 }
@@ -88,11 +88,12 @@ class GenerateBody(BaseModel):
     """The request; other keys land in ``model_extra`` and ``jobs`` refuses them by name (null ones are ignored)."""
 
     model_config = ConfigDict(extra="allow")
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    lora_path: str | list[str | None] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    text: str | _list(str) | None = None
+    input_ids: Annotated[Union[Annotated[_list(int), Tag("ids")], Annotated[_list(_list(int)), Tag("batch")]],
+                         Discriminator(_ids_kind)] | None = None
+    lora_path: str | _list(str | None) | None = None
+    sampling_params: dict[str, Any] | _list(dict[str, Any]) | None = None
+    rid: str | _list(str) | None = None
     stream: bool = False
 
 
