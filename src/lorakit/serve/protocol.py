@@ -59,6 +59,17 @@ def _at_most_max_items(value: Any) -> Any:
     return value
 
 
+# The most guided_choice strings: compiling the grammar of 65,536 took llguidance seconds on the engine thread (every
+# stream waited) before it gave up; 4,096 take milliseconds.
+MAX_CHOICES = 4096
+
+
+def _at_most_max_choices(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} choices, got {len(value)}")
+    return value
+
+
 def _list(item: Any) -> Any:
     """A list of at most MAX_ITEMS items, refused at its first bad item (not with an error for each of a million)."""
     return Annotated[list[item], Field(fail_fast=True), BeforeValidator(_at_most_max_items)]
@@ -132,7 +143,7 @@ class _Request(_Open):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extras
     guided_regex: str | None = None
-    guided_choice: _list(str) | None = None
+    guided_choice: Annotated[_list(str), BeforeValidator(_at_most_max_choices)] | None = None
 
 
 class CompletionBody(_Request):
