@@ -329,3 +329,30 @@ def test_a_request_whose_adapter_is_unloaded_while_it_waits_gets_an_error(world)
         assert event["error"]["code"] == 400 and "unloaded" in event["error"]["message"], event
     finally:
         live.close()
+
+
+def test_an_abort_the_client_did_not_cause_is_an_error_it_sees(world, server):
+    """The engine ending a request by itself (Engine.abort from its own thread: a library user's code, a shutdown)
+    once gave its client an empty 200 with finish_reason "abort"."""
+    engine = server.server.config.app.state.engine
+    victims = []
+
+    def aborting():
+        for rid, request in list(engine._requests.items()):
+            if request.params.max_tokens == 7 and rid not in victims:  # the victims' requests, not the Bystander's
+                victims.append(rid)
+                engine.abort(rid)
+        return inner()
+
+    with bystander(server, world):
+        inner = engine.step  # the Bystander's slow steps
+        engine.step = aborting
+        try:
+            plain = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 7})
+            streamed = post(server, "/generate", {"text": "hi", "stream": True, "sampling_params": {
+                "max_new_tokens": 7}})
+        finally:
+            engine.step = inner
+    assert error_of(plain, 503)["message"].startswith("the server ended this request")
+    (event,) = events(streamed)
+    assert event["error"]["code"] == 503 and len(victims) == 2
