@@ -6,12 +6,13 @@ import re
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from _tokenizers import bpe_tokenizer
 from lorakit.engine.detokenize import IncrementalDetokenizer
-from lorakit.engine.sampling import SamplingBatch, SamplingParams, _random_u32, gumbel_noise, sample
+from lorakit.engine.sampling import (SamplingBatch, SamplingParams, _mask_top_k_top_p, _random_u32, gumbel_noise,
+                                     process_logits, sample)
 
 M32 = 0xFFFFFFFF
 
@@ -59,11 +60,97 @@ def test_params_normalise():
         ("ignore_eos", 1),
         ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
         ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", True),
+        # Past what the sampler's tensors hold, or what stays finite in float32 (a request once killed its step so).
+        ("max_tokens", 2**31), ("top_k", 2**31), ("top_k", 2**63), ("stop_token_ids", [2**31]),
+        ("stop_token_ids", [2**64]), ("temperature", 100.5), ("temperature", 1e300),
+        ("repetition_penalty", 1e-300), ("repetition_penalty", 0.0), ("repetition_penalty", 1e300),
+        ("repetition_penalty", math.nan), ("presence_penalty", math.inf), ("frequency_penalty", -2.5),
+        ("logit_bias", {2**31: 1.0}), ("logit_bias", {2**63: 1.0}), ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {1: math.nan}), ("logit_bias", {1: math.inf}), ("logit_bias", {1: 100.5}),
+        ("logit_bias", {1: True}), ("logit_bias", {True: 1.0}),
     ],
 )
 def test_params_reject(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*, got {re.escape(repr(value))}$"):
         SamplingParams(**{field: value})
+
+
+def test_a_huge_value_is_quoted_short():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=["ok"] * 10**6 + [3])
+    assert len(str(e.value)) < 300
+
+
+# Rows of ordinary values with one or two fields set to what a request's JSON can also carry: ints at and past the
+# int32 / int64 edges, floats that float32 rounds to 0 or to infinity, NaN, bools.
+_ORDINARY = dict(
+    max_tokens=st.integers(1, 40), temperature=st.floats(0, 3), top_k=st.integers(-1, 50), top_p=st.floats(0.01, 1),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    stop=st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
+    stop_token_ids=st.lists(st.integers(0, 40), max_size=3), ignore_eos=st.booleans(),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)), min_tokens=st.integers(0, 1),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0.5, 2),
+    logit_bias=st.dictionaries(st.integers(0, 40), st.floats(-100, 100), max_size=3),
+)
+_EDGE_INTS = st.one_of(st.sampled_from([-2, -1, 0, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -2**63 - 1, True]),
+                       st.integers(-2**70, 2**70))
+_EDGE_FLOATS = st.one_of(st.sampled_from([0.0, 5e-324, 1e-300, 1e-45, 1e-6, 1e-5, 0.01, 100.0, 100.0001, 3.5e38,
+                                          1e300, -1e300, True]), st.floats(allow_nan=True, allow_infinity=True))
+_EDGES = {name: _EDGE_INTS for name in ("max_tokens", "top_k", "seed", "logprobs", "min_tokens")}
+_EDGES |= {name: _EDGE_FLOATS for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                           "repetition_penalty")}
+_EDGES |= dict(stop_token_ids=st.lists(_EDGE_INTS, min_size=1, max_size=2),
+               logit_bias=st.dictionaries(st.one_of(st.integers(0, 40), _EDGE_INTS),
+                                          st.one_of(st.floats(-100, 100), _EDGE_FLOATS), min_size=1, max_size=2))
+
+
+@st.composite
+def _row(draw) -> dict:
+    kwargs = draw(st.fixed_dictionaries({}, optional=_ORDINARY))
+    for name in draw(st.lists(st.sampled_from(sorted(_EDGES)), max_size=2, unique=True)):
+        kwargs[name] = draw(_EDGES[name])
+    return kwargs
+
+
+@settings(max_examples=300)  # about 2 ms each
+@example(rows=[{"top_k": 2**63}, {}], vocab=7, data_seed=0)  # once overflowed the step's int64 tensor: every row failed
+@example(rows=[{"repetition_penalty": 1e-300}], vocab=7, data_seed=0)  # 0 in float32: logits / 0
+@example(rows=[{"top_p": 1e-300, "temperature": 1.0}], vocab=7, data_seed=0)  # 0 in float32: an empty support
+@given(rows=st.lists(_row(), min_size=1, max_size=4), vocab=st.sampled_from([1, 7, 40]),
+       data_seed=st.integers(0, 2**32 - 1))
+def test_any_params_that_construct_build_a_batch_and_sample(rows, vocab, data_seed):
+    """Whatever a request carries is refused by SamplingParams (ValueError) or samples: no tensor overflows, and each
+    row's token is in the vocabulary with a finite processed logit (no NaN or infinity reached the sampler)."""
+    params = []
+    for kwargs in rows:
+        try:
+            params.append(SamplingParams(**kwargs))
+        except ValueError as e:
+            assert str(e).startswith("SamplingParams.") and len(str(e)) < 400
+    if not params:
+        return
+    gen = torch.Generator().manual_seed(data_seed)
+    histories = [(torch.randint(vocab, (3,), generator=gen).tolist(),
+                  torch.randint(vocab, (2,), generator=gen).tolist()) for _ in params]
+    seeds = [p.seed if p.seed is not None else int(torch.randint(2**62, (), generator=gen)) for p in params]
+    steps = [len(out) for _, out in histories]
+    outside = [t for p in params for t, _ in p.logit_bias if t >= vocab]
+    if outside:  # the engine's check against its vocabulary (Engine.add_request refuses these first)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            SamplingBatch.build(params, seeds, steps, "cpu", histories=histories, vocab_size=vocab)
+        return
+    batch = SamplingBatch.build(params, seeds, steps, "cpu", histories=histories, vocab_size=vocab)
+    logits = torch.randn(len(params), vocab, generator=gen) * 5
+    out = sample(logits, batch)
+    tokens = out.token_ids
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    z = process_logits(logits, batch)
+    assert torch.isfinite(z.gather(1, tokens[:, None])).all()
+    sampled = batch.temperature > 0  # and their tokens lie in the top-k / top-p support the sampler computes
+    support = _mask_top_k_top_p(z / batch.temperature.clamp(min=1e-5)[:, None], batch.top_k, batch.top_p)
+    assert torch.isfinite(support.gather(1, tokens[:, None]))[sampled].all()
+    if out.logprobs is not None:
+        assert torch.isfinite(out.logprobs).all() and torch.isfinite(out.top_logprobs).all()
 
 
 def test_batch_build():

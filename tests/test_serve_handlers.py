@@ -13,7 +13,7 @@ from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, adapters, confined, openai, sglang
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, nth_sample
 from lorakit.serve.state import ServerState
-from lorakit.serve.streaming import DONE, ConcurrencyLimit, interleave, respond
+from lorakit.serve.streaming import DONE, ConcurrencyLimit, Reply, interleave, respond
 
 PROMPT = "What is the capital of France?"
 
@@ -48,17 +48,18 @@ def test_handlers_are_plain_functions_equal_to_llm_generate(world):
     _, tokenizer, root, paths = world
 
     async def run(state):
-        plain = await openai.completions(CompletionBody(model="sql", prompt=PROMPT, max_tokens=8, temperature=0,
-                                                        n=2, logprobs=1), state)
-        chunks = [c async for c in openai.completions(CompletionBody(
+        plain = await (await openai.completions(CompletionBody(model="sql", prompt=PROMPT, max_tokens=8,
+                                                               temperature=0, n=2, logprobs=1), state)).body
+        streamed = await openai.completions(CompletionBody(
             model="tiny", prompt=[PROMPT, "hello"], max_tokens=6, temperature=0, stream=True,
-            stream_options={"include_usage": True}), state)]
-        chat = await openai.chat(ChatBody(model="sql", messages=[{"role": "user", "content": "hello world"}],
-                                          max_tokens=5, temperature=0), state)
+            stream_options={"include_usage": True}), state)
+        chunks = [c async for c in streamed.body]
+        chat = await (await openai.chat(ChatBody(model="sql", messages=[{"role": "user", "content": "hello world"}],
+                                                 max_tokens=5, temperature=0), state)).body
         loaded = await adapters.load(LoadBody(lora_name="v2", lora_path=paths["v2"]), state)
         listed = [m["id"] for m in openai.models(state)["data"]]
-        generated = await sglang.generate(sglang.GenerateBody(text=PROMPT, lora_path="v2", sampling_params={
-            "max_new_tokens": 6, "temperature": 0}), state)
+        generated = await (await sglang.generate(sglang.GenerateBody(text=PROMPT, lora_path="v2", sampling_params={
+            "max_new_tokens": 6, "temperature": 0}), state)).body
         await adapters.unload(UnloadBody(lora_name="v2"), state)
         return plain, chunks, chat, loaded, listed, generated, [m["id"] for m in openai.models(state)["data"]]
 
@@ -93,7 +94,7 @@ def test_a_handler_refuses_before_anything_runs(world):
                      lambda: openai.chat(ChatBody(model="tiny", messages=[]), state),
                      lambda: sglang.generate(sglang.GenerateBody(text="a", lora_path="nope"), state)):
             with pytest.raises(ApiError) as e:
-                call()  # raises at once: no coroutine to await, no stream to start
+                await call()  # raises while checking: no reply to send, no stream to start
             refusals.append((e.value.status, e.value.param))
         with pytest.raises(ApiError, match="--allow-runtime-lora") as e:
             await adapters.load(LoadBody(lora_name="x", lora_path="/tmp"), state)
@@ -137,10 +138,10 @@ def test_the_limit_refuses_at_once_and_a_refused_reply_never_runs():
         refused = work()
         async with limit.hold():
             with pytest.raises(ApiError) as plain:
-                await respond(_Client(), refused, limit)
+                await respond(_Client(), Reply(refused), limit)
             with pytest.raises(ApiError) as streamed:
-                await respond(_Client(), _chunks([{"a": 1}]), limit)
-        answered = await respond(_Client(), work(), limit)
+                await respond(_Client(), Reply(_chunks([{"a": 1}])), limit)
+        answered = await respond(_Client(), Reply(work()), limit)
         return plain.value, streamed.value, refused, started, answered
 
     plain, streamed, refused, started, answered = asyncio.run(main())
@@ -163,8 +164,9 @@ async def _body(response) -> list[str]:
 def test_streams_end_with_done_and_an_error_midway_is_an_event():
     async def main():
         limit = ConcurrencyLimit(2)
-        ok = await _body(await respond(_Client(), _chunks([{"a": 1}, {"b": 2}]), limit))
-        failed = await _body(await respond(_Client(), _chunks([{"a": 1}], ApiError(400, "bad", "model")), limit))
+        ok = await _body(await respond(_Client(), Reply(_chunks([{"a": 1}, {"b": 2}])), limit))
+        failed = await _body(await respond(_Client(), Reply(_chunks([{"a": 1}], ApiError(400, "bad", "model"))),
+                                           limit))
         return ok, failed
 
     ok, failed = asyncio.run(main())
@@ -184,7 +186,7 @@ def test_a_client_that_leaves_cancels_its_reply():
                 cancelled.set()
                 raise
 
-        response = await respond(_Client(gone=True), forever(), ConcurrencyLimit(1))
+        response = await respond(_Client(gone=True), Reply(forever()), ConcurrencyLimit(1))
         await asyncio.wait_for(cancelled.wait(), 5)
         return response.status_code
 

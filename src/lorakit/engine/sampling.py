@@ -14,6 +14,7 @@ Log-probabilities are always of the raw logits.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -27,19 +28,38 @@ __all__ = ["MAX_LOGPROBS", "Penalties", "SampleOutput", "SamplingBatch", "Sampli
 MAX_LOGPROBS = 20
 # Temperatures below this sample greedily: logits / T would overflow float32 long before T reaches 0.
 MIN_TEMPERATURE = 1e-5
+# The largest temperature: far past where sampling is uniform, and logits / T stays finite in float32 (an infinite T
+# would turn masked -inf logits into NaN).
+MAX_TEMPERATURE = 100.0
+# repetition_penalty's range: 1/100 to 100, so that logits divided or multiplied by it stay finite in float32.
+REPETITION_RANGE = (0.01, 100.0)
+# Counts and token ids (top_k, max_tokens, stop and logit_bias ids) within int32's range, as any vocabulary or context
+# is, so that no tensor the sampler builds (int64) can overflow; seeds within int64's.
+MAX_INT32 = 2**31 - 1
 _M32 = 0xFFFFFFFF
 
 
-def _check_int(name: str, value, lo: int, hi: int | None = None, allowed: str | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        allowed = allowed or (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
-        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+def _show(value) -> str:
+    """A value as an error message quotes it: its repr, shortened (a request may send a megabyte of anything)."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 80, 80, 40, 8, 8, 8
+
+
+def _check_int(name: str, value, lo: int, hi: int, allowed: str | None = None) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
+        raise ValueError(f"SamplingParams.{name} must be {allowed or f'an int in [{lo}, {hi}]'}, got {_show(value)}")
 
 
 def _check_float(name: str, value, allowed: str, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {_show(value)}")
+
+
+def _token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT32
 
 
 @dataclass(frozen=True)
@@ -51,9 +71,14 @@ class SamplingParams:
     ``stop_token_ids`` and eos (unless ``ignore_eos``) end the request, but only after ``min_tokens``
     tokens. ``logprobs`` k returns the chosen token's log-probability and the k most likely (k <= 20).
 
-    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 off), ``repetition_penalty`` (> 0, 1 off) and
-    ``logit_bias`` ({token id: bias in [-100, 100]}) change the logits as the module docstring says;
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 off), ``repetition_penalty`` (in [0.01, 100], 1
+    off) and ``logit_bias`` ({token id: bias in [-100, 100]}) change the logits as the module docstring says;
     ``structured_output`` constrains the output to a JSON schema, regex, choice or grammar.
+
+    Every value is checked here, against the ranges the sampler's tensors hold (ValueError naming the field): counts
+    and token ids are ints in [0, 2**31), ``seed`` in [0, 2**63), floats finite, ``temperature`` at most 100. So
+    any SamplingParams that constructs builds a batch; the engine checks the rest against its vocabulary (logit_bias
+    ids) and context (max_tokens is cut to what fits).
     """
 
     max_tokens: int = 16
@@ -73,37 +98,38 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_float("temperature", self.temperature, "a finite float >= 0", lambda t: t >= 0)
-        _check_int("top_k", self.top_k, -1, allowed="0 or -1 (off) or an int >= 1")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32, allowed="an int >= 1 (and < 2**31)")
+        _check_float("temperature", self.temperature, f"a float in [0, {MAX_TEMPERATURE:g}]",
+                     lambda t: 0 <= t <= MAX_TEMPERATURE)
+        _check_int("top_k", self.top_k, -1, MAX_INT32, allowed=f"0 or -1 (off) or an int in [1, {MAX_INT32}]")
         _check_float("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1, allowed="None or an int in [0, 2**63)")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"SamplingParams.stop must be a non-empty str or a list of them, got {self.stop!r}")
+            raise ValueError(f"SamplingParams.stop must be a non-empty str or a list of them, got {_show(self.stop)}")
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(_token_id(i) for i in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints in [0, 2**31), got {_show(ids)}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {_show(self.ignore_eos)}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allowed=f"None or an int in [0, {MAX_LOGPROBS}]")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
-                   allowed=f"an int in [0, max_tokens={self.max_tokens}]")
+                   allowed=f"an int in [0, max_tokens={_show(self.max_tokens)}]")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(name, getattr(self, name), "a float in [-2, 2]", lambda v: -2 <= v <= 2)
-        _check_float("repetition_penalty", self.repetition_penalty, "a float > 0", lambda v: v > 0)
+        lo, hi = REPETITION_RANGE
+        _check_float("repetition_penalty", self.repetition_penalty, f"a float in [{lo:g}, {hi:g}]",
+                     lambda v: lo <= v <= hi)
         bias = self.logit_bias
         pairs = tuple(bias.items()) if isinstance(bias, dict) else bias
         if not isinstance(pairs, (list, tuple)) or not all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
-            and p[0] >= 0 and not isinstance(p[1], bool) and isinstance(p[1], (int, float)) and -100 <= p[1] <= 100
-            for p in pairs
+            isinstance(p, (list, tuple)) and len(p) == 2 and _token_id(p[0]) and not isinstance(p[1], bool)
+            and isinstance(p[1], (int, float)) and math.isfinite(p[1]) and -100 <= p[1] <= 100 for p in pairs
         ):
-            raise ValueError(f"SamplingParams.logit_bias must map token ids >= 0 to biases in [-100, 100], got {bias!r}")
+            raise ValueError(f"SamplingParams.logit_bias must be a map of token ids in [0, 2**31) to biases in "
+                             f"[-100, 100], got {_show(bias)}")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise ValueError(f"SamplingParams.structured_output must be a StructuredOutput, got "
@@ -309,8 +335,8 @@ def _mask_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     vals = vals.masked_fill(pos >= k[:, None], float("-inf"))
     probs = vals.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = top_p[:, None]
-    vals = vals.masked_fill((mass_before >= p) & (p < 1), float("-inf"))
+    p = top_p[:, None]  # a top_p that float32 rounds to 0 keeps the top token alone (pos 0), as a tiny one does
+    vals = vals.masked_fill((mass_before >= p) & (p < 1) & (pos > 0), float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, idx, vals)
 
 

@@ -5,11 +5,14 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 it), ``GET /health``, ``GET /metrics`` (Prometheus). This file only assembles them: a route binds a path to its
 handler (openai.py, sglang.py, adapters.py: plain functions of the validated body and the ServerState), and
 ``streaming.respond`` sends the handler's reply. Whatever fails, the client gets an error in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed.
+``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed. A
+body larger than ``max_body_bytes`` is refused (413) before anything reads it whole or parses it.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -18,6 +21,7 @@ import prometheus_client as prom
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lorakit
@@ -45,10 +49,12 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="lorakit", lifespan=lifespan)
     app.state.engine, app.state.server = engine, state
+    app.router.route_class = _Route
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])
     for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, error_response)
+    app.add_middleware(_BodyLimit, limit=state.config.max_body_bytes)  # inside the key check: no key, no reading
     if state.config.api_key:
         app.add_middleware(_BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
     app.add_middleware(CountResponses, metrics=state.metrics, routes=app.router.routes)  # last: outside the key check
@@ -85,15 +91,15 @@ async def model(model_id: str, state: State):
 
 
 async def completions(body: CompletionBody, request: Request, state: State):
-    return await respond(request, openai.completions(body, state), state.in_flight)
+    return await respond(request, await openai.completions(body, state), state.in_flight)
 
 
 async def chat(body: ChatBody, request: Request, state: State):
-    return await respond(request, openai.chat(body, state), state.in_flight)
+    return await respond(request, await openai.chat(body, state), state.in_flight)
 
 
 async def generate(body: sglang.GenerateBody, request: Request, state: State):
-    return await respond(request, sglang.generate(body, state), state.in_flight)
+    return await respond(request, await sglang.generate(body, state), state.in_flight)
 
 
 async def load_lora_adapter(body: LoadBody, state: State):
@@ -117,8 +123,9 @@ async def error_response(request: Request, e: Exception) -> JSONResponse:
     """The response to whatever a route raised: an ApiError, a body that does not validate, an unknown path (404)
     or method (405), or a bug (500, its traceback logged)."""
     if isinstance(e, RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        errors = e.errors()  # of a union: one per member; a length or value check's is the one to name
+        first = next((x for x in errors if x.get("type") == "value_error"), errors[0] if errors else {})
+        where = ".".join(str(p)[:100] for p in first.get("loc", ()) if p != "body" and not _member(p))[:300]
         if first.get("type") == "json_invalid":
             e = ApiError(400, "the request body is not valid JSON")
         else:
@@ -130,6 +137,11 @@ async def error_response(request: Request, e: Exception) -> JSONResponse:
         logger.exception("an unexpected error on %s %s", request.method, request.url.path)
         e = ApiError(500, f"internal error ({type(e).__name__}); the server log has the details")
     return JSONResponse(e.body(), e.status)
+
+
+def _member(part) -> bool:
+    """Whether a part of a validation error's location names a union's member ("str", "list[int]"), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
 class _BearerAuth:
@@ -145,3 +157,72 @@ class _BearerAuth:
                 e = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
                 return await JSONResponse(e.body(), e.status)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _JsonRequest(Request):
+    """A request whose JSON body is parsed with the cyclic garbage collector paused: parsing a body of a million small
+    lists spent seconds in collections (json.loads holds the GIL: on any thread, no stream moves meanwhile)."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._json = json.loads(body)
+            finally:
+                if collecting:
+                    gc.enable()
+        return self._json
+
+
+class _Route(APIRoute):
+    """Every route reads its body through ``_JsonRequest``."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_JsonRequest(request.scope, request.receive))
+        return route
+
+
+class _BodyLimit:
+    """Refuses a request body larger than ``limit`` bytes with a 413: at once when its Content-Length says so, else
+    as soon as the bytes read pass it, before the app reads or parses any of it. Plain ASGI: the body is read here
+    and handed on whole; after it, ``receive`` is the server's (a disconnect still reaches the app)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        e = ApiError(413, f"the request body is larger than this server accepts ({self.limit} bytes, "
+                          f"--max-body-bytes)")
+        await JSONResponse(e.body(), e.status, headers={"connection": "close"})(scope, receive, send)

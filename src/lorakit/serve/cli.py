@@ -7,6 +7,7 @@ one converted): a bad one stops the command at once with a message naming it and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -78,8 +79,27 @@ def add_parser(sub) -> None:
                         "(default: none, no key needed)")
     p.add_argument("--max-tokens-limit", type=_positive_int, default=4096, metavar="N",
                    help="the largest max_tokens a request may ask for; larger ones get 400 (default: %(default)s)")
-    p.add_argument("--max-concurrent", type=_positive_int, default=256, metavar="N",
-                   help="requests in flight at once; more get 429 (default: %(default)s)")
+    add_bound_flags(p)
+
+
+def add_bound_flags(p: argparse.ArgumentParser) -> None:
+    """The bounds on what one request may make the server do; defaults from ``ServeConfig`` (one owner for both)."""
+    from lorakit.serve.state import CHARS_PER_TOKEN, ServeConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    p.add_argument("--max-concurrent", type=_positive_int, default=default["max_concurrent"], metavar="N",
+                   help="sequences in flight at once, counting each prompt and each of its n samples; a request "
+                        "that would pass it gets 429, one that alone runs more gets 400 (default: %(default)s)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=default["max_body_bytes"], metavar="N",
+                   help="the largest request body; larger ones get 413 before they are parsed "
+                        "(default: %(default)s, 16 MiB)")
+    p.add_argument("--max-prompt-chars", type=_positive_int, default=default["max_prompt_chars"], metavar="N",
+                   help=f"the most characters of a prompt (of a chat's messages together) that are tokenized; longer "
+                        f"ones get 400 before tokenizing (default: {CHARS_PER_TOKEN} per token of --max-seq-len)")
+    p.add_argument("--max-stop-strings", type=_positive_int, default=default["max_stop_strings"], metavar="N",
+                   help="the most stop strings one request may give; more get 400 (default: %(default)s)")
+    p.add_argument("--max-stop-chars", type=_positive_int, default=default["max_stop_chars"], metavar="N",
+                   help="the longest stop string, in characters; longer ones get 400 (default: %(default)s)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -126,7 +146,9 @@ def run(args) -> int:
         raise SystemExit(f"lorakit serve: {e}") from None
     config = ServeConfig(model_name=args.served_model_name or name, allow_runtime_lora=args.allow_runtime_lora,
                          lora_roots=list(args.lora_root), api_key=args.api_key,
-                         max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent)
+                         max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
+                         max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
     run_server(engine, config, args.host, args.port)
     return 0
 

@@ -1,20 +1,22 @@
 """OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``: plain functions of (request body,
 ServerState) that a test can call without HTTP.
 
-A handler checks the whole request before anything runs (ApiError) and returns its reply: a coroutine that gives
-the response, or with ``stream`` an async iterator of chunks (``streaming.respond`` sends either). A request's
-choices, ``n`` per prompt and prompt by prompt, run together. The usage and logprobs blocks are built here, once.
+A handler checks the whole request before anything runs (ApiError), tokenizing off the event loop, and returns its
+``Reply``: a coroutine that gives the response, or with ``stream`` an async iterator of chunks, and the number of
+sequences it runs (``streaming.respond`` sends either). A request's choices, ``n`` per prompt and prompt by prompt,
+run together. The usage and logprobs blocks are built here, once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from lorakit.engine import RequestOutput
 from lorakit.engine.engine import TokenLogprob
-from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, chat_messages, nth_sample
+from lorakit.serve.protocol import ChatBody, CompletionBody, chat_messages, nth_sample, samples
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
 
@@ -44,14 +46,15 @@ def _model(name: str, state: ServerState, created: int, versions: dict[str, tupl
     return entry
 
 
-def completions(body: CompletionBody, state: ServerState) -> Reply:
+async def completions(body: CompletionBody, state: ServerState) -> Reply:
     """POST /v1/completions: choice ``i * n + k`` is prompt i's k-th sample."""
     adapter = state.adapter_of(body.model)
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
         body.prompt[0], int) else [body.prompt]
-    prompts = [state.prompt_ids(p, adapter) for p in prompts]
+    n = samples(body)
+    state.in_flight.check(len(prompts) * n)  # before the work of tokenizing
+    prompts = [await state.prompt_ids(p, adapter) for p in prompts]
     params = state.sampling_params(body, prompts, default_max_tokens=16)
-    n = body.n or 1
     jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
     echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
     logprobs = _Logprobs(state, adapter, len(jobs))
@@ -66,17 +69,14 @@ def completions(body: CompletionBody, state: ServerState) -> Reply:
                   lambda i, out: choice(i, out.text, out), lambda i, r: choice(i, echoed[i // n] + r.text, r))
 
 
-def chat(body: ChatBody, state: ServerState) -> Reply:
+async def chat(body: ChatBody, state: ServerState) -> Reply:
     """POST /v1/chat/completions: the messages through the chat template of the adapter's tokenizer."""
     adapter = state.adapter_of(body.model)
     messages = chat_messages(body)
-    tokenizer = state.tokenizer(adapter)  # an adapter's own tokenizer may add tokens
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = state.prompt_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
+    n = samples(body)
+    state.in_flight.check(n)
+    prompt = await state.chat_ids(messages, adapter)
     params = state.sampling_params(body, [prompt], default_max_tokens=None)
-    n = body.n or 1
     logprobs = _Logprobs(state, adapter, n)
 
     def block(out: RequestOutput | Result) -> dict | None:
@@ -111,7 +111,7 @@ def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
 def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
            first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict]
            ) -> Reply:
-    """The response, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
+    """The reply, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
     output (``chunk``), and last the usage chunk when the client asked for it with stream_options.include_usage
     (every chunk then carries "usage": null)."""
     async def complete() -> dict:
@@ -130,7 +130,12 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
             yield {**head, "choices": [chunk(i, out)], **extra}
         if with_usage:
             yield {**head, "choices": [], "usage": _usage(prompts, generated)}
-    return chunks() if body.stream else complete()
+    return Reply(chunks() if body.stream else complete(), sequences=len(jobs))
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM sends it."""
+    return max(logprob, -9999.0) if not math.isnan(logprob) else -9999.0
 
 
 class _Logprobs:
@@ -148,10 +153,10 @@ class _Logprobs:
         for token in tokens:
             starts.append(self._offsets[index])
             self._offsets[index] += len(token)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps], "text_offset": starts,
-                "top_logprobs": [{self._text(i): v for i, v in t.top.items()} for t in lps]}
+        return {"tokens": tokens, "token_logprobs": [_finite(t.logprob) for t in lps], "text_offset": starts,
+                "top_logprobs": [{self._text(i): _finite(v) for i, v in t.top.items()} for t in lps]}
 
     def chat(self, lps: list[TokenLogprob]) -> dict:
-        return {"content": [{"token": self._text(t.token_id), "logprob": t.logprob,
-                             "top_logprobs": [{"token": self._text(i), "logprob": v} for i, v in t.top.items()]}
-                            for t in lps]}
+        return {"content": [{"token": self._text(t.token_id), "logprob": _finite(t.logprob),
+                             "top_logprobs": [{"token": self._text(i), "logprob": _finite(v)}
+                                              for i, v in t.top.items()]} for t in lps]}

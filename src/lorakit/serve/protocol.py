@@ -8,19 +8,29 @@ error type handlers raise, and ``ApiError.body()`` the one place an error takes 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
-           "nth_sample", "sampling_params"]
+           "nth_sample", "samples", "sampling_params", "shown", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_N = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """Something a client sent, as an error message quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit + 2 else f"{text[:limit]}..."
 
 
 class ApiError(Exception):
@@ -35,6 +45,53 @@ class ApiError(Exception):
     def body(self) -> dict:
         """OpenAI's error shape, as a response body and as a stream's error event."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+# The most items of a list or an object in a request whose size nothing else bounds (prompts of a batch, messages,
+# stop_token_ids, logit_bias, ...): pydantic validates a body on the event loop, and a 16 MiB one of two million
+# small lists took seconds, during which no stream moved.
+MAX_ITEMS = 65536
+
+
+def _at_most_max_items(value: Any) -> Any:
+    if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
+        raise ValueError(f"at most {MAX_ITEMS} items, got {len(value)}")
+    return value
+
+
+# The most guided_choice strings: compiling the grammar of 65,536 took llguidance seconds on the engine thread (every
+# stream waited) before it gave up; 4,096 take milliseconds.
+MAX_CHOICES = 4096
+
+
+def _at_most_max_choices(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} choices, got {len(value)}")
+    return value
+
+
+def _list(item: Any) -> Any:
+    """A list of at most MAX_ITEMS items, refused at its first bad item (not with an error for each of a million)."""
+    return Annotated[list[item], Field(fail_fast=True), BeforeValidator(_at_most_max_items)]
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which of a prompt's shapes ``value`` is meant to be, read from its first item: only that shape is validated
+    (a union tries each, with an error per item of a list that is not it)."""
+    if not isinstance(value, list):
+        return "text"
+    return "texts" if value and isinstance(value[0], str) else _ids_kind(value)
+
+
+def _ids_kind(value: Any) -> str:
+    """"batch" for a list of lists (of token ids), else "ids" (one prompt's)."""
+    return "batch" if isinstance(value, list) and value and isinstance(value[0], list) else "ids"
+
+
+# A completion's prompt: a string, a list of them, a list of token ids, or a list of such lists.
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[_list(str), Tag("texts")],
+                         Annotated[_list(int), Tag("ids")], Annotated[_list(_list(int)), Tag("batch")]],
+                   Discriminator(_prompt_kind)]
 
 
 class _Open(BaseModel):
@@ -71,8 +128,8 @@ class _Request(_Open):
     top_k: int | None = None  # vLLM's extra
     n: int | None = None
     best_of: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extra
+    stop: str | _list(str) | None = None
+    stop_token_ids: _list(int) | None = None  # vLLM's extra
     seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -81,28 +138,28 @@ class _Request(_Open):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extra
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], BeforeValidator(_at_most_max_items)] | None = None
     user: str | None = None  # accepted and ignored
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extras
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[_list(str), BeforeValidator(_at_most_max_choices)] | None = None
 
 
 class CompletionBody(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool | None = None
 
 
 class ChatMessage(_Open):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | _list(dict[str, Any]) | None = None
     name: str | None = None  # accepted; chat templates do not use it
 
 
 class ChatBody(_Request):
-    messages: list[ChatMessage]
+    messages: _list(ChatMessage)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -110,6 +167,19 @@ class ChatBody(_Request):
 class LoadBody(BaseModel):
     lora_name: str
     lora_path: str
+
+    @field_validator("lora_path")
+    @classmethod
+    def _a_path(cls, path: str) -> str:
+        """What the file system could not even look up is a bad value, not a server error: a NUL, a name longer than
+        a file name can be, an unknown user's ``~user``."""
+        if "\x00" in path or len(path) > 4096 or any(len(part) > 255 for part in path.split("/")):
+            raise ValueError("not a path: a NUL character, or more than 4096 characters or 255 in one name")
+        try:
+            Path(path).expanduser()
+        except RuntimeError as e:
+            raise ValueError(f"not a path: {e}") from None
+        return path
 
 
 class UnloadBody(BaseModel):
@@ -123,9 +193,9 @@ def check_extras(model: BaseModel, where: str = "") -> None:
         if isinstance(value, BaseModel):
             check_extras(value, f"{where}{name}.")
     if extra:
-        names = ", ".join(f"'{where}{k}'" for k in sorted(extra))
+        names = ", ".join(shown(f"{where}{k}") for k in sorted(extra)[:10])
         raise ApiError(400, f"unsupported parameter(s): {names}; lorakit does not implement them (docs/serve.md "
-                            f"lists what it supports); remove them", param=f"{where}{sorted(extra)[0]}")
+                            f"lists what it supports); remove them", param=f"{where}{sorted(extra)[0]}"[:100])
 
 
 def chat_messages(body: ChatBody) -> list[dict[str, str]]:
@@ -140,7 +210,7 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
             raise ApiError(400, f"{where}.role: '{m.role}' messages need tool calling, which lorakit does not "
                                 f"support", param=f"{where}.role")
         if m.role not in CHAT_ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(m.role)}",
                            param=f"{where}.role")
         if isinstance(m.content, list):
             parts = []
@@ -219,9 +289,7 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     whatever room the context leaves, up to the server's limit).
     """
     check_extras(body)
-    n = 1 if body.n is None else body.n
-    if not 1 <= n <= 16:
-        raise ApiError(400, f"n must be in [1, 16], got {n}", param="n")
+    n = samples(body)
     if body.best_of is not None and body.best_of != n:
         raise ApiError(400, f"best_of={body.best_of} (other than n) is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
@@ -241,9 +309,9 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
         logprobs = body.logprobs
     bias = {}
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-        bias[int(key)] = value
+        if token_id(key) is None:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {shown(key)}", param="logit_bias")
+        bias[token_id(key)] = value
     given = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
     if not body.stop:  # "" or []: none
         given.pop("stop", None)
@@ -254,6 +322,20 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     except ValueError as e:
         message = str(e).replace("SamplingParams.", "")
         raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+
+
+def token_id(key: str) -> int | None:
+    """A logit_bias key as an int: ASCII digits with an optional sign, at most 20 of them (None otherwise: int()
+    reads "²" as no number, and refuses 5,000 digits)."""
+    return int(key) if re.fullmatch(r"-?[0-9]{1,20}", key) else None
+
+
+def samples(body: CompletionBody | ChatBody) -> int:
+    """The request's ``n``, samples per prompt (400 outside [1, 16])."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {shown(n)}", param="n")
+    return n
 
 
 def nth_sample(params: SamplingParams, k: int) -> SamplingParams:

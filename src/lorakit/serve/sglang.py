@@ -16,20 +16,19 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.protocol import ApiError, nth_sample
+from lorakit.serve.protocol import MAX_ITEMS, MAX_N, ApiError, _ids_kind, _list, nth_sample, shown, token_id
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
 
 __all__ = ["GenerateBody", "Job", "Output", "Refused", "generate", "jobs"]
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
-MAX_N = 16
 
 
 def _int(v) -> bool:
@@ -41,11 +40,11 @@ def _number(v) -> bool:
 
 
 def _strings(v) -> bool:
-    return isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)
+    return isinstance(v, str) or isinstance(v, list) and len(v) <= MAX_ITEMS and all(isinstance(s, str) for s in v)
 
 
 def _ints(v) -> bool:
-    return isinstance(v, list) and all(_int(i) for i in v)
+    return isinstance(v, list) and len(v) <= MAX_ITEMS and all(_int(i) for i in v)
 
 
 # sampling_params keys lorakit supports: key -> (SamplingParams field, what the value must be, its check). Adding a
@@ -65,8 +64,8 @@ SUPPORTED: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "presence_penalty": ("presence_penalty", "a number", _number),
     "frequency_penalty": ("frequency_penalty", "a number", _number),
     "repetition_penalty": ("repetition_penalty", "a number", _number),
-    "logit_bias": ("logit_bias", "an object of token id -> bias", lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and k.isdigit() and _number(b) for k, b in v.items())),
+    "logit_bias": ("logit_bias", "an object of token id -> bias", lambda v: isinstance(v, dict) and len(v) <= MAX_ITEMS
+                   and all(not k.startswith("-") and token_id(k) is not None and _number(b) for k, b in v.items())),
     "json_schema": ("structured_output", "a JSON schema as a string", lambda v: isinstance(v, str)),
     "regex": ("structured_output", "a string", lambda v: isinstance(v, str)),
 }
@@ -89,11 +88,12 @@ class GenerateBody(BaseModel):
     """The request; other keys land in ``model_extra`` and ``jobs`` refuses them by name (null ones are ignored)."""
 
     model_config = ConfigDict(extra="allow")
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    lora_path: str | list[str | None] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    text: str | _list(str) | None = None
+    input_ids: Annotated[Union[Annotated[_list(int), Tag("ids")], Annotated[_list(_list(int)), Tag("batch")]],
+                         Discriminator(_ids_kind)] | None = None
+    lora_path: str | _list(str | None) | None = None
+    sampling_params: dict[str, Any] | _list(dict[str, Any]) | None = None
+    rid: str | _list(str) | None = None
     stream: bool = False
 
 
@@ -121,8 +121,8 @@ def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_toke
     ``base_name`` in ``lora_path`` means the base model, as null does. Raises ``Refused``."""
     for key, value in (body.model_extra or {}).items():
         if value is not None and not (key in UNSUPPORTED_TOP and value == UNSUPPORTED_TOP[key]):
-            raise Refused(f"{key!r} is not supported by lorakit's /generate; it takes text or input_ids, lora_path, "
-                          f"sampling_params, rid and stream", key)
+            raise Refused(f"{shown(key)} is not supported by lorakit's /generate; it takes text or input_ids, "
+                          f"lora_path, sampling_params, rid and stream", key[:100])
     if (body.text is None) == (body.input_ids is None):
         raise Refused("give exactly one of text and input_ids", "text")
     if body.text is not None:
@@ -140,7 +140,7 @@ def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_toke
     names = _per_prompt(body.lora_path, len(prompts), "lora_path")
     for name in names:
         if name is not None and name != base_name and name not in adapters:
-            raise Refused(f"unknown adapter {name!r} in lora_path; available: {sorted(adapters)} (or null or "
+            raise Refused(f"unknown adapter {shown(name)} in lora_path; available: {sorted(adapters)} (or null or "
                           f"{base_name!r} for the base model)", "lora_path", 404)
     adapter_of = [None if name in (None, base_name) else name for name in names]
     sampling = [_sampling(sp, max_tokens_limit) for sp in _per_prompt(body.sampling_params, len(prompts),
@@ -182,7 +182,7 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
         if key in SUPPORTED:
             field, kind, ok = SUPPORTED[key]
             if not ok(value):
-                raise Refused(f"sampling_params.{key} must be {kind}, got {value!r}", key)
+                raise Refused(f"sampling_params.{key} must be {kind}, got {shown(value)}", key)
             if field in used:
                 raise Refused(f"sampling_params has both {used[field]} and {key}; give one", key)
             kwargs[field], used[field] = value, key
@@ -191,10 +191,10 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
                 raise Refused(f"sampling_params.{key} is not supported by lorakit yet (only "
                               f"{UNSUPPORTED[key]!r}, which changes nothing)", key)
         else:
-            raise Refused(f"sampling_params.{key} is not a sampling parameter lorakit knows; supported: "
-                          f"{', '.join(SUPPORTED)}", key)
+            raise Refused(f"sampling_params.{shown(key)} is not a sampling parameter lorakit knows; supported: "
+                          f"{', '.join(SUPPORTED)}", key[:100])
     if "logit_bias" in kwargs:
-        kwargs["logit_bias"] = {int(k): b for k, b in kwargs["logit_bias"].items()}
+        kwargs["logit_bias"] = {token_id(k): b for k, b in kwargs["logit_bias"].items()}
     if "structured_output" in kwargs:
         key, value = used["structured_output"], kwargs["structured_output"]
         try:
@@ -204,7 +204,7 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
             raise Refused(f"sampling_params.{key}: {e}", key) from None
     n = kwargs.pop("n", 1)
     if not 1 <= n <= MAX_N:
-        raise Refused(f"sampling_params.n must be in [1, {MAX_N}], got {n}", "n")
+        raise Refused(f"sampling_params.n must be in [1, {MAX_N}], got {shown(n)}", "n")
     kwargs.setdefault("max_tokens", min(DEFAULT_MAX_NEW_TOKENS, max_tokens_limit))
     if kwargs["max_tokens"] > max_tokens_limit:
         key = used["max_tokens"]
@@ -259,11 +259,18 @@ class Output(Result):
         return {"type": "stop", "matched": stops[0] if stops else None}
 
 
-def generate(body: GenerateBody, state: ServerState) -> Reply:
+async def generate(body: GenerateBody, state: ServerState) -> Reply:
     """POST /generate: the reply, a coroutine of SGLang's response, or with ``stream`` an iterator of cumulative
     chunks (with ``index`` when batched)."""
     jobs_, batched = jobs(body, state.adapters, state.config.model_name, state.config.max_tokens_limit)
-    outputs = [Output(job, state.prompt_ids(job.prompt, job.adapter), state.eos_token_id,
+    state.in_flight.check(len(jobs_))  # before the work of tokenizing
+    for job in jobs_:
+        state.check_stop(job.params.stop)
+    tokenized: dict[tuple[int, str | None], list[int]] = {}  # a prompt's n jobs share it: tokenized once
+    for job in jobs_:
+        if (id(job.prompt), job.adapter) not in tokenized:
+            tokenized[id(job.prompt), job.adapter] = await state.prompt_ids(job.prompt, job.adapter)
+    outputs = [Output(job, tokenized[id(job.prompt), job.adapter], state.eos_token_id,
                       functools.partial(state.text, adapter=job.adapter, skip_special_tokens=True)) for job in jobs_]
     stream = state.stream([(out.prompt_ids, out.job.params, out.job.adapter) for out in outputs])
     if body.stream:
@@ -271,11 +278,11 @@ def generate(body: GenerateBody, state: ServerState) -> Reply:
             async for i, out in stream:
                 outputs[i].add(out)
                 yield outputs[i].as_dict(i if batched else None)
-        return chunks()
+        return Reply(chunks(), sequences=len(jobs_))
 
     async def complete():
         async for i, out in stream:
             outputs[i].add(out)
         results = [out.as_dict() for out in outputs]
         return results if batched else results[0]
-    return complete()
+    return Reply(complete(), sequences=len(jobs_))

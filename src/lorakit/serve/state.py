@@ -1,18 +1,22 @@
-"""What every handler is given: ``ServerState``, the server's config, metrics, limit on requests in flight, and its
+"""What every handler is given: ``ServerState``, the server's config, metrics, limit on sequences in flight, and its
 one door to the engine.
 
 Only the engine thread changes the engine. From the event loop, ServerState only looks things up (the registered
-adapters, a tokenizer, a prompt's token ids, the context length); whatever changes the engine (a request, a load, an
-unload) goes to the engine thread through ``AsyncEngine``. A load reads and checks the adapter's files on a worker
+adapters, a tokenizer, the context length); tokenizing (prompts, chat templates) runs on a thread of its own, so a
+long prompt never holds up the event loop and the streams it serves; whatever changes the engine (a request, a load,
+an unload) goes to the engine thread through ``AsyncEngine``. A load reads and checks the adapter's files on a worker
 thread first (``Engine.read_adapter`` changes nothing), so the engine thread only installs what was checked.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import jinja2
 
 from lorakit.engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 from lorakit.layers.adapter import AdapterError
@@ -22,11 +26,19 @@ from lorakit.serve.streaming import ConcurrencyLimit, interleave
 
 __all__ = ["Result", "ServeConfig", "ServerState"]
 
+CHARS_PER_TOKEN = 32  # max_prompt_chars' default per token of context: 8 times what text averages, about 4
+
 
 @dataclass
 class ServeConfig:
     """model_name: what clients call the base model. max_tokens_limit: the largest max_tokens accepted.
-    max_concurrent: requests in flight at once (more get 429)."""
+
+    Bounds on what one request may make the server do (each refused before the work it bounds, with a 400 unless
+    said otherwise): max_concurrent, sequences in flight at once (one per prompt and sample; more get 429, and a
+    request that alone runs more, 400); max_body_bytes, a request body's size (413, before it is parsed);
+    max_prompt_chars, a prompt's characters (a chat's messages' together) before it is tokenized (None: 32 per
+    token of the engine's max_seq_len); max_stop_strings and max_stop_chars, a request's stop strings and the
+    characters of each (each is looked for in the output at every token, on the engine thread)."""
 
     model_name: str = "base"
     allow_runtime_lora: bool = False
@@ -34,6 +46,18 @@ class ServeConfig:
     api_key: str | None = None
     max_tokens_limit: int = 4096
     max_concurrent: int = 256
+    max_body_bytes: int = 16 * 2**20
+    max_prompt_chars: int | None = None
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+
+    def __post_init__(self):
+        for name in ("max_tokens_limit", "max_concurrent", "max_body_bytes", "max_prompt_chars", "max_stop_strings",
+                     "max_stop_chars"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_prompt_chars") and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {value!r}")
 
 
 class Result:
@@ -61,12 +85,16 @@ class ServerState:
         self.metrics = Metrics(engine, lambda: self.async_engine)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
         self._reading = asyncio.Lock()  # one adapter read at a time: each holds a whole adapter in memory
+        self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * engine.max_seq_len
+        # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
 
     def start(self) -> None:
         self.async_engine = AsyncEngine(self._engine)
 
     def stop(self) -> None:
         self.async_engine.shutdown()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # Lookups, on the event loop.
 
@@ -94,17 +122,64 @@ class ServerState:
                                 f"{[self.config.model_name, *sorted(adapters)]}", "model")
         return model
 
-    def prompt_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
-        """Tokenized and checked once, before any response starts (so a stream can still get a 400)."""
+    async def prompt_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
+        """Tokenized (off the event loop) and checked once, before any response starts (so a stream can still get a
+        400); a text longer than ``max_prompt_chars`` is refused before it is tokenized."""
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
+        return await self._tokenize(self._checked_ids, prompt, adapter)
+
+    async def chat_ids(self, messages: list[dict[str, str]], adapter: str | None) -> list[int]:
+        """The messages through the chat template of ``adapter``'s tokenizer (its own may add tokens), tokenized off
+        the event loop and checked as ``prompt_ids`` does."""
+        tokenizer = self.tokenizer(adapter)
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        if len(messages) >= self._engine.max_seq_len:  # each message takes at least one token of the context
+            raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
+                                f"{self._engine.max_seq_len} tokens", "messages")
+
+        def render() -> list[int]:
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
+                raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
+            return self._checked_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
+        return await self._tokenize(render)
+
+    def _check_chars(self, count: int, param: str) -> None:
+        if count > self.max_prompt_chars:
+            raise ApiError(400, f"{param} has {count} characters; this server tokenizes at most "
+                                f"{self.max_prompt_chars} (--max-prompt-chars); shorten it", param)
+
+    def _checked_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
         try:
             return self._engine.prompt_ids(prompt, adapter)
-        except ValueError as e:
+        except ValueError as e:  # AdapterError too: the adapter was unloaded since
             raise ApiError(400, str(e), "prompt") from None
+
+    async def _tokenize(self, fn: Callable, *args):
+        """fn(*args) on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def sampling_params(self, body: CompletionBody | ChatBody, prompts: list[list[int]],
                         default_max_tokens: int | None) -> SamplingParams:
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        self.check_stop(stop)
         return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self._engine.max_seq_len,
                                max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """400 for more stop strings, or longer ones, than the server's bounds."""
+        config = self.config
+        if len(stop) > config.max_stop_strings:
+            raise ApiError(400, f"{len(stop)} stop strings; this server takes at most {config.max_stop_strings} "
+                                f"(--max-stop-strings)", "stop")
+        longest = max(map(len, stop), default=0)
+        if longest > config.max_stop_chars:
+            raise ApiError(400, f"a stop string of {longest} characters; this server takes at most "
+                                f"{config.max_stop_chars} per string (--max-stop-chars)", "stop")
 
     def tokenizer(self, adapter: str | None):
         """The tokenizer of ``adapter``'s requests (its own where its folder has one); None if the engine has none."""
@@ -132,13 +207,17 @@ class ServerState:
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                        ) -> AsyncIterator[RequestOutput]:
         """One request's outputs, counted in the metrics; a request the engine refuses, or one that fails (its
-        adapter could not be loaded, its grammar failed), is a 400."""
+        adapter could not be loaded or was unloaded before it ran, its grammar failed), is a 400. An abort this
+        client did not cause (a client that leaves stops reading before its own comes) is a 503: a request never
+        ends empty with a 200."""
         with self.metrics.request(adapter or self.config.model_name) as measured:
             try:
                 async for out in self.async_engine.generate(prompt, params, adapter):
                     measured.update(out)
                     if out.finish_reason == "error":
                         raise ApiError(400, out.error or "the request failed", "model")
+                    if out.finish_reason == "abort":
+                        raise ApiError(503, "the server ended this request before it finished; send it again")
                     yield out
             except (ValueError, AdapterError) as e:
                 raise ApiError(400, str(e), "prompt") from None
