@@ -101,4 +101,5 @@ def test_compiled_graphs_captured_at_startup_and_again_after_growth(tmp_path):
                 got[out.request_id] += out.token_ids
         assert engine.runner.graph_captures == 2 and engine.runner.graph_replays > 0
         outs[compile] = list(got.values())
+    torch._dynamo.reset()  # the compiled frames of this model class would count against later tests' compiles
     assert outs[True] == outs[False]

@@ -195,7 +195,10 @@ class ModelRunner:
         # With compile=True every bucket of every slot layout is one more compile of the same forward, as
         # expected; past dynamo's recompile limit (8 by default) a fullgraph compile fails.
         self._compiles += len(self.graph_sizes)
-        with torch._dynamo.config.patch(recompile_limit=max(self._compiles, torch._dynamo.config.recompile_limit)):
+        # The limit counts per code object, and every model of a class shares its forward's: count what other
+        # compiled models of the process hold too (a generous bound; no recompile happens after capture).
+        limit = max(self._compiles + 64, torch._dynamo.config.recompile_limit)
+        with torch._dynamo.config.patch(recompile_limit=limit):
             for size in tqdm(self.graph_sizes, desc="capturing CUDA graphs", unit="graph"):
                 view = {name: self._static[name][: size + (name == "query_start")] for name in STEP_TENSORS}
                 side = torch.cuda.Stream(self.device)
