@@ -396,7 +396,6 @@ class Engine:
                                                      f"on it; send it again with a model that is loaded"))
 
 
-
 def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:
     """The model's handle: patched now with the config's layout, or already patched with the same one."""
     handle = getattr(model, "_lorakit_handle", None)
