@@ -153,6 +153,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        # False: outputs carry token ids only (no text, stop strings not looked for): the engine core process, whose
+        # client detokenizes in the server process.
+        self.detokenize = True
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
 
@@ -175,13 +178,12 @@ class Engine:
             raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
         prompt_ids = self.prompt_ids(prompt, adapter)
         constraint = self._check_logits_params(params, adapter)
-        max_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_ids))
-        limited = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+        limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
                           params=limited, seed=seed)
-        detok = IncrementalDetokenizer(self.tokenizer_for(adapter) or _NO_TEXT, prompt_ids, limited,
-                                       self.eos_token_id)
+        tokenizer = self.tokenizer_for(adapter) if self.detokenize else None
+        detok = IncrementalDetokenizer(tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
         request.state = _State(detok, [] if params.logprobs is not None else None, constraint)
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -214,29 +216,10 @@ class Engine:
         return tokenizer or self.tokenizer
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
-        """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked: not empty,
-        in the vocabulary (the base one, plus the tokens ``adapter`` adds), leaving room under max_seq_len."""
+        """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked by
+        ``check_prompt``."""
         added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
-        if isinstance(prompt, str):
-            tokenizer = self.tokenizer_for(adapter)
-            if tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("a prompt must be a string or a list of int token ids")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size and t not in added]
-        if bad:
-            whose = f" and the {len(added)} tokens adapter {adapter!r} adds" if added else ""
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}){whose}; "
-                             f"a token another adapter adds is not in this request's vocabulary")
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; at most {self.max_seq_len - 1} fit "
-                             f"(max_seq_len={self.max_seq_len}); shorten it")
-        return ids
+        return check_prompt(prompt, self.tokenizer_for(adapter), self.vocab_size, added, self.max_seq_len, adapter)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last output (finish_reason 'abort') comes with the next step."""
@@ -394,6 +377,39 @@ class Engine:
             self.scheduler.abort(request)
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
                                                      f"on it; send it again with a model that is loaded"))
+
+
+def check_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int, added: frozenset[int], max_seq_len: int,
+                 adapter: str | None = None) -> list[int]:
+    """A prompt's token ids (text: by ``tokenizer``), checked: not empty, in the vocabulary (``vocab_size`` plus the
+    ``added`` tokens of ``adapter``), leaving room under ``max_seq_len``; ValueError naming the problem."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a prompt must be a string or a list of int token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size and t not in added]
+    if bad:
+        whose = f" and the {len(added)} tokens adapter {adapter!r} adds" if added else ""
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}){whose}; "
+                         f"a token another adapter adds is not in this request's vocabulary")
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(ids) >= max_seq_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; at most {max_seq_len - 1} fit "
+                         f"(max_seq_len={max_seq_len}); shorten it")
+    return ids
+
+
+def fit_params(params: SamplingParams, prompt_len: int, max_seq_len: int) -> SamplingParams:
+    """``params`` with max_tokens (and min_tokens) cut to what fits in the context after the prompt."""
+    max_tokens = min(params.max_tokens, max_seq_len - prompt_len)
+    if max_tokens == params.max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
 
 def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorakit.layers.adapter import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
-from lorakit.serve.model import bundled_adapters, check_model, load_model
+from lorakit.serve.model import bundled_adapters, check_model, load_engine, load_tokenizer, model_folder
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -67,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N (default: %(default)s: cuda when available, else cpu)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process instead of a core process of its own "
+                        "(default: off; the server and the engine then share one GIL)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--allow-runtime-lora", action="store_true",
@@ -134,23 +138,27 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
         raise SystemExit(f"lorakit serve: {e}") from None
 
-    from lorakit.engine import Engine
+    from lorakit.engine.core import CoreClient, EngineDead
     from lorakit.serve import ServeConfig, run_server
 
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
-    model, tokenizer, name = load_model(args.model, device, dtype)
+    folder, name = model_folder(args.model)
+    build = functools.partial(load_engine, str(folder), device, dtype, config, adapters)
     try:
-        engine = Engine(model, tokenizer, config, adapters=adapters)
-    except ValueError as e:  # an adapter this model cannot serve (modules, shapes, rank), or a limit out of range
-        raise SystemExit(f"lorakit serve: {e}") from None
+        if args.engine_in_process:
+            engine = build()
+        else:
+            engine = CoreClient(build, load_tokenizer(folder))
+            engine.launch()  # the model loads and the graphs are captured in the core before the server listens
+    except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
+        raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
     config = ServeConfig(model_name=args.served_model_name or name, allow_runtime_lora=args.allow_runtime_lora,
                          lora_roots=list(args.lora_root), api_key=args.api_key,
                          max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                          max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
-    run_server(engine, config, args.host, args.port)
-    return 0
+    return run_server(engine, config, args.host, args.port)
 
 
 def check_options(args) -> dict[str, str]:

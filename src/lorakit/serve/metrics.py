@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 
 import prometheus_client as prom
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from lorakit.engine import AsyncEngine, Engine, RequestOutput
+from lorakit.engine import RequestOutput
+from lorakit.engine.client import EngineClient
 
 __all__ = ["CountResponses", "Metrics"]
 
@@ -30,7 +30,7 @@ class Metrics:
     """The series (see docs/serve.md): HTTP responses and failed streams by endpoint; per adapter, generation
     requests by finish reason, tokens, time to first token and per output token, loads, evictions, residency."""
 
-    def __init__(self, engine: Engine, async_engine: Callable[[], AsyncEngine | None]):
+    def __init__(self, engine: EngineClient):
         r = self.registry = prom.CollectorRegistry()
         self.responses = prom.Counter("lorakit_requests", "HTTP responses by endpoint (route template) and status",
                                       ["endpoint", "status"], registry=r)
@@ -47,7 +47,7 @@ class Metrics:
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
                                    ["adapter"], registry=r,
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
-        r.register(_EngineCollector(engine, async_engine))
+        r.register(_EngineCollector(engine))
 
     def request(self, adapter: str) -> RequestMetrics:
         """The metrics of one generation request for ``adapter`` (the label), its clock started now."""
@@ -91,22 +91,22 @@ class RequestMetrics:
 
 
 class _EngineCollector:
-    """Read at scrape time from the engine thread's state: plain ints and copies of dicts, no lock taken."""
+    """Read at scrape time from the engine client's stats (as of the engine's last step), no lock taken."""
 
-    def __init__(self, engine: Engine, async_engine: Callable[[], AsyncEngine | None]):
-        self.engine, self.async_engine = engine, async_engine
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
 
     def collect(self):
-        engine, async_engine = self.engine, self.async_engine()
-        yield GaugeMetricFamily("lorakit_requests_running", "Requests being generated",
-                                value=len(engine.scheduler.running))
-        yield GaugeMetricFamily("lorakit_queue_length", "Requests waiting for a batch",
-                                value=len(engine.scheduler.waiting))
-        yield GaugeMetricFamily("lorakit_engine_steps", "Engine steps since start",
-                                value=async_engine.steps if async_engine else 0)
+        stats = self.engine.stats()
+        yield GaugeMetricFamily("lorakit_engine_pid", "Process id of the engine (the server's own when the engine runs "
+                                "on a thread of it)", value=stats.pid)
+        yield GaugeMetricFamily("lorakit_requests_running", "Requests being generated", value=stats.running)
+        yield GaugeMetricFamily("lorakit_queue_length", "Requests waiting for a batch", value=stats.waiting)
+        yield GaugeMetricFamily("lorakit_engine_steps", "Engine steps since start", value=stats.steps)
         yield GaugeMetricFamily("lorakit_engine_step_seconds", "Wall time inside engine steps since start",
-                                value=async_engine.step_seconds if async_engine else 0.0)
-        stats = engine.pool.stats
+                                value=stats.step_seconds)
+        yield GaugeMetricFamily("lorakit_engine_gpu_seconds", "Device time of the engine steps' forwards since start "
+                                "(CUDA events; 0 on the CPU)", value=stats.gpu_seconds)
         for name, counts, help_ in (
             ("lorakit_adapter_loads", stats.loads_by_adapter, "Adapter uploads into GPU slots"),
             ("lorakit_adapter_evictions", stats.evictions_by_adapter, "Adapters evicted from GPU slots"),
@@ -118,7 +118,7 @@ class _EngineCollector:
         resident = GaugeMetricFamily("lorakit_adapter_resident", "1 for the tier that holds each registered adapter "
                                      "(gpu: a slot, cpu: the CPU cache, disk: neither), else 0",
                                      labels=["adapter", "tier"])
-        for adapter, tier in sorted(engine.pool.residency().items()):
+        for adapter, tier in sorted(stats.residency.items()):
             for t in TIERS:
                 resident.add_metric([adapter, t], float(t == tier))
         yield resident

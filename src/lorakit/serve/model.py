@@ -98,18 +98,39 @@ def check_model(path: str | Path | None) -> None:
                             f"'hf download ORG/NAME --local-dir DIR', and pass DIR")
 
 
+def model_folder(path: str | Path | None) -> tuple[Path, str]:
+    """(folder, served name) of a transformers folder, or of the bundled default (converted once) for None."""
+    check_model(path)
+    return (default_model_folder(), DEFAULT_NAME) if path is None else (Path(path), Path(path).name)
+
+
+def load_tokenizer(folder: str | Path):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
 def load_model(path: str | Path | None, device: str | None = None, dtype: str | None = None):
     """(model, tokenizer, name) for a transformers folder, or the bundled default when ``path`` is None."""
     import transformers
 
-    check_model(path)
-    folder = default_model_folder() if path is None else Path(path)
+    folder, name = model_folder(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     logger.info("loading the model from %s on %s (%s)", folder, device, str(torch_dtype).removeprefix("torch."))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
-    return model, tokenizer, DEFAULT_NAME if path is None else folder.name
+    return model, tokenizer, name
+
+
+def load_engine(path: str | Path, device: str | None, dtype: str | None, config, adapters: dict[str, str]):
+    """The engine ``lorakit serve`` runs: the model folder's model and tokenizer, ``config`` (an EngineConfig) and
+    ``adapters`` ({name: folder}) registered. A module-level function, so that the engine core process can be given
+    it (pickled) and build the engine itself."""
+    from lorakit.engine import Engine
+
+    model, tokenizer, _ = load_model(path, device, dtype)
+    return Engine(model, tokenizer, config, adapters=adapters)
 
 
 def bundled_adapters() -> dict[str, str]:

@@ -1,11 +1,11 @@
 """What every handler is given: ``ServerState``, the server's config, metrics, limit on sequences in flight, and its
-one door to the engine.
+one door to the engine, an ``EngineClient`` (``lorakit.engine.client``): the engine on a thread of this process, or
+in a core process of its own (``lorakit serve``).
 
-Only the engine thread changes the engine. From the event loop, ServerState only looks things up (the registered
-adapters, a tokenizer, the context length); tokenizing (prompts, chat templates) runs on a thread of its own, so a
-long prompt never holds up the event loop and the streams it serves; whatever changes the engine (a request, a load,
-an unload) goes to the engine thread through ``AsyncEngine``. A load reads and checks the adapter's files on a worker
-thread first (``Engine.read_adapter`` changes nothing), so the engine thread only installs what was checked.
+From the event loop, ServerState only looks things up (the registered adapters, a tokenizer, the context length);
+tokenizing (prompts, chat templates) runs on a thread of its own, so a long prompt never holds up the event loop and
+the streams it serves; whatever changes the engine (a request, a load, an unload) goes through the client to the
+engine's thread or process, which reads and checks an adapter's files while it keeps stepping.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import jinja2
 
-from lorakit.engine import AsyncEngine, Engine, RequestOutput, SamplingParams
+from lorakit.engine import Engine, RequestOutput, SamplingParams
+from lorakit.engine.client import EngineClient, InProcessClient
+from lorakit.engine.core import EngineDead
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.metrics import Metrics
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, sampling_params
@@ -79,21 +81,20 @@ class ServerState:
     """See the module docstring. ``start`` (at the app's startup) runs the engine thread; ``stop`` lets the requests
     in flight finish, and fails the rest."""
 
-    def __init__(self, engine: Engine, config: ServeConfig):
-        self._engine, self.config = engine, config
-        self.async_engine: AsyncEngine | None = None
-        self.metrics = Metrics(engine, lambda: self.async_engine)
+    def __init__(self, engine: Engine | EngineClient, config: ServeConfig):
+        self.engine = InProcessClient(engine) if isinstance(engine, Engine) else engine
+        self.config = config
+        self.metrics = Metrics(self.engine)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
-        self._reading = asyncio.Lock()  # one adapter read at a time: each holds a whole adapter in memory
-        self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * engine.max_seq_len
+        self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
 
     def start(self) -> None:
-        self.async_engine = AsyncEngine(self._engine)
+        self.engine.start()
 
     def stop(self) -> None:
-        self.async_engine.shutdown()
+        self.engine.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     # Lookups, on the event loop.
@@ -101,16 +102,16 @@ class ServerState:
     @property
     def adapters(self) -> dict[str, int]:
         """Registered adapters and their versions."""
-        return self._engine.pool.adapters
+        return self.engine.adapters
 
     @property
     def adapter_versions(self) -> dict[str, tuple[int, str]]:
         """Registered adapters and their versions: (number, sha256 of the files as read)."""
-        return self._engine.pool.versions
+        return self.engine.versions
 
     @property
     def eos_token_id(self) -> int | list[int] | None:
-        return self._engine.eos_token_id
+        return self.engine.eos_token_id
 
     def adapter_of(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a name nobody serves."""
@@ -136,9 +137,9 @@ class ServerState:
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        if len(messages) >= self._engine.max_seq_len:  # each message takes at least one token of the context
+        if len(messages) >= self.engine.max_seq_len:  # each message takes at least one token of the context
             raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
-                                f"{self._engine.max_seq_len} tokens", "messages")
+                                f"{self.engine.max_seq_len} tokens", "messages")
 
         def render() -> list[int]:
             try:
@@ -155,7 +156,7 @@ class ServerState:
 
     def _checked_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
         try:
-            return self._engine.prompt_ids(prompt, adapter)
+            return self.engine.prompt_ids(prompt, adapter)
         except ValueError as e:  # AdapterError too: the adapter was unloaded since
             raise ApiError(400, str(e), "prompt") from None
 
@@ -167,7 +168,7 @@ class ServerState:
                         default_max_tokens: int | None) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         self.check_stop(stop)
-        return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self._engine.max_seq_len,
+        return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self.engine.max_seq_len,
                                max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
 
     def check_stop(self, stop: Sequence[str]) -> None:
@@ -183,7 +184,7 @@ class ServerState:
 
     def tokenizer(self, adapter: str | None):
         """The tokenizer of ``adapter``'s requests (its own where its folder has one); None if the engine has none."""
-        return self._engine.tokenizer_for(adapter)
+        return self.engine.tokenizer_for(adapter)
 
     def text(self, ids: list[int], adapter: str | None, skip_special_tokens: bool = False) -> str:
         """The text of token ids, as ``adapter``'s tokenizer reads them ("" without a tokenizer, as the engine's
@@ -191,18 +192,15 @@ class ServerState:
         tokenizer = self.tokenizer(adapter)
         return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    # On the engine thread.
+    # Through the engine client.
 
     async def register_adapter(self, name: str, path: Path) -> int:
-        """Reads and checks the adapter's files on a worker thread (every file inside the --lora-root folders;
-        AdapterError for a bad one) while the engine keeps stepping, then installs them on the engine thread; its
-        version."""
-        async with self._reading:
-            checked = await asyncio.to_thread(self._engine.read_adapter, name, path, self.config.lora_roots or None)
-        return await self.async_engine.call(self._engine.install_adapter, checked)
+        """Reads and checks the adapter's files (every file inside the --lora-root folders; AdapterError for a bad
+        one) while the engine keeps stepping, then installs them between steps; its version."""
+        return await self.engine.register_adapter(name, path, self.config.lora_roots or None)
 
     async def unregister_adapter(self, name: str) -> None:
-        await self.async_engine.call(self._engine.unregister_adapter, name)
+        await self.engine.unregister_adapter(name)
 
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                        ) -> AsyncIterator[RequestOutput]:
@@ -212,15 +210,18 @@ class ServerState:
         ends empty with a 200."""
         with self.metrics.request(adapter or self.config.model_name) as measured:
             try:
-                async for out in self.async_engine.generate(prompt, params, adapter):
+                async for out in self.engine.generate(prompt, params, adapter):
                     measured.update(out)
                     if out.finish_reason == "error":
                         raise ApiError(400, out.error or "the request failed", "model")
                     if out.finish_reason == "abort":
-                        raise ApiError(503, "the server ended this request before it finished; send it again")
+                        why = f" ({out.error})" if out.error else ""
+                        raise ApiError(503, f"the server ended this request before it finished{why}; send it again")
                     yield out
             except (ValueError, AdapterError) as e:
                 raise ApiError(400, str(e), "prompt") from None
+            except EngineDead as e:
+                raise ApiError(503, str(e)) from None
 
     def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, str | None]]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:

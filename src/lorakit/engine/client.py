@@ -1,0 +1,133 @@
+"""How a server talks to an engine: ``EngineClient``, one interface with two homes for the engine.
+
+``InProcessClient`` runs the engine on a thread of the server's own process (``AsyncEngine``): what tests and
+embedding code use, and what ``create_app(engine)`` gets. ``CoreClient`` (``lorakit.engine.core``) runs it in a
+process of its own, so the model's steps and the server's HTTP, tokenizing and detokenizing never share a GIL:
+what ``lorakit serve`` uses. Both give the same answers: the server (``serve.state.ServerState``) cannot tell
+which one it holds.
+
+The client answers lookups at once, from the caller's thread (registered adapters, a tokenizer, the context),
+and everything that changes the engine (a request, an abort, a load, an unload) goes to the engine's own thread
+or process. ``stats()`` is what the metrics read: plain numbers, as of the last step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from lorakit.engine.engine import AsyncEngine, Engine, RequestOutput
+from lorakit.engine.sampling import SamplingParams
+
+__all__ = ["EngineClient", "EngineStats", "InProcessClient"]
+
+
+@dataclass
+class EngineStats:
+    """The engine's gauges and counters, as of its last step (``gpu_seconds``: device time of the steps' forwards,
+    0 where it is not measured)."""
+
+    pid: int = 0
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    loads_by_adapter: dict[str, int] = field(default_factory=dict)
+    evictions_by_adapter: dict[str, int] = field(default_factory=dict)
+    residency: dict[str, str] = field(default_factory=dict)  # adapter -> "gpu", "cpu" or "disk"
+
+
+class EngineClient(Protocol):
+    """What a server needs of an engine (see the module docstring)."""
+
+    vocab_size: int
+    max_seq_len: int
+    eos_token_id: int | list[int] | None
+
+    @property
+    def adapters(self) -> dict[str, int]: ...  # registered names -> version numbers
+
+    @property
+    def versions(self) -> dict[str, tuple[int, str]]: ...  # registered names -> (version number, sha256)
+
+    def tokenizer_for(self, adapter: str | None): ...
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
+                 ) -> AsyncIterator[RequestOutput]: ...
+
+    async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
+
+    async def unregister_adapter(self, name: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+
+class InProcessClient:
+    """The engine on a thread of this process (``AsyncEngine``). Lookups read the engine directly (the pool's maps
+    are copied, never locked); an adapter's files are read and checked on a worker thread (``Engine.read_adapter``
+    changes nothing) and only installed on the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.vocab_size, self.max_seq_len, self.eos_token_id = engine.vocab_size, engine.max_seq_len, engine.eos_token_id
+        self.async_engine: AsyncEngine | None = None
+        self._reading: asyncio.Lock | None = None  # one adapter read at a time: each holds a whole adapter in memory
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        return self.engine.pool.adapters
+
+    @property
+    def versions(self) -> dict[str, tuple[int, str]]:
+        return self.engine.pool.versions
+
+    def tokenizer_for(self, adapter: str | None):
+        return self.engine.tokenizer_for(adapter)
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]:
+        return self.engine.prompt_ids(prompt, adapter)
+
+    def start(self) -> None:
+        self.async_engine = AsyncEngine(self.engine)
+
+    def stop(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+
+    def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[RequestOutput]:
+        return self.async_engine.generate(prompt, params, adapter)
+
+    async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
+        self._reading = self._reading or asyncio.Lock()
+        async with self._reading:
+            checked = await asyncio.to_thread(self.engine.read_adapter, name, path, roots)
+        return await self.async_engine.call(self.engine.install_adapter, checked)
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self.async_engine.call(self.engine.unregister_adapter, name)
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine, self.async_engine)
+
+
+def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps: int = 0,
+                 step_seconds: float = 0.0) -> EngineStats:
+    """An engine's stats, read without a lock (plain ints and copies of dicts); the step counters from
+    ``async_engine`` when given."""
+    if async_engine is not None:
+        steps, step_seconds = async_engine.steps, async_engine.step_seconds
+    pool = engine.pool
+    return EngineStats(os.getpid(), len(engine.scheduler.running), len(engine.scheduler.waiting), steps,
+                       step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)),
+                       dict(pool.stats.loads_by_adapter), dict(pool.stats.evictions_by_adapter), pool.residency())

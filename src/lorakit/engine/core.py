@@ -1,0 +1,555 @@
+"""The engine core: the engine in a process of its own, and ``CoreClient``, the server's side of it.
+
+``lorakit serve`` runs two processes (as vLLM's engine core and SGLang's scheduler process do)::
+
+    server process (asyncio)                              core process (one loop)
+    HTTP, validation, tokenizing, chat templates     Add / Abort / Call     scheduler, adapter pool,
+    CoreClient: detokenizing, stop strings, streams  ------------------>    model runner, sampling
+                                                     <------------------
+                                                     Step (every output of a step, at once) / Reply / Ready
+
+so the model's steps never wait for the GIL behind HTTP parsing or detokenizing, and the reverse. The two talk
+over two ZeroMQ PUSH/PULL sockets (``ipc://`` in a folder only this user can enter), in msgspec's msgpack with a
+typed schema on each side: a request's parameters are decoded into ``SamplingParams`` and checked again there.
+The core sends one message per step, whatever the batch, and token ids only: the client turns them into text and
+looks for stop strings (the core's engine runs with ``detokenize = False``; its stop tokens, eos and max_tokens
+end requests as before). A stop string found by the client aborts the request in the core.
+
+The core is built in the child from a picklable factory (``functools.partial`` of a module-level function that
+returns an ``Engine``), and reports ``Ready`` (the facts the client answers lookups with) or ``Failed``. Adapter
+folders are read on a worker thread of the core while it keeps stepping, then installed between steps.
+
+Failure: a core that exits (killed, out of memory, a crash) is seen at once through its process sentinel: every
+waiting request gets ``EngineDead``, calls fail, and ``on_death`` tells the server to exit (non-zero: a supervisor
+restarts it). A core whose parent is gone exits within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lorakit.engine.client import EngineStats, engine_stats
+from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.engine import _NO_TEXT, Engine, RequestOutput, TokenLogprob, check_prompt, fit_params
+from lorakit.engine.sampling import SamplingParams
+from lorakit.engine.snapshot import read_tokenizer
+from lorakit.layers.adapter import AdapterError
+
+__all__ = ["CoreClient", "EngineDead", "run_core"]
+
+logger = logging.getLogger("lorakit.core")
+
+STATS_SECONDS = 0.25  # the core sends its stats at least this often while it steps (and once when it goes idle)
+IDLE_POLL_MS = 100  # how long an idle core waits for a message before it looks at its parent and its reads again
+
+
+class EngineDead(RuntimeError):
+    """The engine core process exited; nothing it held will answer."""
+
+
+# The wire: what the client sends ...
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """A call answered by a ``Reply``: "register" (name, path, roots), "unregister" (name), "shutdown" (seconds the
+    running requests get to finish)."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+# ... and what the core sends.
+
+class Out(msgspec.Struct, array_like=True):
+    """A request's share of a step: new token ids (no text), and its finish reason if it ended."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class Step(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[Out]
+    stats: EngineStats | None = None
+
+
+class Reply(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: Any = None
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+class AdapterFacts(msgspec.Struct, array_like=True):
+    """What the client needs of a registered adapter (it reads the adapter's tokenizer itself)."""
+
+    name: str
+    version: int
+    sha256: str
+    path: str  # the folder's real path, as read
+    added_tokens: list[int]
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    pid: int
+    vocab_size: int
+    max_seq_len: int
+    eos_token_id: int | list[int] | None
+    adapters: list[AdapterFacts]
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    message: str
+    kind: str
+
+
+ToCore = Add | Abort | Call
+FromCore = Step | Reply | Ready | Failed
+_ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def _facts(engine: Engine, name: str) -> AdapterFacts:
+    info, (version, sha256) = engine.pool.info(name), engine.pool.versions[name]
+    return AdapterFacts(name, version, sha256, str(info.path), sorted(info.added_tokens))
+
+
+# The core process.
+
+def run_core(factory: Callable[[], Engine], to_core: str, from_core: str, parent_pid: int) -> None:
+    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s [core pid %(process)d]: %(message)s")
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(to_core)
+    outbox.connect(from_core)
+    encode = msgspec.msgpack.Encoder().encode
+    try:
+        engine = factory()
+    except Exception as e:  # noqa: BLE001 - the server reports it and stops
+        logger.exception("the engine could not be built")
+        outbox.send(encode(Failed(str(e), type(e).__name__)))
+        outbox.close(linger=5000)
+        raise SystemExit(1) from None
+    engine.detokenize = False
+    logger.info("engine core ready (pid %d)", os.getpid())
+    outbox.send(encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id,
+                             [_facts(engine, name) for name in sorted(engine.pool.adapters)])))
+    _Core(engine, inbox, outbox, parent_pid).run()
+    outbox.close(linger=5000)
+    inbox.close(linger=0)
+
+
+class _Core:
+    """The core's loop: drain the inbox, install finished adapter reads, step, send the step's outputs."""
+
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int):
+        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder(ToCore).decode
+        self.pending: list[Out] = []  # outputs that go with the next message (refused requests)
+        self.reads: list[tuple[int, concurrent.futures.Future]] = []
+        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
+        self.steps, self.step_seconds = 0, 0.0
+        self.stats_at = 0.0
+        self.deadline: float | None = None  # when shutting down: when the running requests are aborted
+        self.shutdown_call: int | None = None
+
+    def run(self) -> None:
+        engine, checked_parent = self.engine, time.monotonic()
+        while True:
+            busy = engine.has_unfinished() or self.pending
+            if self.inbox.poll(0 if busy else (5 if self.reads else IDLE_POLL_MS)):
+                while True:
+                    try:
+                        message = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        message = self.decode(message)
+                    except msgspec.ValidationError:  # the client checked it: a bug, logged, and the core goes on
+                        logger.exception("a message from the server could not be read")
+                        continue
+                    self.handle(message)
+            self.install_reads()
+            if self.deadline is not None and (not engine.has_unfinished() or time.monotonic() >= self.deadline):
+                for request_id in list(engine._requests):
+                    engine.abort(request_id)
+                self.step()  # sends the aborts
+                self.send(Reply(self.shutdown_call))
+                return
+            if engine.has_unfinished() or self.pending:
+                self.step()
+            elif self.stats_at and time.monotonic() - self.stats_at > STATS_SECONDS:
+                self.send(Step([], self.stats()))  # idle now: the last numbers
+                self.stats_at = 0.0
+            if time.monotonic() - checked_parent > 1.0:
+                checked_parent = time.monotonic()
+                if os.getppid() != self.parent_pid:
+                    logger.error("the server process %d is gone; the engine core exits", self.parent_pid)
+                    return
+
+    def handle(self, message: ToCore) -> None:
+        engine = self.engine
+        if isinstance(message, Add):
+            try:
+                engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id)
+            except (ValueError, TypeError) as e:  # AdapterError too: unloaded since the client looked
+                self.pending.append(Out(message.request_id, [], "error", len(message.prompt_ids), 0, error=str(e)))
+        elif isinstance(message, Abort):
+            for request_id in message.request_ids:
+                engine.abort(request_id)
+        elif message.method == "register":
+            name, path, roots = message.args
+            self.reads.append((message.call_id, self.reader.submit(engine.read_adapter, name, path, roots)))
+        elif message.method == "unregister":
+            self.answer(message.call_id, lambda: engine.unregister_adapter(*message.args))
+        elif message.method == "shutdown":
+            self.deadline, self.shutdown_call = time.monotonic() + float(message.args[0]), message.call_id
+        else:
+            self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")))
+
+    def install_reads(self) -> None:
+        """Install the adapters whose reads finished, in the order they were asked for."""
+        while self.reads and self.reads[0][1].done():
+            call_id, read = self.reads.pop(0)
+
+            def install():
+                checked = read.result()
+                self.engine.install_adapter(checked)
+                return _facts(self.engine, checked.snapshot.name)
+            self.answer(call_id, install)
+
+    def answer(self, call_id: int, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            self.send(Reply(call_id, error=(type(e).__name__, str(e))))
+        else:
+            self.send(Reply(call_id, result))
+
+    def step(self) -> None:
+        engine, outputs = self.engine, [*self.pending]
+        self.pending.clear()
+        start = time.perf_counter()
+        stepped = engine.has_unfinished()
+        try:
+            results = engine.step() if stepped else []
+        except Exception as e:  # noqa: BLE001 - not a request's fault (``Engine.step`` isolates those): all end
+            logger.exception("a step failed")
+            results = []
+            for request_id, request in list(engine._requests.items()):
+                engine.abort(request_id)
+                outputs.append(Out(request_id, [], "abort", len(request.prompt_ids), len(request.output_ids),
+                                   error=f"the engine step failed ({type(e).__name__}: {e})"))
+            engine._aborted.clear()
+        if stepped:
+            self.steps += 1
+            self.step_seconds += time.perf_counter() - start
+        outputs += [Out(o.request_id, o.token_ids, o.finish_reason, o.num_prompt_tokens, o.num_output_tokens,
+                        o.logprobs, o.error) for o in results]
+        now = time.monotonic()
+        stats = None
+        if now - self.stats_at > STATS_SECONDS:
+            stats, self.stats_at = self.stats(), now
+        if outputs or stats is not None:
+            self.send(Step(outputs, stats))
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine, steps=self.steps, step_seconds=self.step_seconds)
+
+    def send(self, message: FromCore) -> None:
+        self.outbox.send(self.encode(message))
+
+
+# The server's side.
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer
+
+
+@dataclass
+class _Adapter:
+    facts: AdapterFacts
+    added: frozenset[int]
+    tokenizer: object  # its folder's tokenizer, False when it has none
+
+
+class CoreClient:
+    """The engine in a child process (see the module docstring), behind the ``EngineClient`` interface.
+
+    ``factory``: a picklable callable that builds the ``Engine`` in the child. ``tokenizer``: the base model's, for
+    this process's tokenizing and detokenizing. ``launch()`` starts the core and waits until it is ready (before the
+    server listens); ``start()``, on the event loop, starts reading its outputs."""
+
+    def __init__(self, factory: Callable[[], Engine], tokenizer=None):
+        self.factory, self.tokenizer = factory, tokenizer
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.on_death: Callable[[], None] | None = None  # called once if the core exits on its own
+        self.dead: str | None = None  # why the core is gone, once it is
+        self.crashed = False  # it exited on its own (not stopped)
+        self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
+        self._adapters: dict[str, _Adapter] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids, self._call_ids = itertools.count(), itertools.count()
+        self._stats = EngineStats()
+        self._folder: str | None = None
+        self._context = zmq.Context()
+        self._to_core = self._from_core = None
+        self._reader: asyncio.Task | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromCore).decode
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    # Starting and stopping.
+
+    def launch(self, timeout: float | None = None) -> None:
+        """Start the core process and wait for its Ready (its model loaded, its graphs captured). A core that
+        fails to build its engine raises here: the exception type it raised (ValueError, ...) with its message."""
+        self._folder = tempfile.mkdtemp(prefix="lorakit-core-")  # mode 0700: only this user reaches the sockets
+        to_core, from_core = f"ipc://{self._folder}/to-core", f"ipc://{self._folder}/from-core"
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(to_core)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
+        self._from_core.bind(from_core)
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
+        self.process = spawn.Process(target=run_core, args=(self.factory, to_core, from_core, os.getpid()),
+                                     name="lorakit-core", daemon=True)
+        self.process.start()
+        logger.info("engine core started (pid %d); waiting for it to load the model", self.process.pid)
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._from_core.poll(200):
+            if not self.process.is_alive():
+                self._cleanup()
+                raise EngineDead(f"the engine core (pid {self.process.pid}) exited with code "
+                                 f"{self.process.exitcode} while starting; its log says why")
+            if end is not None and time.monotonic() > end:
+                self.process.kill()
+                self._cleanup()
+                raise EngineDead(f"the engine core did not start within {timeout} s")
+        message = self._decode(self._from_core.recv())
+        if isinstance(message, Failed):
+            self.process.join(10)
+            self._cleanup()
+            raise _ERRORS.get(message.kind, RuntimeError)(message.message)
+        self.vocab_size, self.max_seq_len, self.eos_token_id = message.vocab_size, message.max_seq_len, \
+            message.eos_token_id
+        self._stats = EngineStats(pid=message.pid)
+        for facts in message.adapters:
+            self._adapters[facts.name] = _Adapter(facts, frozenset(facts.added_tokens),
+                                                  read_tokenizer(facts.name, facts.path))
+
+    def start(self) -> None:
+        """Start reading the core's messages on the running event loop (``launch`` first if it was not)."""
+        if self.process is None:
+            self.launch()
+        loop = asyncio.get_running_loop()
+        self._from_core = zmq.asyncio.Socket.from_socket(self._from_core)
+        self._reader = loop.create_task(self._read())
+        loop.add_reader(self.process.sentinel, self._exited)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the core: running requests get ``timeout`` seconds, then end (abort); waits for the process."""
+        if self.process is None:
+            return
+        if self.process.is_alive() and self.dead is None:
+            self.dead = "the server is shutting down"
+            try:
+                asyncio.get_running_loop().remove_reader(self.process.sentinel)
+            except RuntimeError:
+                pass
+            self._send(Call(next(self._call_ids), "shutdown", [timeout]))
+            self.process.join(timeout + 10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail_all(EngineDead("the server shut down before this request finished"))
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for socket in (self._to_core, self._from_core):
+            if socket is not None:
+                socket.close(linger=0)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _exited(self) -> None:
+        """The core process ended on its own: everything waiting fails, and the server is told."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.process.sentinel)
+        self.process.join(1)
+        self.dead = f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}"
+        self.crashed = True
+        logger.error("%s; failing %d requests in flight", self.dead, len(self._streams))
+        self._fail_all(EngineDead(f"{self.dead}; the server restarts, send the request again"))
+        if self.on_death is not None:
+            self.on_death()
+
+    def _fail_all(self, error: Exception) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # Lookups (answered here, from the core's facts).
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        return {name: a.facts.version for name, a in self._adapters.items()}
+
+    @property
+    def versions(self) -> dict[str, tuple[int, str]]:
+        return {name: (a.facts.version, a.facts.sha256) for name, a in self._adapters.items()}
+
+    def tokenizer_for(self, adapter: str | None):
+        found = self._adapters.get(adapter) if adapter is not None else None
+        return (found.tokenizer if found is not None else None) or self.tokenizer
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]:
+        added = frozenset()
+        if adapter is not None:
+            found = self._adapters.get(adapter)
+            if found is None:
+                raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self._adapters) or 'none'}")
+            added = found.added
+        return check_prompt(prompt, self.tokenizer_for(adapter), self.vocab_size, added, self.max_seq_len, adapter)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # Requests and calls.
+
+    async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come, with their text; leaving early aborts it in the core."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        request_id = f"r{next(self._ids)}"
+        params = fit_params(params, len(prompt), self.max_seq_len)
+        detok = IncrementalDetokenizer(self.tokenizer_for(adapter) or _NO_TEXT, prompt, params, self.eos_token_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = _Stream(queue, detok)
+        self._send(Add(request_id, prompt, params, adapter))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished and self._streams.pop(request_id, None) is not None:
+                self._send(Abort([request_id]))
+
+    async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
+        """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""
+        tokenizer = await asyncio.to_thread(read_tokenizer, name, path, roots)
+        facts = msgspec.convert(await self._call("register", name, str(path), [str(r) for r in roots or []] or None),
+                                AdapterFacts)
+        self._adapters[name] = _Adapter(facts, frozenset(facts.added_tokens), tokenizer)
+        return facts.version
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self._call("unregister", name)
+        self._adapters.pop(name, None)
+
+    async def _call(self, method: str, *args) -> Any:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(Call(call_id, method, list(args)))
+        return await future
+
+    def _send(self, message: ToCore) -> None:
+        try:
+            self._to_core.send(self._encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDead("the engine core is not reading its messages") from None
+
+    # The core's messages.
+
+    async def _read(self) -> None:
+        while True:
+            message = self._decode(await self._from_core.recv())
+            if isinstance(message, Step):
+                for out in message.outputs:
+                    self._deliver(out)
+                if message.stats is not None:
+                    self._stats = message.stats
+            elif isinstance(message, Reply):
+                future = self._calls.pop(message.call_id, None)
+                if future is None or future.done():
+                    continue
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    kind, text = message.error
+                    future.set_exception(_ERRORS.get(kind, RuntimeError)(text))
+
+    def _deliver(self, out: Out) -> None:
+        """Turn a request's new tokens into text here, and end it at a stop string (aborting it in the core)."""
+        stream = self._streams.get(out.request_id)
+        if stream is None:  # aborted here already
+            return
+        text, reason, taken = "", None, 0
+        for token in out.token_ids:
+            delta, reason = stream.detok.append(token)
+            text, taken = text + delta, taken + 1
+            if reason is not None:
+                break
+        if reason is not None and out.finish_reason is None:  # a stop string: the core does not know yet
+            self._send(Abort([out.request_id]))
+        reason = reason or out.finish_reason
+        logprobs = out.logprobs[:taken] if out.logprobs is not None else None
+        output = RequestOutput(out.request_id, text, out.token_ids[:taken], reason is not None, reason, logprobs,
+                               out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken, out.error)
+        if output.finished:
+            del self._streams[out.request_id]
+        stream.queue.put_nowait(output)
+

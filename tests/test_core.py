@@ -1,0 +1,186 @@
+"""The engine core in a process of its own (``lorakit.engine.core``): the server over a ``CoreClient`` answers what
+the in-process engine answers (text, stop strings found in the server process, logprobs, n, chat, runtime loads,
+hot-swaps and unloads), a core that cannot start says why, and a core that dies fails every waiting request and
+makes ``lorakit serve`` exit non-zero instead of hanging."""
+
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from _serve_helpers import LiveServer, build_world, reference
+from lorakit.engine import EngineConfig
+from lorakit.engine.core import CoreClient
+from lorakit.layers.adapter import AdapterError
+from lorakit.serve import ServeConfig, create_app
+from lorakit.serve.model import load_engine, load_tokenizer
+
+CONFIG = EngineConfig(max_loras=2, block_size=4, patience=4)
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("core")
+    world = build_world(tmp)
+    base, tokenizer, _, _ = world
+    base.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    return world
+
+
+def model_dir(world) -> Path:
+    return world[2].parent / "model"
+
+
+def core_client(world, adapters=("sql", "chat"), config=CONFIG) -> CoreClient:
+    paths = world[3]
+    build = functools.partial(load_engine, str(model_dir(world)), "cpu", "float32", config,
+                              {name: str(paths[name]) for name in adapters})
+    return CoreClient(build, load_tokenizer(model_dir(world)))
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    client = core_client(world)
+    client.launch()
+    live = LiveServer(create_app(client, ServeConfig(model_name="tiny", lora_roots=[world[2]],
+                                                     allow_runtime_lora=True)))
+    yield live
+    live.close()
+
+
+def test_the_core_serves_what_the_in_process_engine_serves(world, server):
+    client = server.client()
+    for model, adapter in (("tiny", None), ("sql", "sql"), ("chat", "chat")):
+        ref = reference(world, PROMPT, adapter, max_tokens=12, temperature=0.0)
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == ref.text
+    # A stop string is found here, in the server process; the core is told to stop the request.
+    long = reference(world, PROMPT, "sql", max_tokens=30, temperature=0.0, ignore_eos=True).text
+    stop = long[len(long) // 2: len(long) // 2 + 3]
+    assert stop.strip(), "the reference text is too short to take a stop string from"
+    cut = reference(world, PROMPT, "sql", max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == cut.text and out.choices[0].finish_reason == "stop"
+    scored = client.completions.create(model="chat", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    assert len(scored.choices[0].logprobs.tokens) == 4
+    a = client.completions.create(model="chat", prompt="hello", max_tokens=8, temperature=1.0, seed=3, n=2)
+    b = client.completions.create(model="chat", prompt="hello", max_tokens=8, temperature=1.0, seed=3, n=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hello world"}],
+                                          max_tokens=6, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    metrics = httpx.get(f"{server.url}/metrics").text
+    pid = server.server.config.app.state.server.engine.pid
+    assert pid != os.getpid() and f"lorakit_engine_pid {float(pid)}" in metrics
+
+
+def test_runtime_load_hot_swap_and_unload_go_through_the_core(world, server):
+    _, _, _, paths = world
+    client = server.client()
+    url = server.url
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "v2", "lora_path": str(paths["v2"])})
+    assert r.status_code == 200, r.text
+    out = client.completions.create(model="v2", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert out.choices[0].text == reference(world, PROMPT, "v2", max_tokens=10, temperature=0.0).text
+    # Hot-swap "v2" to sql's weights: new requests get them.
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "v2", "lora_path": str(paths["sql"])})
+    assert r.status_code == 200, r.text
+    out = client.completions.create(model="v2", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert out.choices[0].text == reference(world, PROMPT, "sql", max_tokens=10, temperature=0.0).text
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(world[2] / "nope")})
+    assert bad.status_code in (400, 404) and "bad" not in {m.id for m in client.models.list().data}
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "v2"}).status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={"model": "v2", "prompt": PROMPT, "max_tokens": 4})
+    assert r.status_code == 404
+    out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert out.choices[0].text == reference(world, PROMPT, "sql", max_tokens=10, temperature=0.0).text
+
+
+def test_a_core_that_cannot_start_says_why(world, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{not json")
+    paths = dict(world[3], bad=bad)
+    client = CoreClient(functools.partial(load_engine, str(model_dir(world)), "cpu", "float32", CONFIG,
+                                          {"bad": str(paths["bad"])}), load_tokenizer(model_dir(world)))
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        client.launch(timeout=120)
+    assert not client.process.is_alive()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(world):
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
+    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
+                               "cpu", "--port", str(port), "--lora", f"sql={world[3]['sql']}", "--block-size", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[1])
+    log = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        metrics = httpx.get(f"{url}/metrics").text
+        pid = int(float(next(line.split()[1] for line in metrics.splitlines()
+                             if line.startswith("lorakit_engine_pid "))))
+        assert pid > 0 and pid not in (os.getpid(), server.pid)  # (0 would signal this test's own group)
+        results, started = [], [threading.Event() for _ in range(3)]
+
+        def stream(i):
+            body = {"model": "sql", "prompt": PROMPT, "max_tokens": 110, "stream": True, "ignore_eos": True,
+                    "temperature": 0}
+            lines = []
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started[i].set()
+                results.append((r.status_code, "".join(lines)))
+
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in streams:
+            t.start()
+        for event in started:
+            assert event.wait(60)
+        os.kill(pid, signal.SIGSTOP)  # mid-stream: 110 tokens take longer than this
+        assert not results, "a stream finished before the core was stopped; the test needs longer streams"
+        os.kill(pid, signal.SIGKILL)
+        for t in streams:
+            t.join(60)
+        assert len(results) == 3
+        for status, body in results:
+            assert status == 200 and '"error"' in body and "engine core" in body, body[-500:]
+        assert server.wait(60) != 0, "the server must exit non-zero when its engine core dies"
+        assert "engine core" in "".join(log)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
