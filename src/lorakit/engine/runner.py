@@ -12,15 +12,17 @@ and sliding window from the arguments transformers passes.
 Every step replays a CUDA graph when one fits. A step whose requests all decode one token replays the decode
 graph of the smallest batch bucket that holds it (T = S = the bucket: the logits of every token). A mixed step
 (any prompt chunk) replays the mixed graph of the smallest token bucket that holds it, with S fixed at
-``max_num_seqs`` sequences, whose logits are those of each sequence's last token (``query_start[1:] - 1``,
-gathered on the device): [S, vocab], not [T, vocab]. The step is padded to its bucket: padded tokens have
-input id 0, position 0, adapter -1 and KV index -1 (never written), padded sequences seq_len 0 and an empty
-query range, so they attend to nothing and their logits rows are dropped. The attention grid depends on T and S
-only, so a graph replays any step of its bucket. A step past the largest bucket, or of more sequences than
-``max_num_seqs``, runs eagerly. Graphs are captured when the runner starts, largest first into one memory pool,
-and all again whenever the adapters' slot buffers are reallocated. With ``compile=True`` the decode graphs
-capture a ``torch.compile``'d forward; the mixed graphs never do: a prompt chunk's step is dominated by GEMMs
-and attention, where fusing the elementwise work gains little, and each compiled bucket costs ~20 s at startup.
+``max_num_seqs`` sequences (T - 1 for a smaller T: a mixed step has fewer sequences than tokens), whose logits
+are those of each sequence's last token (``query_start[1:] - 1``, gathered on the device): [S, vocab], not
+[T, vocab]. The step is padded to its bucket: padded tokens have input id 0, position 0, adapter -1 and KV
+index -1 (never written), padded sequences seq_len 0 and an empty query range, so they attend to nothing and
+their logits rows are dropped. The attention grid depends on T and S only, so a graph replays any step of its
+bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs``, runs eagerly. Graphs are
+captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
+buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
+mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
+compiling the mixed buckets too (~20 s each at startup) would double the startup for the few steps it could
+speed up (not measured).
 
 Host work per step does not grow with Python objects per token: the metadata is built with numpy from a few
 scalars per scheduled request, into one of two reused pinned buffers (a buffer is rewritten only once the copy
@@ -108,13 +110,15 @@ def graph_buckets(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
 
 
 def token_buckets(sizes: list[int] | None, max_num_batched_tokens: int | None) -> list[int]:
-    """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default 64, 128, 256, ...)
-    capped at max_num_batched_tokens, which always gets one; none when ``sizes`` is empty or the step's token
-    budget is not given."""
+    """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default 64, 128, 256, ...;
+    at least 2, a mixed step's least) capped at max_num_batched_tokens, which always gets one; none when ``sizes``
+    is empty or the step's token budget is not given."""
     if max_num_batched_tokens is None or (sizes is not None and len(sizes) == 0):
         return []
+    if max_num_batched_tokens < 2:  # every step is one token: a decode step
+        return []
     sizes = sizes or [64 << i for i in range(max_num_batched_tokens.bit_length()) if 64 << i < max_num_batched_tokens]
-    return sorted({min(s, max_num_batched_tokens) for s in sizes} | {max_num_batched_tokens}, reverse=True)
+    return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 2} | {max_num_batched_tokens}, reverse=True)
 
 
 class Bucket(NamedTuple):
@@ -214,9 +218,9 @@ class ModelRunner:
         return self.decode_replays + self.mixed_replays
 
     def _mixed_rows(self, tokens: int) -> int:
-        # One more (padded) sequence when T would equal S: the LoRA context tells the head's input (one row per
-        # sequence) from the layers' (one per token) by its length.
-        return self.max_num_seqs + (tokens == self.max_num_seqs)
+        # A mixed step has fewer sequences than tokens; the head's input (one row per sequence) must be shorter than
+        # the layers' (one per token) for the LoRA context to give it the kept rows' adapters.
+        return min(self.max_num_seqs, tokens - 1)
 
     # Host side: the step's metadata, packed and copied once.
 
@@ -353,7 +357,7 @@ class ModelRunner:
             size = min((s for s in self.graph_sizes if s >= n), default=None)
             return None if size is None else Bucket(size, size, True)
         size = min((s for s in self.token_sizes if s >= t), default=None)
-        return None if size is None or n > self.max_num_seqs else Bucket(size, self._mixed_rows(size), False)
+        return None if size is None or n > self.max_num_seqs else Bucket(size, self._mixed_rows(size), False)  # n < t
 
     def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool) -> torch.Tensor:
         """The step padded to ``bucket``: its graph replayed, or (``replay`` False, as tests do on the CPU) the same
