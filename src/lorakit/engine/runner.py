@@ -113,10 +113,8 @@ def token_buckets(sizes: list[int] | None, max_num_batched_tokens: int | None) -
     """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default 64, 128, 256, ...;
     at least 2, a mixed step's least) capped at max_num_batched_tokens, which always gets one; none when ``sizes``
     is empty or the step's token budget is not given."""
-    if max_num_batched_tokens is None or (sizes is not None and len(sizes) == 0):
-        return []
-    if max_num_batched_tokens < 2:  # every step is one token: a decode step
-        return []
+    if max_num_batched_tokens is None or max_num_batched_tokens < 2 or (sizes is not None and len(sizes) == 0):
+        return []  # (a step of one token decodes)
     sizes = sizes or [64 << i for i in range(max_num_batched_tokens.bit_length()) if 64 << i < max_num_batched_tokens]
     return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 2} | {max_num_batched_tokens}, reverse=True)
 
