@@ -37,12 +37,15 @@ class EngineConfig:
                                   "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
     patience: int = _opt(16, "steps the oldest waiting request may be bypassed by requests whose adapters are "
                          "resident", "--patience", "STEPS", min=0)
-    cuda_graphs: bool = _opt(True, "replay decode steps from CUDA graphs captured at startup (on a GPU)",
+    cuda_graphs: bool = _opt(True, "replay steps from CUDA graphs captured at startup (on a GPU)",
                              "--no-cuda-graphs")
     compile: bool = _opt(False, "capture the decode graphs from a torch.compile'd forward: faster steps, ~20 s per "
                          "batch bucket at startup", "--compile")
     graph_sizes: tuple[int, ...] | None = _opt(None, "batch-size buckets of the decode graphs (default 1, 2, 4, 8, "
                                                "16, 32, ... up to max_num_seqs)")
+    graph_token_sizes: tuple[int, ...] | None = _opt(None, "token buckets of the graphs of mixed steps (with a prompt "
+                                                     "chunk; default 64, 128, 256, ... and max_num_batched_tokens); "
+                                                     "() captures none: such steps run eagerly")
     cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict")
@@ -60,11 +63,15 @@ class EngineConfig:
         for name in ("cuda_graphs", "compile", "lora_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.graph_sizes is not None:
-            sizes = tuple(self.graph_sizes)
-            if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-                raise ValueError(f"graph_sizes must be positive ints, got {self.graph_sizes!r}")
-            object.__setattr__(self, "graph_sizes", sizes)
+        for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            sizes = tuple(value)
+            positive = all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)
+            if not positive or not (sizes or empty):
+                raise ValueError(f"{name} must be positive ints{' (or none)' if empty else ''}, got {value!r}")
+            object.__setattr__(self, name, sizes)
 
     @classmethod
     def cli_fields(cls) -> list[dataclasses.Field]:

@@ -9,24 +9,45 @@ transformers passes the keyword on) writes each layer's new keys and values into
 per-architecture code: the layer index comes from the attention module's ``layer_idx``, and scaling, softcap
 and sliding window from the arguments transformers passes.
 
-A step whose requests all decode one token replays the CUDA graph of the smallest batch-size bucket that fits,
-from static input buffers; other steps (prefill chunks) run eagerly. The graphs are captured when the runner
-starts, largest first into one memory pool, and again whenever the adapters' slot buffers are reallocated.
-The step's metadata goes to the device in one pinned copy; the only host sync is reading the sampled tokens.
+Every step replays a CUDA graph when one fits. A step whose requests all decode one token replays the decode
+graph of the smallest batch bucket that holds it (T = S = the bucket: the logits of every token). A mixed step
+(any prompt chunk) replays the mixed graph of the smallest token bucket that holds it, with S fixed at
+``max_num_seqs`` sequences (T - 1 for a smaller T: a mixed step has fewer sequences than tokens), whose logits
+are those of each sequence's last token (``query_start[1:] - 1``, gathered on the device): [S, vocab], not
+[T, vocab]. The step is padded to its bucket: padded tokens have input id 0, position 0, adapter -1 and KV
+index -1 (never written), padded sequences seq_len 0 and an empty query range, so they attend to nothing and
+their logits rows are dropped. The attention grid depends on T and S only, so a graph replays any step of its
+bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs``, runs eagerly. Graphs are
+captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
+buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
+mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
+compiling the mixed buckets too (~20 s each at startup) would double the startup for the few steps it could
+speed up (not measured).
+
+Host work per step does not grow with Python objects per token: the metadata is built with numpy from a few
+scalars per scheduled request, into one of two reused pinned buffers (a buffer is rewritten only once the copy
+that last read it has run), and goes to the device in one copy, straight into the graphs' static buffer. Each
+request's block-table row is kept in a runner-owned array and extended as its blocks grow. The only host sync
+is reading the sampled tokens; the device time of each step is measured with CUDA events read once complete.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import transformers
 from torch import nn
 from tqdm import tqdm
 
-from lorakit.engine.scheduler import StepPlan
+from lorakit.engine.scheduler import Request, StepPlan
 from lorakit.layers.context import StepContext
 from lorakit.ops import cdiv, paged_attention, write_kv
 
@@ -88,21 +109,71 @@ def graph_buckets(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes} | {max_num_seqs}, reverse=True)
 
 
-# A step's tensors, in the order _metadata packs them (then "keep"); the graphs read static copies of them.
+def token_buckets(sizes: list[int] | None, max_num_batched_tokens: int | None) -> list[int]:
+    """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default 64, 128, 256, ...;
+    at least 2, a mixed step's least) capped at max_num_batched_tokens, which always gets one; none when ``sizes``
+    is empty or the step's token budget is not given."""
+    if max_num_batched_tokens is None or max_num_batched_tokens < 2 or (sizes is not None and len(sizes) == 0):
+        return []  # (a step of one token decodes)
+    sizes = sizes or [64 << i for i in range(max_num_batched_tokens.bit_length()) if 64 << i < max_num_batched_tokens]
+    return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 2} | {max_num_batched_tokens}, reverse=True)
+
+
+class Bucket(NamedTuple):
+    """The padded shape of a graph's step: ``tokens`` T, ``rows`` S; decode graphs give every token's logits,
+    mixed graphs those of each sequence's last token."""
+
+    tokens: int
+    rows: int
+    decode: bool
+
+
+# A step's tensors in the packed buffer: int64 [4, T] (these four), then int64 keep (room for max(S, 1)), then int32
+# seq_lens [S], query_start [S + 1], block_tables [S, max_blocks]. The graphs read views of a static copy of it.
 STEP_TENSORS = ("input_ids", "positions", "lora_ids", "kv_index", "seq_lens", "query_start", "block_tables")
 
 
+def _sizes(rows: int, tokens: int, max_blocks: int) -> tuple[int, int]:
+    """The int64 and int32 entries of a packed step of ``rows`` sequences and ``tokens`` tokens."""
+    return 4 * tokens + max(rows, 1), 2 * rows + 1 + rows * max_blocks
+
+
+def packed_bytes(rows: int, tokens: int, max_blocks: int) -> int:
+    n64, n32 = _sizes(rows, tokens, max_blocks)
+    return 8 * n64 + 4 * n32
+
+
+def _split(buf, rows: int, tokens: int, max_blocks: int, int64, int32) -> dict:
+    """Views of a step's tensors (and "keep") in a packed byte buffer: a numpy array or a tensor, with its int64 and
+    int32 dtypes."""
+    n64, n32 = _sizes(rows, tokens, max_blocks)
+    a = buf[: 8 * n64].view(int64)
+    b = buf[8 * n64: 8 * n64 + 4 * n32].view(int32)
+    parts = dict(zip(STEP_TENSORS[:4], (a[i * tokens: (i + 1) * tokens] for i in range(4))))
+    parts.update(keep=a[4 * tokens:], seq_lens=b[:rows], query_start=b[rows: 2 * rows + 1],
+                 block_tables=b[2 * rows + 1:].reshape(rows, max_blocks))
+    return parts
+
+
 class ModelRunner:
-    """Runs a scheduled step through the model and returns the logits of the positions that sample."""
+    """Runs a scheduled step through the model and returns the logits of the positions that sample.
+
+    ``max_num_batched_tokens`` (the scheduler's token budget) bounds the mixed graphs' token buckets
+    (``graph_token_sizes``, empty for none); without it mixed steps run eagerly. Counters: ``decode_replays``,
+    ``mixed_replays`` (``graph_replays`` both), ``eager_steps``; ``gpu_seconds`` over ``timed_steps``, the device
+    time of the forwards read back by ``poll()`` (each ``execute`` polls first), 0 on the CPU.
+    """
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
-                 compile: bool = False):
+                 compile: bool = False, max_num_batched_tokens: int | None = None,
+                 graph_token_sizes: list[int] | None = None):
         self.model = model
         self.handle = handle
         self.device = handle.device
         self.block_size = block_size
         self.max_blocks = cdiv(max_seq_len, block_size)
+        self.max_num_seqs = max_num_seqs
         layers, kv_heads, head_dim = kv_shape(model)
         dtype = next(model.parameters()).dtype
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -112,50 +183,155 @@ class ModelRunner:
         model.set_attn_implementation(ATTENTION_NAME)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = graph_buckets(graph_sizes, max_num_seqs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.token_sizes = token_buckets(graph_token_sizes, max_num_batched_tokens)
+        self.buckets = sorted([Bucket(s, s, True) for s in self.graph_sizes]
+                              + [Bucket(t, self._mixed_rows(t), False) for t in self.token_sizes], reverse=True)
+        self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict]] = {}  # and its static views
         self._graph_layout: int | None = None
-        self._static: dict[str, torch.Tensor] = {}
+        self._static: torch.Tensor | None = None  # the graphs' packed step (see _split), written by each replay's copy
         self._compiles = 0  # decode forwards compiled (with compile=True): one per bucket and slot layout
         self.graph_captures = 0  # times every bucket was captured: once at startup, again after each rank growth
-        self.graph_replays = 0
+        self.decode_replays = self.mixed_replays = self.eager_steps = 0
+        self.gpu_seconds, self.timed_steps = 0.0, 0
+        self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # steps not yet read by poll()
+        self._spare_events: list[torch.cuda.Event] = []
+        # Two pinned host buffers used in turn, each with the event of the copy that last read it.
+        pinned = self.device.type == "cuda"
+        self._host = [torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._turn = 0
+        # Every request's block-table row (see _table_rows), and the rows of requests that are gone.
+        self._tables = np.zeros((max_num_seqs, self.max_blocks), np.int32)
+        self._free_rows: list[int] = []
+        self._used_rows = 0
+        self._row_key = f"_lorakit_table_row_{id(self)}"
         # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
         self._decode_model = torch.compile(model, fullgraph=True, dynamic=False) if compile and self.cuda_graphs \
             else model
         if self.cuda_graphs:
             self.capture_graphs()
 
-    # Host side: the step's metadata as one int64 vector, copied once.
+    @property
+    def graph_replays(self) -> int:
+        return self.decode_replays + self.mixed_replays
 
-    def _metadata(self, plan: StepPlan, rows: int, tokens: int) -> dict[str, torch.Tensor]:
-        ids, pos, lora, kv_index, seq_lens, starts, keep = [], [], [], [], [], [0], []
-        tables = []
-        for item in plan.items:
-            r = item.request
-            n = len(item.tokens)
-            ids += item.tokens
-            pos += range(item.start, item.start + n)
-            lora += [r.slot] * n
-            kv_index += [r.blocks[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(item.start, item.start + n)]
-            seq_lens.append(item.start + n)
-            starts.append(starts[-1] + n)
-            if item.sample:
-                keep.append(starts[-1] - 1)
-            tables += r.blocks + [0] * (self.max_blocks - len(r.blocks))
-        pad_t, pad_s = tokens - len(ids), rows - len(plan.items)
-        flat = (ids + [0] * pad_t, pos + [0] * pad_t, lora + [-1] * pad_t, kv_index + [-1] * pad_t,
-                seq_lens + [0] * pad_s, starts + [starts[-1]] * pad_s, tables + [0] * (pad_s * self.max_blocks),
-                keep or [max(len(ids) - 1, 0)])
-        sizes = [len(f) for f in flat]
-        host = torch.tensor([x for f in flat for x in f], dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        parts = dict(zip(STEP_TENSORS + ("keep",), torch.split(dev, sizes)))
-        for name in ("seq_lens", "query_start", "block_tables"):
-            parts[name] = parts[name].to(torch.int32)
-        parts["block_tables"] = parts["block_tables"].view(rows, self.max_blocks)
+    def _mixed_rows(self, tokens: int) -> int:
+        # A mixed step has fewer sequences than tokens; the head's input (one row per sequence) must be shorter than
+        # the layers' (one per token) for the LoRA context to give it the kept rows' adapters.
+        return min(self.max_num_seqs, tokens - 1)
+
+    # Host side: the step's metadata, packed and copied once.
+
+    def _table_rows(self, requests: list[Request]) -> list[int]:
+        """Each request's row of ``self._tables``, brought up to date. A request's blocks only grow while it runs and
+        are all freed when it is preempted or ends (the scheduler's contract): a row is extended from the length it
+        had, rebuilt after a preemption, and returned to the free rows when the request is collected."""
+        key = self._row_key
+        marks = [vars(r).get(key) for r in requests]  # [row, blocks written, preemptions]
+        stale = [k for k, (r, m) in enumerate(zip(requests, marks))
+                 if m is None or m[1] != len(r.blocks) or m[2] != r.preemptions]
+        for k in stale:
+            marks[k] = self._write_row(requests[k], marks[k])
+        return [m[0] for m in marks]
+
+    def _write_row(self, request: Request, mark: list[int] | None) -> list[int]:
+        blocks = request.blocks
+        if mark is None:
+            row = self._free_rows.pop() if self._free_rows else self._new_row()
+            weakref.finalize(request, self._free_rows.append, row)
+            have = 0
+        else:
+            row, have, preemptions = mark
+            if preemptions != request.preemptions or len(blocks) < have:
+                have = 0
+        if have == 0:
+            self._tables[row] = 0
+        self._tables[row, have: len(blocks)] = blocks[have:]
+        mark = [row, len(blocks), request.preemptions]
+        vars(request)[self._row_key] = mark
+        return mark
+
+    def _new_row(self) -> int:
+        if self._used_rows == len(self._tables):
+            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
+        self._used_rows += 1
+        return self._used_rows - 1
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """The next pinned buffer, once the copy that last read it has run (it has, unless the device is two steps
+        behind the host)."""
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        if self._host[self._turn].numel() < nbytes:
+            self._host[self._turn] = torch.zeros(max(nbytes, 2 * self._host[self._turn].numel()), dtype=torch.uint8,
+                                                 pin_memory=self.device.type == "cuda")
+        return self._host[self._turn]
+
+    def _pack(self, plan: StepPlan, rows: int, tokens: int, per_sequence: bool) -> tuple[torch.Tensor, int]:
+        """Fill the next host buffer with the step padded to ``rows`` sequences and ``tokens`` tokens (see _split);
+        returns the packed bytes and the number of "keep" entries: the token positions that sample, or with
+        ``per_sequence`` the sequences that do (their rows of a graph's logits); the last one when none does."""
+        items = plan.items
+        n = len(items)
+        requests = [i.request for i in items]
+        lens = np.array([len(i.tokens) for i in items], np.int64)
+        starts = np.array([i.start for i in items], np.int64)
+        slots = np.array([r.slot for r in requests], np.int64)
+        sample = np.array([i.sample for i in items], bool)
+        t = int(lens.sum())
+        if n > rows or t > tokens:
+            raise ValueError(f"a step of {n} sequences and {t} tokens does not fit {rows} rows and {tokens} tokens")
+        nbytes = packed_bytes(rows, tokens, self.max_blocks)
+        host = self._host_buffer(nbytes)
+        h = _split(host.numpy(), rows, tokens, self.max_blocks, np.int64, np.int32)
+        qs, seq_lens, tables = h["query_start"], h["seq_lens"], h["block_tables"]
+        qs[0] = 0
+        np.cumsum(lens, out=qs[1: n + 1])
+        qs[n + 1:] = t
+        seq_lens[:n] = starts + lens
+        seq_lens[n:] = 0
+        if n:
+            table_rows = self._table_rows(requests)  # first: it may grow self._tables
+            np.take(self._tables, table_rows, axis=0, out=tables[:n], mode="clip")
+        tables[n:] = 0
+        if t == n:  # one token each: the items' values are the tokens'
+            seq, pos, lora = np.arange(n), starts, slots
+            h["input_ids"][:t] = [i.tokens[0] for i in items]
+        else:
+            seq = np.repeat(np.arange(n), lens)
+            pos = np.arange(t) + np.repeat(starts - qs[:n], lens)
+            lora = np.repeat(slots, lens)
+            h["input_ids"][:t] = np.fromiter(chain.from_iterable(i.tokens for i in items), np.int64, t)
+        h["positions"][:t] = pos
+        h["lora_ids"][:t] = lora
+        h["kv_index"][:t] = tables[seq, pos // self.block_size] * np.int64(self.block_size) + pos % self.block_size
+        for name, pad in (("input_ids", 0), ("positions", 0), ("lora_ids", -1), ("kv_index", -1)):
+            h[name][t:] = pad
+        keep = np.flatnonzero(sample) if per_sequence else qs[1: n + 1][sample] - 1
+        h["keep"][: max(len(keep), 1)] = keep if len(keep) else max((n if per_sequence else t) - 1, 0)
+        return host[:nbytes], max(len(keep), 1)
+
+    def _upload(self, packed: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed step on the device, in ``into`` (the graphs' static buffer) or a new tensor: one copy."""
+        if into is not None:
+            dev = into[: len(packed)]
+            dev.copy_(packed, non_blocking=True)
+        else:
+            dev = packed.to(self.device, non_blocking=True) if packed.is_pinned() else packed.clone()
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].record()
+        return dev
+
+    def _metadata(self, plan: StepPlan, rows: int, tokens: int, per_sequence: bool = False,
+                  into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The step's tensors (STEP_TENSORS, and "keep", see _pack) on the device, padded to ``rows`` and ``tokens``."""
+        packed, keep = self._pack(plan, rows, tokens, per_sequence)
+        parts = _split(self._upload(packed, into), rows, tokens, self.max_blocks, torch.int64, torch.int32)
+        parts["keep"] = parts["keep"][:keep]
         return parts
+
+    # Device side.
 
     def _forward(self, m: dict[str, torch.Tensor], keep: torch.Tensor | None, model: nn.Module | None = None):
         step = PagedStep(m["lora_ids"][None], self.k_caches, self.v_caches, m["kv_index"], m["block_tables"],
@@ -165,53 +341,109 @@ class ModelRunner:
         return model(input_ids=m["input_ids"][None], position_ids=m["positions"][None], lorakit_step=step,
                      use_cache=False, **kwargs).logits[0]
 
+    def _bucket_forward(self, m: dict[str, torch.Tensor], bucket: Bucket) -> torch.Tensor:
+        """What a bucket's graph captures: every token's logits for decode, each sequence's last token's for mixed
+        steps (a padded sequence's row repeats the row before it)."""
+        if bucket.decode:
+            return self._forward(m, None, self._decode_model)
+        last = (m["query_start"][1:].long() - 1).clamp_(min=0)
+        return self._forward(m, last)
+
+    def _bucket(self, n: int, t: int) -> Bucket | None:
+        """The smallest graph bucket that holds a step of ``n`` sequences and ``t`` tokens, None when none does."""
+        if t == n:
+            size = min((s for s in self.graph_sizes if s >= n), default=None)
+            return None if size is None else Bucket(size, size, True)
+        size = min((s for s in self.token_sizes if s >= t), default=None)
+        return None if size is None or n > self.max_num_seqs else Bucket(size, self._mixed_rows(size), False)  # n < t
+
+    def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool) -> torch.Tensor:
+        """The step padded to ``bucket``: its graph replayed, or (``replay`` False, as tests do on the CPU) the same
+        forward run eagerly on the same padded metadata. Returns the logits of the items that sample."""
+        if not replay:
+            m = self._metadata(plan, bucket.rows, bucket.tokens, per_sequence=True)
+            return self._bucket_forward(m, bucket)[m["keep"]]
+        packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
+        self._upload(packed, self._static)
+        graph, out, view = self._graphs[bucket]
+        start = self._record()
+        graph.replay()
+        self._timing.append((start, self._record()))
+        if bucket.decode:
+            self.decode_replays += 1
+        else:
+            self.mixed_replays += 1
+        return out[view["keep"][:keep]]
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order."""
-        n = len(plan.items)
-        if self.cuda_graphs and plan.is_decode and n <= self.graph_sizes[0]:
+        self.poll()
+        n, t = len(plan.items), plan.num_tokens
+        bucket = self._bucket(n, t) if self.cuda_graphs else None
+        if bucket is not None:
             if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
                 self.capture_graphs()
-            size = min(s for s in self.graph_sizes if s >= n)
-            m = self._metadata(plan, size, size)
-            for name in STEP_TENSORS:
-                self._static[name][: len(m[name])].copy_(m[name])
-            graph, out = self._graphs[size]
-            graph.replay()
-            self.graph_replays += 1
-            return out[m["keep"]]
-        m = self._metadata(plan, n, plan.num_tokens)
-        return self._forward(m, m["keep"])
+            return self._run_bucket(plan, bucket, replay=True)
+        m = self._metadata(plan, n, t)
+        start = self._record()
+        logits = self._forward(m, m["keep"])
+        if start is not None:
+            self._timing.append((start, self._record()))
+        self.eager_steps += 1
+        return logits
+
+    # Device time, without a sync.
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = self._spare_events.pop() if self._spare_events else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def poll(self) -> None:
+        """Add the device time of the steps that have finished to ``gpu_seconds`` (and count them in
+        ``timed_steps``); steps still running wait for a later call."""
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.popleft()
+            self.gpu_seconds += start.elapsed_time(end) / 1e3
+            self.timed_steps += 1
+            self._spare_events += (start, end)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture the decode graph of every bucket, largest first, into one memory pool (the smaller graphs
-        reuse what the larger ones freed), from static buffers that hold an empty step until a replay."""
+        """Capture the graph of every bucket, decode and mixed, largest first into one memory pool (the smaller
+        graphs reuse what the larger ones freed), each reading its views of one static buffer that holds an empty
+        step until a replay's copy."""
         start = time.perf_counter()
         self._graphs.clear()  # frees the old graphs' pool
         pool = torch.cuda.graph_pool_handle()
-        empty = self._metadata(StepPlan([], []), self.graph_sizes[0], self.graph_sizes[0])
-        self._static = {name: empty[name].clone() for name in STEP_TENSORS}
-        # With compile=True every bucket of every slot layout is one more compile of the same forward, as
+        if self._static is None:
+            size = max(packed_bytes(b.rows, b.tokens, self.max_blocks) for b in self.buckets)
+            self._static = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        # With compile=True every decode bucket of every slot layout is one more compile of the same forward, as
         # expected; past dynamo's recompile limit (8 by default) a fullgraph compile fails.
         self._compiles += len(self.graph_sizes)
         # The limit counts per code object, and every model of a class shares its forward's: count what other
         # compiled models of the process hold too (a generous bound; no recompile happens after capture).
         limit = max(self._compiles + 64, torch._dynamo.config.recompile_limit)
         with torch._dynamo.config.patch(recompile_limit=limit):
-            for size in tqdm(self.graph_sizes, desc="capturing CUDA graphs", unit="graph"):
-                view = {name: self._static[name][: size + (name == "query_start")] for name in STEP_TENSORS}
+            for bucket in tqdm(self.buckets, desc="capturing CUDA graphs", unit="graph"):
+                view = self._metadata(StepPlan([], []), bucket.rows, bucket.tokens, per_sequence=True,
+                                      into=self._static)
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._forward(view, None, self._decode_model)
+                        self._bucket_forward(view, bucket)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(view, None, self._decode_model)
-                self._graphs[size] = (graph, out)
+                    out = self._bucket_forward(view, bucket)
+                self._graphs[bucket] = (graph, out, view)
         self._graph_layout = self.handle.slots.layout_version
         self.graph_captures += 1
-        logger.info("captured %d decode graphs (batch %d down to %d) in %.1f s", len(self._graphs),
-                    self.graph_sizes[0], self.graph_sizes[-1], time.perf_counter() - start)
+        logger.info("captured %d decode graphs (batch %d down to %d) and %d mixed graphs (%s tokens) in %.1f s",
+                    len(self.graph_sizes), self.graph_sizes[0], self.graph_sizes[-1], len(self.token_sizes),
+                    "/".join(map(str, self.token_sizes)) or "no", time.perf_counter() - start)
