@@ -8,7 +8,7 @@ The trace (fixed seed, so two runs replay the same requests):
   * output tokens: lognormal, median 160, sigma 0.8, clipped to [16, 512] (mean ~200, ~7% at 512). Both have the
     long right tail of ShareGPT's conversations; the report states the trace's own means and medians;
   * model: the base with probability 0.2, else adapter k (k = 1..16) with probability proportional to 1/k (Zipf,
-    s = 1): the hottest takes 19% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` those
+    s = 1): the hottest takes 24% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` those
     keep taking slots from the others.
 Prompts are random token ids of exactly that length (``/v1/completions`` takes a list of ids as ``prompt``); each
 output is exactly its length (``max_tokens`` with ``ignore_eos``), greedy. Each request is sent at its arrival
@@ -30,10 +30,13 @@ every 0.5 s. A request that fails (an HTTP error, an error event, fewer tokens t
 kept in the report, never dropped; the script exits 1 if any failed.
 
 While the server keeps up, output tokens/s is the offered load in both workloads and the cost of adapters shows in
-latency and in requests running; for a capacity ratio, offer more than it serves (``--rate inf``: all at once).
+latency and in requests running; for a capacity ratio, offer more than it serves (``--rate inf``: all at once). The
+server refuses (429) a request beyond ``--max-concurrent`` (256) in flight, counted here as failed: with more
+requests than that waiting, raise it through ``--extra-serve-args``. Requests running ~ rate x mean time per request
+(Little's law): scale ``--rate`` by the target over the reported mean.
 
-    PYTHONPATH=src python bench/bench_traffic.py --out DIR [--rate 12] [--requests 1000] [--cache DIR]
-    PYTHONPATH=src python bench/bench_traffic.py --out DIR --model-shape smollm2 --rate 40 --extra-serve-args=--compile
+    PYTHONPATH=src python bench/bench_traffic.py --out DIR [--rate 14] [--requests 1000] [--cache DIR]
+    PYTHONPATH=src python bench/bench_traffic.py --out DIR --model-shape smollm2 --rate 10 --extra-serve-args=--compile
     PYTHONPATH=src python bench/bench_traffic.py --out DIR --tiny --device cpu --requests 6   # a smoke run
 """
 
@@ -285,7 +288,7 @@ def report(args, meta: dict, stats: dict, rows: list[dict], ratio: float | None)
 
 def main(argv=None) -> int:
     p = arg_parser(__doc__, smoke=True)
-    p.add_argument("--rate", type=float, default=12.0, help="arrivals per second (inf: all at once)")
+    p.add_argument("--rate", type=float, default=14.0, help="arrivals per second (inf: all at once)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-shape", choices=("llama8b", "smollm2"), default="llama8b")
