@@ -47,6 +47,7 @@ import gc
 import math
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -122,9 +123,11 @@ def trace_stats(trace: list[Arrival]) -> dict:
 
 def write_model(shape: str, tiny: bool, device: str, folder: Path) -> Path:
     """A random-weight model of ``shape`` with a word-level tokenizer in FOLDER/model, and the adapters in
-    FOLDER/lora00 ..; reused when FOLDER holds a finished one (its "complete" marker is written last)."""
+    FOLDER/lora00 ..; reused when FOLDER holds a finished one (its "complete" marker is written last), rewritten
+    from scratch otherwise."""
     if (folder / "complete").is_file():
         return folder / "model"
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted run left
     torch.manual_seed(0)
     if tiny or shape == "llama8b":
         model = make_model(2 if tiny else 32, tiny, device)
