@@ -9,13 +9,18 @@ goes are decided here, once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 import triton
@@ -256,3 +261,69 @@ def random_weights(config_dir: Path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model, transformers.AutoTokenizer.from_pretrained(config_dir)
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer of ``vocab_size`` words, "w0" .. "w{n-1}", token id i the word "w{i}", decoded with a space
+    between words, and "w0" its eos: for a random-weight model saved as a folder ``lorakit serve`` can load
+    (it needs a tokenizer), fed token-id prompts. Every token decodes to text, so each streamed token shows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # no decoder: decoding joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0", clean_up_tokenization_spaces=False)
+
+
+# --------------------------------------------- lorakit serve, as a process
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lorakit_server(serve_args: list[str], log: Path, ready_timeout_s: float = 900.0):
+    """``python -m lorakit serve SERVE_ARGS --port P`` as a child process, its output in ``log``; yields its base
+    URL once ``/health`` answers. Whatever happens inside (an exception, Ctrl-C), the server is stopped on the way
+    out: terminated, given 30 s to drain, then killed."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", *serve_args, "--port", str(port)],
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                try:
+                    httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                    break
+                except httpx.HTTPError:
+                    if server.poll() is not None:
+                        raise RuntimeError(f"lorakit serve exited ({server.returncode}) before it was ready; its "
+                                           f"log: {log}") from None
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"lorakit serve was not ready after {ready_timeout_s:.0f} s; its log: "
+                                           f"{log}") from None
+                    time.sleep(0.25)
+            yield url
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The unlabelled samples of a Prometheus text page, {name: value} (labelled series and comments skipped)."""
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if value and not line.startswith("#") and "{" not in name:
+            samples[name] = float(value.split()[0])
+    return samples

@@ -30,3 +30,25 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     md = (tmp_path / "bench_pool.md").read_text()
     assert row_labels(md) == row_labels(reference.with_suffix(".md").read_text())
     assert md.splitlines()[2].startswith("cpu, torch ")
+
+
+def test_bench_traffic_smoke_run(tmp_path):
+    """bench_traffic end to end on the CPU: a tiny model behind a real ``lorakit serve``, six requests of the trace
+    per workload; every request succeeds with exactly its tokens, and the report has both workloads."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(BENCH / "bench_traffic.py"), "--out", str(tmp_path), "--tiny", "--device", "cpu",
+               "--requests", "6", "--rate", "4"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    result = json.loads((tmp_path / "bench_traffic.json").read_text())
+    rows = {r["workload"]: r for r in result["rows"]}
+    assert list(rows) == ["16 adapters", "base"]
+    expected_tokens = round(result["trace"]["output_mean"] * result["trace"]["requests"])
+    for row in rows.values():
+        assert (row["requests"], row["failed"], row["errors"]) == (6, 0, [])
+        assert row["output_tokens"] == expected_tokens
+        assert row["engine_steps"] > 0 and row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0
+    md = (tmp_path / "bench_traffic.md").read_text()
+    assert md.splitlines()[2].startswith("cpu, torch ")
+    assert "| 16 adapters | 6 | 0 |" in md and "| base | 6 | 0 |" in md
