@@ -59,9 +59,8 @@ import httpx
 import openai
 import torch
 import transformers
-from common import (arg_parser, fmt, lorakit_server, make_model, parse_args, parse_metrics, setup, setup_line,
-                    table, word_tokenizer, write_adapter,
-                    write_report)  # bench/ is on sys.path when this file runs as a script
+from common import (SMOLLM2_135M, arg_parser, fmt, lorakit_server, make_model, parse_args, parse_metrics, setup,
+                    setup_line, table, word_tokenizer, write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
 PROMPT_TOKENS = dict(median=256, sigma=1.0, low=16, high=2048)
 OUTPUT_TOKENS = dict(median=160, sigma=0.8, low=16, high=512)
@@ -69,8 +68,6 @@ ADAPTERS, RANKS, BASE_SHARE, MAX_LORAS = 16, (8, 16, 32, 64), 0.2, 8
 BASE = "base"
 SAMPLE_S = 0.5  # how often the running-requests gauge is read during a run
 CONTEXT = 4096  # max_position_embeddings of every saved model: room for the longest prompt + output (2560)
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
 
 
 def adapter_name(k: int) -> str:

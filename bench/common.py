@@ -224,6 +224,11 @@ def write_report(out: Path, name: str, markdown: str, results: dict) -> None:
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# SmolLM2-135M's shape (the bundled model's), for random-weight runs without the bundled model.
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
+
+
 def make_model(layers: int, tiny: bool, device: str) -> torch.nn.Module:
     """A Llama-3-8B-shaped model of ``layers`` layers with random weights (bf16; float32 on the CPU); ``tiny``:
     hidden 64, vocabulary 256."""

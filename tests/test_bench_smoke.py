@@ -14,7 +14,8 @@ BENCH = ROOT / "bench"
 
 def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
-              "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve\n"
+              "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve, "
+              "bench_step, bench_traffic\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -52,3 +53,13 @@ def test_bench_traffic_smoke_run(tmp_path):
     md = (tmp_path / "bench_traffic.md").read_text()
     assert md.splitlines()[2].startswith("cpu, torch ")
     assert "| 16 adapters | 6 | 0 |" in md and "| base | 6 | 0 |" in md
+
+
+def test_bench_step_smoke_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(BENCH / "bench_step.py"), "--out", str(tmp_path), "--device", "cpu",
+                           "--tiny", "--batches", "4", "--steps", "3"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [(4, "mixed eager")] and rows[0]["eager_steps"] > 0

@@ -146,7 +146,8 @@ class Engine:
         self.runner = ModelRunner(model, self.handle, num_blocks=config.num_blocks, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs, max_seq_len=config.max_seq_len,
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                  graph_sizes=config.graph_sizes)
+                                  graph_sizes=config.graph_sizes, graph_token_sizes=config.graph_token_sizes,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.grammars = Grammars(self.eos_token_id)

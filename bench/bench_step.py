@@ -1,0 +1,125 @@
+"""One engine step, host vs GPU: an all-decode step and a mixed step (the same decodes plus one new prompt).
+
+In-process ``Engine``, random bf16 weights, no adapters (this measures the road to the GPU, not LoRA; see
+bench_engine for adapters). For each model shape and batch B: B requests decode; a decode step is timed (wall clock
+of ``engine.step()``, which ends by reading the sampled tokens, and the device time of its forward from the
+runner's CUDA events), then, ten times, one 128-token prompt arrives beside the B decodes and that mixed step is
+timed the same way. Modes: mixed steps eager (``graph_token_sizes=()``, as before mixed graphs), mixed steps from
+their CUDA graphs (the default), and that with the decode graphs compiled. Host time = wall - GPU: what the host
+adds that is not hidden behind the device.
+
+    PYTHONPATH=src python bench/bench_step.py --out DIR [--shapes smollm2 llama8b] [--batches 64 256]
+    PYTHONPATH=src python bench/bench_step.py --out DIR --device cpu --tiny   # a smoke run, no timing value
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+import transformers
+from common import (SMOLLM2_135M, arg_parser, fmt, make_model, parse_args, setup, setup_line, table,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
+
+from lorakit.engine import Engine, SamplingParams
+
+PROMPT = 128
+MODES = {"mixed eager": dict(graph_token_sizes=()), "mixed graphs": {},
+         "mixed graphs, compiled decode": dict(compile=True)}
+
+
+def model_of(shape: str, tiny: bool, device: str) -> torch.nn.Module:
+    if shape == "llama8b" or tiny:
+        return make_model(2 if tiny else 32, tiny, device)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOLLM2_135M),
+                                                             dtype=torch.bfloat16).eval()
+
+
+def timed(engine: Engine) -> tuple[float, float]:
+    """(wall s, GPU s) of one step."""
+    runner = engine.runner
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    runner.poll()
+    gpu, n = runner.gpu_seconds, runner.timed_steps
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    runner.poll()
+    return wall, (runner.gpu_seconds - gpu) if runner.timed_steps > n else float("nan")
+
+
+def measure(model, batch: int, mode: dict, vocab: int, steps: int) -> dict:
+    engine = Engine(model, None, max_num_seqs=batch + 1, max_seq_len=1024, max_num_batched_tokens=2048,
+                    graph_sizes=(batch,), **mode)
+    gen = torch.Generator().manual_seed(batch)
+
+    def prompt():
+        return torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
+
+    for _ in range(batch):
+        engine.add_request(prompt(), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    decode = [timed(engine) for _ in range(steps)]
+    mixed = []
+    for _ in range(10):
+        engine.add_request(prompt(), SamplingParams(max_tokens=1, temperature=0.0))  # done in its one step
+        mixed.append(timed(engine))
+        engine.step()
+    replays = (engine.runner.decode_replays, engine.runner.mixed_replays, engine.runner.eager_steps)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    med = {f"{kind}_{what}_ms": 1e3 * statistics.median(x[i] for x in rows)
+           for kind, rows in (("decode", decode), ("mixed", mixed)) for i, what in enumerate(("wall", "gpu"))}
+    med["mixed_over_decode"] = med["mixed_wall_ms"] / med["decode_wall_ms"]
+    med["decode_host_ms"] = med["decode_wall_ms"] - med["decode_gpu_ms"]
+    med["decode_replays"], med["mixed_replays"], med["eager_steps"] = replays
+    return med
+
+
+def main(argv=None) -> None:
+    p = arg_parser(__doc__, smoke=True)
+    p.add_argument("--shapes", nargs="+", default=["smollm2", "llama8b"], choices=["smollm2", "llama8b"])
+    p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed per row")
+    args = parse_args(p, argv)
+    rows, results = [], []
+    for shape in (["tiny"] if args.tiny else args.shapes):
+        model = model_of(shape, args.tiny, args.device)
+        vocab = model.config.vocab_size
+        for batch in args.batches:
+            for name in args.modes:
+                if args.device == "cpu" and name != "mixed eager":
+                    continue  # no graphs on the CPU
+                r = dict(shape=shape, batch=batch, mode=name, **measure(model, batch, MODES[name], vocab, args.steps))
+                results.append(r)
+                rows.append([shape, batch, name, fmt(r["decode_wall_ms"], ".2f"), fmt(r["decode_gpu_ms"], ".2f"),
+                             fmt(r["decode_host_ms"], ".2f"), fmt(r["mixed_wall_ms"], ".2f"),
+                             fmt(r["mixed_gpu_ms"], ".2f"), fmt(r["mixed_over_decode"], ".2f"),
+                             f"{r['decode_replays']}/{r['mixed_replays']}/{r['eager_steps']}"])
+                print(rows[-1], flush=True)
+        del model
+        gc.collect()
+    s = setup("gpu", "torch", "triton", "transformers", "cuda", "commit", "date_utc", device=args.device,
+              prompt_tokens=PROMPT, decode_steps=args.steps)
+    md = "\n\n".join([
+        "# One engine step: decode vs mixed (64 or 256 decodes + one 128-token prompt), host vs GPU",
+        setup_line(s),
+        table("| shape | batch | mode | decode wall ms | decode GPU ms | decode host ms (wall - GPU) | mixed wall ms | "
+              "mixed GPU ms | mixed / decode wall | replays decode/mixed/eager |", rows),
+        "Wall: `engine.step()` end to end (it ends by reading the sampled tokens). GPU: the device time of the "
+        "step's forward, CUDA events (sampling excluded). Target (issue 16): a mixed step <= 1.5x a decode step.",
+    ])
+    write_report(args.out, "bench_step", md, dict(setup=s, rows=results))
+
+
+if __name__ == "__main__":
+    main()
