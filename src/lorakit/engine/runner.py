@@ -432,6 +432,9 @@ class ModelRunner:
             for bucket in tqdm(self.buckets, desc="capturing CUDA graphs", unit="graph"):
                 view = self._metadata(StepPlan([], []), bucket.rows, bucket.tokens, per_sequence=True,
                                       into=self._static)
+                # A replay takes its first k "keep" entries: the view holds all of them, not the empty step's one.
+                view["keep"] = _split(self._static, bucket.rows, bucket.tokens, self.max_blocks, torch.int64,
+                                      torch.int32)["keep"]
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
