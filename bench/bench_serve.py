@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR",
                    help="serve random weights of this config + tokenizer instead of the bundled model")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more `lorakit serve` options, one string (e.g. '--engine-in-process' or '--compile')")
     args = parse_args(p, argv, needs_cuda=False)
 
     model_dir = None
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
                 for c in args.concurrency}
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port),
-                               "--max-num-seqs", str(max(args.concurrency)), *extra],
+                               "--max-num-seqs", str(max(args.concurrency)), *extra, *shlex.split(args.serve_args)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -176,7 +179,8 @@ def main(argv=None) -> int:
         server.wait(60)
 
     meta = setup("gpu", "torch", "triton", "commit", "date", device="cuda" if torch.cuda.is_available() else "cpu",
-                 max_tokens=args.max_tokens, weights="random" if args.random_weights else "bundled")
+                 max_tokens=args.max_tokens, weights="random" if args.random_weights else "bundled",
+                 serve_args=args.serve_args)
     head = ("| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms | step ms "
             "| engine busy | offline tok/s | offline step ms | server / offline |")
     rows_md = table(head, ([r["concurrency"], r["requests"], fmt(r["tokens_per_s"], ".0f"), fmt(r["requests_per_s"]),
@@ -186,7 +190,8 @@ def main(argv=None) -> int:
                             fmt(r["vs_offline"], ".2f")] for r in rows))
     report = (f"# bench_serve: lorakit serve, SmolLM2-135M-Instruct ({meta['weights']} weights) + 3 adapters, bf16, "
               f"CUDA graphs\n\n{setup_line(meta)}. Streaming chat completions, {args.max_tokens} tokens each "
-              f"(ignore_eos), models round robin over base / pirate / json / french.\n\n{rows_md}")
+              f"(ignore_eos), models round robin over base / pirate / json / french. Server options: "
+              f"`{args.serve_args or '(defaults)'}`.\n\n{rows_md}")
     write_report(args.out, "bench_serve", report, {"meta": meta, "rows": rows})
     return 0
 
