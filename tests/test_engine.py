@@ -2,6 +2,7 @@
 adapters of different ranks, prompts of different lengths arriving at different steps, prefilled in chunks,
 with preemption) gives each request exactly the greedy tokens it gets alone."""
 
+import asyncio
 import copy
 
 import pytest
@@ -252,3 +253,29 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):
         finished[broken].error
     assert [t for o in outs if o.request_id == good for t in o.token_ids] == reference(base, saved, [1, 2, 3], "r8", 5)
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_stream_that_falls_behind_catches_up_in_one_output():
+    from lorakit.engine.engine import RequestOutput, TokenLogprob, drain
+
+    async def consume(items):
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        got = []
+        try:
+            async for out in drain(queue):
+                got.append(out)
+        except RuntimeError as e:
+            got.append(e)
+        return got
+
+    lp = [TokenLogprob(t, -0.5, {}) for t in range(4)]
+    outs = [RequestOutput("r", "ab"[:t % 2 + 1], [t], t == 3, "stop" if t == 3 else None, [lp[t]], 5, t + 1)
+            for t in range(4)]
+    (merged,) = asyncio.run(consume(outs))
+    assert merged.token_ids == [0, 1, 2, 3] and merged.text == "aabaab" and merged.finish_reason == "stop"
+    assert merged.logprobs == lp and merged.num_output_tokens == 4 and merged.finished
+    # An error behind outputs: they come first, merged, then the error is raised.
+    got = asyncio.run(consume([outs[0], outs[1], RuntimeError("gone")]))
+    assert got[0].token_ids == [0, 1] and isinstance(got[1], RuntimeError)

@@ -46,7 +46,7 @@ import zmq.asyncio
 
 from lorakit.engine.client import EngineStats, engine_stats
 from lorakit.engine.detokenize import IncrementalDetokenizer
-from lorakit.engine.engine import _NO_TEXT, Engine, RequestOutput, TokenLogprob, check_prompt, fit_params
+from lorakit.engine.engine import _NO_TEXT, Engine, RequestOutput, TokenLogprob, check_prompt, drain, fit_params
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.snapshot import read_tokenizer
 from lorakit.layers.adapter import AdapterError
@@ -476,10 +476,7 @@ class CoreClient:
         self._send(Add(request_id, prompt, params, adapter))
         finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+            async for out in drain(queue):
                 finished = out.finished
                 yield out
         finally:

@@ -66,6 +66,14 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error"
 
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
+                             later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
+                             later.error)
+
 
 @dataclass
 class CompletionOutput:
@@ -78,6 +86,26 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+
+
+async def drain(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from ``queue`` until the finished one (an exception in the queue is raised). Outputs
+    already waiting when one is taken are merged into it: a stream that fell behind (a busy event loop) catches up in
+    one output, not one per token."""
+    pending = None
+    while True:
+        out, pending = (pending if pending is not None else await queue.get()), None
+        if isinstance(out, BaseException):
+            raise out
+        while not out.finished and not queue.empty():
+            later = queue.get_nowait()
+            if isinstance(later, BaseException):
+                pending = later
+                break
+            out = out.merged(later)
+        yield out
+        if out.finished:
+            return
 
 
 class _NoText:
@@ -495,10 +523,7 @@ class AsyncEngine:
         request_id = await asyncio.wrap_future(self._post(add))
         finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
+            async for out in drain(queue):
                 finished = out.finished
                 yield out
         finally:

@@ -72,11 +72,13 @@ class RequestMetrics:
     def update(self, out: RequestOutput) -> None:
         if out.token_ids:
             now = time.monotonic()
+            n = len(out.token_ids)  # more than one when the stream caught up after falling behind
             if self._first:  # its prompt has been read: count it
                 self._ttft.observe(now - self._last)
                 self._prompt.inc(out.num_prompt_tokens)
-            else:
-                self._tpot.observe(now - self._last)
+                n -= 1
+            for _ in range(n):
+                self._tpot.observe((now - self._last) / len(out.token_ids))
             self._first, self._last = False, now
             self._generated.inc(len(out.token_ids))
         if out.finished:

@@ -111,6 +111,10 @@ def event(obj: dict) -> str:
 async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     """The items of several async iterators as they come, each with its iterator's index. An error in one ends
     them all (re-raised here); leaving early cancels the rest."""
+    if len(streams) == 1:  # the common case, without a task and a queue per item
+        async for item in streams[0]:
+            yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
