@@ -46,6 +46,9 @@ class EngineConfig:
     graph_token_sizes: tuple[int, ...] | None = _opt(None, "token buckets of the graphs of mixed steps (with a prompt "
                                                      "chunk; default 64, 128, 256, ... and max_num_batched_tokens); "
                                                      "() captures none: such steps run eagerly")
+    async_scheduling: bool = _opt(True, "prepare each step on the host while the device runs the one before (steps "
+                                  "are synchronous while a request with structured output, penalties or a logit "
+                                  "bias runs)", "--no-async-scheduling")
     cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict")
@@ -60,7 +63,7 @@ class EngineConfig:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_int("patience", self.patience, 0)
         _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
-        for name in ("cuda_graphs", "compile", "lora_strict"):
+        for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):

@@ -30,7 +30,7 @@ from torch import nn
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.pool import AdapterPool
-from lorakit.engine.runner import ModelRunner, kv_shape
+from lorakit.engine.runner import Fill, ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.engine.snapshot import Snapshot, read_tokenizer
@@ -126,6 +126,22 @@ class CheckedAdapter:
     tokenizer: object  # the folder's tokenizer, False when it has none
 
 
+PLACEHOLDER = 0  # an output token sampled by the step still on the device: filled in there, then on the host
+
+
+@dataclass
+class _Flight:
+    """A step whose device work is queued: its sampled tokens (on the device, for the next step's inputs) and their
+    copies to the host, complete once ``done`` (a CUDA event; None on the CPU) has fired. ``rows``: each sampling
+    request's row, and the index in its output_ids that the row's token takes."""
+
+    requests: list[Request]
+    tokens: torch.Tensor | None
+    host: tuple
+    done: object
+    rows: dict[Request, tuple[int, int]] = field(default_factory=dict)
+
+
 @dataclass
 class _Sampled:
     """What a step sampled, as host lists: one row per request that samples."""
@@ -142,6 +158,7 @@ class _State:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None = field(default=None)
     constraint: Constraint | None = None  # structured output: the tokens allowed next
+    sync: bool = False  # its next step needs its last token on the host (grammar, penalties, logit bias)
 
 
 class Engine:
@@ -181,6 +198,7 @@ class Engine:
         self.grammars = Grammars(self.eos_token_id)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._flight: _Flight | None = None  # the step queued on the device, not yet resolved (async scheduling)
         self._ids = itertools.count()
         # False: outputs carry token ids only (no text, stop strings not looked for): the engine core process, whose
         # client detokenizes in the server process.
@@ -213,7 +231,8 @@ class Engine:
                           params=limited, seed=seed)
         tokenizer = self.tokenizer_for(adapter) if self.detokenize else None
         detok = IncrementalDetokenizer(tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
-        request.state = _State(detok, [] if params.logprobs is not None else None, constraint)
+        request.state = _State(detok, [] if params.logprobs is not None else None, constraint,
+                               sync=constraint is not None or params.penalized or bool(params.logit_bias))
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -261,19 +280,41 @@ class Engine:
                                            num_output_tokens=len(request.output_ids)))
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._aborted)  # a step in flight with no request left is not work
 
     # Steps.
 
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, sample, and return what each request gained. A request whose part of the
-        step fails ends alone (finish_reason "error"); the step runs again without it (see ``_isolate``)."""
+        step fails ends alone (finish_reason "error"); the step runs again without it (see ``_isolate``).
+
+        With ``async_scheduling`` the step is queued on the device and this call returns what the step before it
+        gained: the host schedules and queues step N + 1 while the device runs step N, whose sampled tokens reach
+        step N + 1's inputs on the device (``PLACEHOLDER`` in the host's lists until then). A request that finished
+        at step N may have run in step N + 1 too; that token is dropped. Requests with structured output, penalties
+        or a logit bias need their previous token on the host before the next step: while any runs, steps are
+        synchronous."""
         outputs, self._aborted = self._aborted, []
+        overlap = self.config.async_scheduling and not any(r.state.sync for r in self._requests.values())
+        if not overlap:
+            outputs += self._resolve()
         plan = self.scheduler.schedule()
         for request, reason in self.scheduler.failed:  # its adapter could not be loaded: only it ends
             outputs.append(self._fail(request, reason))
         self.scheduler.failed.clear()
         if not plan.items:
+            return outputs + self._resolve()
+        if overlap:
+            try:
+                flight = self._launch(plan)
+            except Exception as e:  # noqa: BLE001 - only the requests that cause it fail
+                plan, result = self._isolate(plan, e, outputs)
+                outputs += self._resolve()
+                return outputs + self._commit(plan, result)
+            self.scheduler.postprocess(plan, {r: PLACEHOLDER for r in flight.requests}, {})
+            flight.rows = {r: (row, len(r.output_ids) - 1) for row, r in enumerate(flight.requests)}
+            outputs += self._resolve()
+            self._flight = flight
             return outputs
         try:
             result = self._compute(plan)
@@ -281,13 +322,14 @@ class Engine:
             plan, result = self._isolate(plan, e, outputs)
         return outputs + self._commit(plan, result)
 
-    def _compute(self, plan: StepPlan) -> _Sampled | None:
-        """The step's device work: the forward, the structured-output masks, sampling and the step's one host sync.
-        It changes no request's state (its KV writes are of the plan's own positions), so it can run again."""
-        logits = self.runner.execute(plan)
+    def _launch(self, plan: StepPlan) -> _Flight:
+        """The step's device work, queued: the forward (its placeholder inputs filled from the step in flight), the
+        structured-output masks, sampling, and the copy of the sampled tokens to the host. No host sync; it changes
+        no request's state (its KV writes are of the plan's own positions), so it can run again."""
+        logits = self.runner.execute(plan, self._fill(plan))
         requests = [item.request for item in plan.items if item.sample]
         if not requests:  # only prompt chunks that do not end a prompt
-            return None
+            return _Flight([], None, (), None)
         constraints = [r.state.constraint for r in requests]
         constrained = any(c is not None for c in constraints)
         mask = self.grammars.masks(constraints, logits.shape[-1], logits.is_cuda) if constrained else None  # the
@@ -297,9 +339,75 @@ class Engine:
                                     histories=[(r.prompt_ids, r.output_ids) for r in requests],
                                     vocab_size=logits.shape[-1], token_mask=mask)
         result = sample(logits.float(), batch)
-        lists = (t.tolist() if t is not None else None
-                 for t in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs))
-        return _Sampled(requests, *lists)
+        cuda = logits.is_cuda
+        host = tuple(None if t is None else t.to("cpu", non_blocking=cuda)
+                     for t in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs))
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return _Flight(requests, result.token_ids, host, done)
+
+    def _fill(self, plan: StepPlan):
+        """Where the plan's inputs hold PLACEHOLDERs of the step in flight: their token positions in the step and the
+        flight's rows that sample them (None when there are none)."""
+        flight = self._flight
+        if flight is None or not flight.rows:
+            return None
+        index, rows, offset = [], [], 0
+        for item in plan.items:
+            found = flight.rows.get(item.request)
+            if found is not None:
+                position = len(item.request.prompt_ids) + found[1]  # the placeholder's position in the sequence
+                if item.start <= position < item.start + len(item.tokens):
+                    index.append(offset + position - item.start)
+                    rows.append(found[0])
+            offset += len(item.tokens)
+        if not index:
+            return None
+        device = flight.tokens.device
+        both = torch.tensor([index, rows], dtype=torch.int64, pin_memory=device.type == "cuda")
+        both = both.to(device, non_blocking=True)
+        return Fill(both[0], both[1], flight.tokens)
+
+    def _collect(self, flight: _Flight) -> _Sampled | None:
+        """The flight's sampled tokens on the host: the one host sync of a step."""
+        if not flight.requests:
+            return None
+        if flight.done is not None:
+            flight.done.synchronize()
+        lists = (t.tolist() if t is not None else None for t in flight.host)
+        return _Sampled(flight.requests, *lists)
+
+    def _compute(self, plan: StepPlan) -> _Sampled | None:
+        """The step's device work and its host sync (``_launch``, then ``_collect``)."""
+        return self._collect(self._launch(plan))
+
+    def _resolve(self) -> list[RequestOutput]:
+        """The step in flight, finished: each request's token in place of its placeholder, then its grammar, text,
+        logprobs and finish, as ``_commit`` does for a synchronous step. Requests that ended meanwhile (aborted,
+        failed) are skipped."""
+        flight, self._flight = self._flight, None
+        result = None if flight is None else self._collect(flight)
+        if result is None:
+            return []
+        outputs, finished = [], {}
+        for row, request in enumerate(result.requests):
+            if self._requests.get(request.request_id) is not request:
+                continue
+            token, index = result.token_ids[row], flight.rows[request][1]
+            request.output_ids[index] = token
+            try:
+                out = self._advance(request, token, row, result, index + 1)
+            except Exception as e:  # noqa: BLE001 - this request alone ends
+                logger.exception("request %s failed after its step", request.request_id)
+                out = self._fail(request, f"{type(e).__name__}: {e}")
+            if out.finished:
+                finished[request] = out.finish_reason
+                self._requests.pop(request.request_id, None)
+            outputs.append(out)
+        self.scheduler.postprocess(StepPlan([], []), {}, finished)
+        return outputs
 
     def _isolate(self, plan: StepPlan, error: Exception, outputs: list[RequestOutput]):
         """The step failed: run each request's part alone to find those that fail, end them (finish_reason "error"),
@@ -340,7 +448,10 @@ class Engine:
         self.scheduler.postprocess(plan, sampled, finished)
         return outputs
 
-    def _advance(self, request: Request, token: int, row: int, result: _Sampled) -> RequestOutput:
+    def _advance(self, request: Request, token: int, row: int, result: _Sampled, count: int | None = None
+                 ) -> RequestOutput:
+        """One request's new token (its ``count``-th; default: the one after its output_ids) through its grammar,
+        detokenizer and logprobs."""
         state = request.state
         if state.constraint is not None:
             state.constraint.advance(token)
@@ -354,7 +465,7 @@ class Engine:
             logprobs = [TokenLogprob(token, result.logprobs[row], top)]
             state.logprobs += logprobs
         return RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
-                             len(request.prompt_ids), len(request.output_ids) + 1)
+                             len(request.prompt_ids), count or len(request.output_ids) + 1)
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
         """The last output of a request that ends with an error (it alone)."""

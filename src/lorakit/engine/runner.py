@@ -119,6 +119,20 @@ def token_buckets(sizes: list[int] | None, max_num_batched_tokens: int | None) -
     return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 2} | {max_num_batched_tokens}, reverse=True)
 
 
+class Fill(NamedTuple):
+    """Input tokens the host does not know yet: ``input_ids[index[i]] = tokens[rows[i]]``, on the device (``index``
+    and ``rows`` int64 on the device, ``tokens`` the sampled tokens of the step before, still being computed)."""
+
+    index: torch.Tensor
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+
+def _fill(input_ids: torch.Tensor, fill: Fill | None) -> None:
+    if fill is not None:
+        input_ids.index_copy_(0, fill.index, fill.tokens.index_select(0, fill.rows))
+
+
 class Bucket(NamedTuple):
     """The padded shape of a graph's step: ``tokens`` T, ``rows`` S; decode graphs give every token's logits,
     mixed graphs those of each sequence's last token."""
@@ -357,15 +371,17 @@ class ModelRunner:
         size = min((s for s in self.token_sizes if s >= t), default=None)
         return None if size is None or n > self.max_num_seqs else Bucket(size, self._mixed_rows(size), False)  # n < t
 
-    def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool) -> torch.Tensor:
+    def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool, fill: Fill | None = None) -> torch.Tensor:
         """The step padded to ``bucket``: its graph replayed, or (``replay`` False, as tests do on the CPU) the same
         forward run eagerly on the same padded metadata. Returns the logits of the items that sample."""
         if not replay:
             m = self._metadata(plan, bucket.rows, bucket.tokens, per_sequence=True)
+            _fill(m["input_ids"], fill)
             return self._bucket_forward(m, bucket)[m["keep"]]
         packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
         self._upload(packed, self._static)
         graph, out, view = self._graphs[bucket]
+        _fill(view["input_ids"], fill)
         start = self._record()
         graph.replay()
         self._timing.append((start, self._record()))
@@ -376,16 +392,18 @@ class ModelRunner:
         return out[view["keep"][:keep]]
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order."""
+    def execute(self, plan: StepPlan, fill: Fill | None = None) -> torch.Tensor:
+        """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order. ``fill``: input
+        tokens not known on the host yet (sampled by the step still on the device), copied in on the device."""
         self.poll()
         n, t = len(plan.items), plan.num_tokens
         bucket = self._bucket(n, t) if self.cuda_graphs else None
         if bucket is not None:
             if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
                 self.capture_graphs()
-            return self._run_bucket(plan, bucket, replay=True)
+            return self._run_bucket(plan, bucket, replay=True, fill=fill)
         m = self._metadata(plan, n, t)
+        _fill(m["input_ids"], fill)
         start = self._record()
         logits = self._forward(m, m["keep"])
         if start is not None:
