@@ -391,7 +391,7 @@ class Engine:
         result = None if flight is None else self._collect(flight)
         if result is None:
             return []
-        outputs, finished = [], {}
+        outputs = []
         for row, request in enumerate(result.requests):
             if self._requests.get(request.request_id) is not request:
                 continue
@@ -402,11 +402,11 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this request alone ends
                 logger.exception("request %s failed after its step", request.request_id)
                 out = self._fail(request, f"{type(e).__name__}: {e}")
-            if out.finished:
-                finished[request] = out.finish_reason
+            if out.finished:  # running, or preempted by the step after it: wherever it is, it ends
+                request.finish_reason = out.finish_reason
+                self.scheduler.abort(request)
                 self._requests.pop(request.request_id, None)
             outputs.append(out)
-        self.scheduler.postprocess(StepPlan([], []), {}, finished)
         return outputs
 
     def _isolate(self, plan: StepPlan, error: Exception, outputs: list[RequestOutput]):
