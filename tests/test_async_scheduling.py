@@ -27,11 +27,11 @@ def setup(tmp_path_factory):
     return base, {name: s.path for name, s in saved.items()}
 
 
-def run(setup, requests, async_scheduling, tight):
+def run(setup, requests, async_scheduling, tight, device="cpu"):
     """Every request's (tokens, logprobs, finish reason), stepping until all end; ``requests``: (arrival step,
     prompt, adapter, params, abort at step or None)."""
     base, paths = setup
-    engine = Engine(copy.deepcopy(base), max_loras=1, max_num_seqs=3, max_num_batched_tokens=12, block_size=4,
+    engine = Engine(copy.deepcopy(base).to(device), max_loras=1, max_num_seqs=3, max_num_batched_tokens=12, block_size=4,
                     num_blocks=12 if tight else 200, max_seq_len=48, adapters=paths, patience=2,
                     async_scheduling=async_scheduling)
     got, step, pending = {}, 0, list(enumerate(requests))
@@ -79,6 +79,18 @@ def test_async_outputs_equal_synchronous_outputs(setup, requests, tight):
         assert (got, got_reason) == (tokens, reason)
         assert got_logprobs == pytest.approx(logprobs, rel=1e-4, abs=1e-4)  # other batches: sums in another order
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks  # every block back
+
+
+@pytest.mark.gpu
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=st.lists(request, min_size=1, max_size=6).map(lambda rs: sorted(rs, key=lambda r: r[0])))
+def test_async_outputs_equal_synchronous_outputs_on_cuda(setup, requests):
+    """On CUDA, with decode and mixed-step graphs, pinned copies and events (float32: tokens compare exactly)."""
+    requests = [(*r[:4], None) for r in requests]
+    sync, _ = run(setup, requests, False, False, "cuda")
+    overlapped, engine = run(setup, requests, True, False, "cuda")
+    assert {k: (v[0], v[2]) for k, v in overlapped.items()} == {k: (v[0], v[2]) for k, v in sync.items()}
+    assert engine.runner.graph_replays > 0 and engine.runner.timed_steps > 0
 
 
 def test_steps_overlap_and_outputs_come_one_step_later(setup):

@@ -63,3 +63,4 @@ def test_bench_step_smoke_run(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(4, "mixed eager")] and rows[0]["eager_steps"] > 0
+    assert rows[0]["stream_ms"] > 0
