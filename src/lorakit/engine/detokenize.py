@@ -6,6 +6,8 @@ text that could still become a stop string, are held back until they complete or
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+
 from lorakit.engine.sampling import SamplingParams
 
 __all__ = ["IncrementalDetokenizer"]
@@ -33,7 +35,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
                  eos_token_id: int | list[int] | None):
-        self._tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
         self._params = params
         eos = [] if eos_token_id is None or params.ignore_eos else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
@@ -90,9 +92,8 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, flush: bool) -> str:
         """Text the newest tokens add, up to an incomplete last character (all of it when flushing)."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._window[: self._read], skip_special_tokens=True)
-        full_text = decode(self._window, skip_special_tokens=True)
+        prefix_text = self._decode(self._window[: self._read])
+        full_text = self._decode(self._window)
         complete = not full_text.endswith("\ufffd")
         new_text = full_text[len(prefix_text) :]
         ready = new_text if complete or flush else new_text.rstrip("\ufffd")
@@ -114,3 +115,13 @@ class IncrementalDetokenizer:
         tail = self._decoded[self._emitted :]
         lengths = (j for s in self._params.stop for j in range(1, min(len(s), len(tail) + 1)) if tail.endswith(s[:j]))
         return max(lengths, default=0)
+
+
+def _decoder(tokenizer):
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` for a list of ints. A transformers tokenizer's ``decode``
+    converts its argument first (``to_py_obj``: a Python pass over every id, costlier than the decoding itself) and
+    then calls ``_decode``; the ids here are a list of ints already, so ``_decode`` is called directly."""
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and hasattr(tokenizer, "_decode"):
+        decode = tokenizer._decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -28,6 +28,7 @@ from lorakit.serve.streaming import ConcurrencyLimit, interleave
 
 __all__ = ["Result", "ServeConfig", "ServerState"]
 
+INLINE_SIZE = 2048  # prompts up to this many characters (or token ids) are tokenized on the event loop
 CHARS_PER_TOKEN = 32  # max_prompt_chars' default per token of context: 8 times what text averages, about 4
 
 
@@ -128,7 +129,7 @@ class ServerState:
         400); a text longer than ``max_prompt_chars`` is refused before it is tokenized."""
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
-        return await self._tokenize(self._checked_ids, prompt, adapter)
+        return await self._tokenize(len(prompt), self._checked_ids, prompt, adapter)
 
     async def chat_ids(self, messages: list[dict[str, str]], adapter: str | None) -> list[int]:
         """The messages through the chat template of ``adapter``'s tokenizer (its own may add tokens), tokenized off
@@ -136,7 +137,8 @@ class ServerState:
         tokenizer = self.tokenizer(adapter)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_chars(chars, "messages")
         if len(messages) >= self.engine.max_seq_len:  # each message takes at least one token of the context
             raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
                                 f"{self.engine.max_seq_len} tokens", "messages")
@@ -147,7 +149,7 @@ class ServerState:
             except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
                 raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
             return self._checked_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
-        return await self._tokenize(render)
+        return await self._tokenize(chars + 64 * len(messages), render)
 
     def _check_chars(self, count: int, param: str) -> None:
         if count > self.max_prompt_chars:
@@ -160,8 +162,13 @@ class ServerState:
         except ValueError as e:  # AdapterError too: the adapter was unloaded since
             raise ApiError(400, str(e), "prompt") from None
 
-    async def _tokenize(self, fn: Callable, *args):
-        """fn(*args) on the tokenizing thread."""
+    async def _tokenize(self, size: int, fn: Callable, *args):
+        """fn(*args): on the event loop for a short input (``size``, characters or token ids, at most INLINE_SIZE:
+        well under a millisecond), else on the tokenizing thread. A thread that needs the GIL back from a busy event
+        loop waits up to its switch interval (5 ms) each time the tokenizer releases it, and the one thread serves
+        every request in turn: under load that queue, not the work, would set the time to first token."""
+        if size <= INLINE_SIZE:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def sampling_params(self, body: CompletionBody | ChatBody, prompts: list[list[int]],
