@@ -30,8 +30,8 @@ MAX_SEQ_LEN = 64
 
 
 def test_token_buckets_are_captured_largest_first():
-    assert token_buckets(None, 2048) == [2048, 1024, 512, 256, 128, 64]
-    assert token_buckets(None, 300) == [300, 256, 128, 64]
+    assert token_buckets(None, 2048) == [2048, 1536, 1024, 768, 512, 448, 384, 320, 256, 192, 128, 64]
+    assert token_buckets(None, 300) == [300, 256, 192, 128, 64]
     assert token_buckets(None, 48) == [48]
     assert token_buckets([8, 100, 5000], 512) == [512, 100, 8]
     assert token_buckets([1, 2], 16) == [16, 2]  # a mixed step has 2 tokens at least

@@ -191,3 +191,19 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
     with pytest.raises(torch.OutOfMemoryError):
         sched.schedule()
     assert not issubclass(PoolFull, RuntimeError)
+
+
+def test_prompts_are_chunked_to_max_prefill_tokens_while_others_decode():
+    s = Scheduler(FakePool(2), BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=64)
+    first = Request("a", list(range(300)), None, 4, s.next_seq())
+    s.add(first)
+    plan = s.schedule()  # nobody decodes yet: the whole budget
+    assert [len(i.tokens) for i in plan.items] == [300]
+    s.postprocess(plan, {first: 7}, {})
+    second = Request("b", list(range(200)), None, 4, s.next_seq())
+    s.add(second)
+    for chunk in (64, 64, 64, 8):  # "a" decodes: "b" takes 64 prompt tokens a step
+        plan = s.schedule()
+        assert [len(i.tokens) for i in plan.items] == [1, chunk]
+        s.postprocess(plan, {first: 7} | ({second: 9} if plan.items[1].sample else {}), {})
+    assert second.num_computed == 200 and len(second.output_ids) == 1

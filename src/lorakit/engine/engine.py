@@ -187,7 +187,8 @@ class Engine:
         self.pool.reserve(self.pool.adapters)  # slot buffers at these adapters' ranks before the graphs are captured
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience)
+                                   max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience,
+                                   max_prefill_tokens=config.max_prefill_tokens)
         self.runner = ModelRunner(model, self.handle, num_blocks=config.num_blocks, block_size=config.block_size,
                                   max_num_seqs=config.max_num_seqs, max_seq_len=config.max_seq_len,
                                   cuda_graphs=config.cuda_graphs, compile=config.compile,

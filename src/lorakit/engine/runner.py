@@ -110,12 +110,15 @@ def graph_buckets(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
 
 
 def token_buckets(sizes: list[int] | None, max_num_batched_tokens: int | None) -> list[int]:
-    """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default 64, 128, 256, ...;
-    at least 2, a mixed step's least) capped at max_num_batched_tokens, which always gets one; none when ``sizes``
-    is empty or the step's token budget is not given."""
+    """The token counts of mixed steps that get a CUDA graph, largest first: ``sizes`` (default every multiple of 64
+    up to 512, of 256 up to 1024, then of 512: a step pads at most 64 tokens where steps are common, with decodes
+    and a prompt chunk of ``max_prefill_tokens``, and at most a third past that; at least 2, a mixed step's least)
+    capped at max_num_batched_tokens, which always gets one; none when ``sizes`` is empty or the step's token budget
+    is not given."""
     if max_num_batched_tokens is None or max_num_batched_tokens < 2 or (sizes is not None and len(sizes) == 0):
         return []  # (a step of one token decodes)
-    sizes = sizes or [64 << i for i in range(max_num_batched_tokens.bit_length()) if 64 << i < max_num_batched_tokens]
+    sizes = sizes or [s for s in [*range(64, 513, 64), 768, *range(1024, max_num_batched_tokens, 512)]
+                      if s < max_num_batched_tokens]
     return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 2} | {max_num_batched_tokens}, reverse=True)
 
 

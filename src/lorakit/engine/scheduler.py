@@ -137,13 +137,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: AdapterSlots | None, blocks: BlockManager, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, patience: int = 16):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1 or patience < 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, patience >= 0")
+                 max_num_batched_tokens: int = 2048, patience: int = 16, max_prefill_tokens: int | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or patience < 0 or (max_prefill_tokens or 1) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_prefill_tokens must be >= 1, patience >= 0")
         self.pool = pool
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens  # while any request decodes
         self.patience = patience
         self.waiting: list[Request] = []  # sorted by arrival (seq)
         self.running: list[Request] = []  # in admission order
@@ -172,12 +173,19 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
+        # Prompt tokens (chunks, recomputation) this step may take: fewer while requests decode, so that a long
+        # prompt is prefilled in chunks and the decodes' steps stay short.
+        decoding = any(r.num_computed >= len(r.prompt_ids) for r in self.running)
+        self._prefill = self.max_prefill_tokens if decoding else budget
         items: list[Scheduled] = []
         preempted: list[Request] = []
         for request in list(self.running):
             if request not in self.running:  # preempted by an earlier one in this loop
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
+            if n > 1 or request.num_computed < len(request.prompt_ids):  # a prompt chunk
+                n = min(n, self._prefill)
+                self._prefill -= n
             if n <= 0:
                 continue
             while not self.blocks.can_grow(request.blocks, request.num_computed + n):
@@ -205,7 +213,9 @@ class Scheduler:
                 break
             if request is not head and head.waited > self.patience:
                 break  # the oldest has waited long enough: nobody bypasses it any more
-            n = min(request.num_tokens, budget)
+            n = min(request.num_tokens, budget, self._prefill)
+            if n <= 0:
+                break
             if not self._adapter_ready(request) or not self.blocks.can_grow(request.blocks, n):
                 continue
             if request.adapter is not None:
@@ -219,6 +229,7 @@ class Scheduler:
             self.blocks.grow(request.blocks, n)
             items.append(self._item(request, n))
             budget -= n
+            self._prefill -= n
         return budget
 
     def _adapter_ready(self, request: Request) -> bool:
