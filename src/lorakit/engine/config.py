@@ -32,9 +32,9 @@ class EngineConfig:
                                    "max_position_embeddings, at most 4096)", "--max-seq-len", "N", min=2)
     max_num_batched_tokens: int = _opt(2048, "tokens per step; longer prompts are prefilled in chunks",
                                        "--max-num-batched-tokens", "N")
-    max_prefill_tokens: int = _opt(256, "prompt tokens a step takes while other requests decode (a step with no "
-                                   "decodes takes up to max_num_batched_tokens): long prompts are prefilled in chunks "
-                                   "so that decodes keep their pace", "--max-prefill-tokens", "N")
+    max_prefill_tokens: int | None = _opt(None, "prompt tokens a step takes while other requests decode (default: "
+                                          "max_num_batched_tokens): lower, long prompts are prefilled in more, smaller "
+                                          "chunks and decodes keep their pace", "--max-prefill-tokens", "N")
     block_size: int = _opt(16, "tokens per KV-cache block", "--block-size", "N")
     num_blocks: int | None = _opt(None, "KV-cache blocks (default: room for max_num_seqs full-length requests, or "
                                   "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
@@ -58,10 +58,12 @@ class EngineConfig:
 
     def __post_init__(self):
         PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_int(name, getattr(self, name), 1)
         if self.max_seq_len is not None:
             _check_int("max_seq_len", self.max_seq_len, 2)
+        if self.max_prefill_tokens is not None:
+            _check_int("max_prefill_tokens", self.max_prefill_tokens, 1)
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_int("patience", self.patience, 0)
