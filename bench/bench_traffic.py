@@ -277,9 +277,10 @@ def report(args, meta: dict, stats: dict, rows: list[dict], ratio: float | None)
              table(head, cells), "",
              f"Output tokens/s, 16 adapters / base: {fmt(ratio, '.3f')} (target >= 0.85; equal to 1 by construction "
              f"while the server keeps up with the offered load). TTFT from the request's arrival time; ITL between "
-             f"streamed chunks; steps, step ms, GPU busy and host ms/step from /metrics (n/a: the server has no "
-             f"lorakit_engine_gpu_seconds); running / waiting: lorakit_requests_running / lorakit_queue_length "
-             f"every {SAMPLE_S} s."]
+             f"streamed chunks; steps, step ms, GPU busy (forwards' device time / duration) and host ms/step "
+             f"(step ms - forward ms: what the device does not hide) from /metrics (n/a where the server reports no "
+             f"lorakit_engine_gpu_seconds, as on a CPU); running / waiting: lorakit_requests_running / "
+             f"lorakit_queue_length every {SAMPLE_S} s."]
     for r in rows:
         if r["errors"]:
             lines += ["", f"Errors ({r['workload']}, {r['failed']} failed):", *(f"- {e}" for e in r["errors"])]
