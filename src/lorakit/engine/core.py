@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -474,14 +475,13 @@ class CoreClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = _Stream(queue, detok)
         self._send(Add(request_id, prompt, params, adapter))
-        finished = False
-        try:
-            async for out in drain(queue):
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and self._streams.pop(request_id, None) is not None:
+
+        def abort():
+            if self._streams.pop(request_id, None) is not None:
                 self._send(Abort([request_id]))
+        async with contextlib.aclosing(drain(queue, abort)) as outs:  # closed (and aborted) as soon as this is
+            async for out in outs:
+                yield out
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -88,24 +89,27 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
 
 
-async def drain(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """One request's outputs from ``queue`` until the finished one (an exception in the queue is raised). Outputs
-    already waiting when one is taken are merged into it: a stream that fell behind (a busy event loop) catches up in
-    one output, not one per token."""
-    pending = None
-    while True:
-        out, pending = (pending if pending is not None else await queue.get()), None
-        if isinstance(out, BaseException):
-            raise out
-        while not out.finished and not queue.empty():
-            later = queue.get_nowait()
-            if isinstance(later, BaseException):
-                pending = later
-                break
-            out = out.merged(later)
-        yield out
-        if out.finished:
-            return
+async def drain(queue: asyncio.Queue, abort: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from ``queue`` until the finished one (an exception in the queue is raised); a consumer
+    that leaves before then (a client gone) calls ``abort``. Outputs already waiting when one is taken are merged into
+    it: a stream that fell behind (a busy event loop) catches up in one output, not one per token."""
+    pending, finished = None, False
+    try:
+        while not finished:
+            out, pending = (pending if pending is not None else await queue.get()), None
+            if isinstance(out, BaseException):
+                raise out
+            while not out.finished and not queue.empty():
+                later = queue.get_nowait()
+                if isinstance(later, BaseException):
+                    pending = later
+                    break
+                out = out.merged(later)
+            finished = out.finished
+            yield out
+    finally:
+        if not finished and abort is not None:
+            abort()
 
 
 class _NoText:
@@ -633,14 +637,9 @@ class AsyncEngine:
             return rid
 
         request_id = await asyncio.wrap_future(self._post(add))
-        finished = False
-        try:
-            async for out in drain(queue):
-                finished = out.finished
+        async with contextlib.aclosing(drain(queue, lambda: self.abort(request_id))) as outs:  # closed (and aborted
+            async for out in outs:  # if unfinished) as soon as this generator is
                 yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread; does not wait)."""
