@@ -184,3 +184,54 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+def test_ctrl_c_lets_the_requests_in_flight_finish_and_stops_the_core(world):
+    """SIGINT to the whole process group, as Ctrl-C in a terminal sends it: the core ignores it, the server finishes
+    the stream in flight, then stops the core and exits as Ctrl-C makes it exit (not 1, as for a dead core)."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
+    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
+                               "cpu", "--port", str(port), "--block-size", "4"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+                              start_new_session=True)  # its own process group, as a terminal's job
+    log = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        result, started = [], threading.Event()
+
+        def stream():
+            body = {"model": "model", "prompt": PROMPT, "max_tokens": 110, "stream": True, "ignore_eos": True,
+                    "temperature": 0}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+                result.append(lines)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        os.killpg(server.pid, signal.SIGINT)
+        t.join(60)
+        lines = [line for line in result[0] if line] if result else []
+        assert lines and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+        assert sum(line.startswith("data: {") for line in lines) >= 100, "the stream was cut short"
+        assert server.wait(60) in (0, -signal.SIGINT), "".join(log)[-3000:]  # uvicorn re-raises the SIGINT it handled
+        assert "exited with code" not in "".join(log)  # the core was stopped, it did not die
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)

@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -147,7 +148,12 @@ def _facts(engine: Engine, name: str) -> AdapterFacts:
 # The core process.
 
 def run_core(factory: Callable[[], Engine], to_core: str, from_core: str, parent_pid: int) -> None:
-    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop."""
+    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop. It
+    ignores SIGINT and SIGTERM: Ctrl-C in a terminal and a supervisor's stop reach the whole process group, and the
+    server, which gets them too, lets the requests in flight finish and then stops the core (or, gone, makes it exit
+    within a second)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s [core pid %(process)d]: %(message)s")
     context = zmq.Context()
