@@ -235,3 +235,56 @@ def test_ctrl_c_lets_the_requests_in_flight_finish_and_stops_the_core(world):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
+
+
+def test_several_api_servers_share_one_core(world):
+    """--api-servers 2: two server processes on one port (the kernel spreads connections), one core. Every request
+    answers as the single server does, and an adapter loaded through one server is served by both."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
+    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
+                               "cpu", "--port", str(port), "--block-size", "4", "--api-servers", "2",
+                               "--lora", f"sql={world[3]['sql']}", "--allow-runtime-lora", "--lora-root",
+                               str(world[2])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    log = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        time.sleep(2.0)  # the second API server starts after the first
+
+        def complete(model, n=12):  # each on a new connection: spread over both servers
+            bodies = [{"model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 0} for _ in range(n)]
+            return [httpx.post(f"{url}/v1/completions", json=b, timeout=60) for b in bodies]
+
+        for model, adapter in (("model", None), ("sql", "sql")):
+            ref = reference(world, PROMPT, adapter, max_tokens=10, temperature=0.0).text
+            assert {(r.status_code, r.json()["choices"][0]["text"]) for r in complete(model)} == {(200, ref)}
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "v2", "lora_path": str(world[3]["v2"])})
+        assert r.status_code == 200, r.text
+        time.sleep(0.5)  # the other server reads the new adapter's facts from the core's broadcast
+        ref = reference(world, PROMPT, "v2", max_tokens=10, temperature=0.0).text
+        assert {(r.status_code, r.json()["choices"][0]["text"]) for r in complete("v2")} == {(200, ref)}
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "v2"}).status_code == 200
+        time.sleep(0.5)
+        assert {r.status_code for r in complete("v2", 8)} == {404}
+        pids = {line.split()[1] for line in (httpx.get(f"{url}/metrics").text for _ in range(6)) for line in
+                line.splitlines() if line.startswith("lorakit_engine_pid ")}
+        assert len(pids) == 1  # one core behind both
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(90) in (0, -signal.SIGINT), "".join(log)[-3000:]
+        assert "exited with code" not in "".join(log)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)

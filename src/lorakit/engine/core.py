@@ -79,12 +79,13 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True):
-    """A call answered by a ``Reply``: "register" (name, path, roots), "unregister" (name), "shutdown" (seconds the
-    running requests get to finish)."""
+    """A call answered by a ``Reply`` to server ``server``: "register" (name, path, roots), "unregister" (name),
+    "shutdown" (seconds the running requests get to finish)."""
 
     call_id: int
     method: str
     args: list[Any]
+    server: int = 0
 
 
 # ... and what the core sends.
@@ -122,6 +123,15 @@ class AdapterFacts(msgspec.Struct, array_like=True):
     added_tokens: list[int]
 
 
+class Adapters(msgspec.Struct, tag=True, array_like=True):
+    """To the other servers after a register or unregister: the adapter's new facts (``roots``: the folders its
+    files had to lie in), or its name removed."""
+
+    facts: AdapterFacts | None
+    removed: str | None = None
+    roots: list[str] | None = None
+
+
 class Ready(msgspec.Struct, tag=True, array_like=True):
     pid: int
     vocab_size: int
@@ -136,7 +146,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
 
 
 ToCore = Add | Abort | Call
-FromCore = Step | Reply | Ready | Failed
+FromCore = Step | Reply | Adapters | Ready | Failed
 _ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError}
 
 
@@ -147,7 +157,7 @@ def _facts(engine: Engine, name: str) -> AdapterFacts:
 
 # The core process.
 
-def run_core(factory: Callable[[], Engine], to_core: str, from_core: str, parent_pid: int) -> None:
+def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int) -> None:
     """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop. It
     ignores SIGINT and SIGTERM: Ctrl-C in a terminal and a supervisor's stop reach the whole process group, and the
     server, which gets them too, lets the requests in flight finish and then stops the core (or, gone, makes it exit
@@ -157,35 +167,44 @@ def run_core(factory: Callable[[], Engine], to_core: str, from_core: str, parent
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s [core pid %(process)d]: %(message)s")
     context = zmq.Context()
-    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inbox.connect(to_core)
-    outbox.connect(from_core)
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.bind(to_core)  # every server process pushes to it
+    outboxes = []
+    for address in from_core:  # one per server process: a request's outputs go to the server that sent it
+        outbox = context.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)
+        outbox.connect(address)
+        outboxes.append(outbox)
     encode = msgspec.msgpack.Encoder().encode
     try:
         engine = factory()
     except Exception as e:  # noqa: BLE001 - the server reports it and stops
         logger.exception("the engine could not be built")
-        outbox.send(encode(Failed(str(e), type(e).__name__)))
-        outbox.close(linger=5000)
+        outboxes[0].send(encode(Failed(str(e), type(e).__name__)))
+        outboxes[0].close(linger=5000)
         raise SystemExit(1) from None
     engine.detokenize = False
     logger.info("engine core ready (pid %d)", os.getpid())
-    outbox.send(encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id,
-                             [_facts(engine, name) for name in sorted(engine.pool.adapters)])))
-    _Core(engine, inbox, outbox, parent_pid).run()
-    outbox.close(linger=5000)
+    ready = encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id,
+                         [_facts(engine, name) for name in sorted(engine.pool.adapters)]))
+    for outbox in outboxes:
+        outbox.send(ready)
+    _Core(engine, inbox, outboxes, parent_pid).run()
+    for outbox in outboxes:
+        outbox.close(linger=5000)
     inbox.close(linger=0)
 
 
 class _Core:
     """The core's loop: drain the inbox, install finished adapter reads, step, send the step's outputs."""
 
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int):
-        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outboxes: list[zmq.Socket], parent_pid: int):
+        self.engine, self.inbox, self.outboxes, self.parent_pid = engine, inbox, outboxes, parent_pid
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder(ToCore).decode
         self.pending: list[Out] = []  # outputs that go with the next message (refused requests)
-        self.reads: list[tuple[int, concurrent.futures.Future]] = []
+        self.reads: list[tuple[Call, concurrent.futures.Future]] = []
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
         self.steps, self.step_seconds = 0, 0.0
         self.stats_at = 0.0
@@ -213,12 +232,12 @@ class _Core:
                 for request_id in list(engine._requests):
                     engine.abort(request_id)
                 self.step()  # sends the aborts
-                self.send(Reply(self.shutdown_call))
+                self.send(Reply(self.shutdown_call.call_id), self.shutdown_call.server)
                 return
             if engine.has_unfinished() or self.pending:
                 self.step()
             elif self.stats_at and time.monotonic() - self.stats_at > STATS_SECONDS:
-                self.send(Step([], self.stats()))  # idle now: the last numbers
+                self.send_step([], self.stats())  # idle now: the last numbers
                 self.stats_at = 0.0
             if time.monotonic() - checked_parent > 1.0:
                 checked_parent = time.monotonic()
@@ -238,32 +257,37 @@ class _Core:
                 engine.abort(request_id)
         elif message.method == "register":
             name, path, roots = message.args
-            self.reads.append((message.call_id, self.reader.submit(engine.read_adapter, name, path, roots)))
+            self.reads.append((message, self.reader.submit(engine.read_adapter, name, path, roots)))
         elif message.method == "unregister":
-            self.answer(message.call_id, lambda: engine.unregister_adapter(*message.args))
+            def unregister():
+                engine.unregister_adapter(*message.args)
+                self.broadcast(Adapters(None, message.args[0]), but=message.server)
+            self.answer(message, unregister)
         elif message.method == "shutdown":
-            self.deadline, self.shutdown_call = time.monotonic() + float(message.args[0]), message.call_id
+            self.deadline, self.shutdown_call = time.monotonic() + float(message.args[0]), message
         else:
-            self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")))
+            self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")), message.server)
 
     def install_reads(self) -> None:
         """Install the adapters whose reads finished, in the order they were asked for."""
         while self.reads and self.reads[0][1].done():
-            call_id, read = self.reads.pop(0)
+            call, read = self.reads.pop(0)
 
             def install():
                 checked = read.result()
                 self.engine.install_adapter(checked)
-                return _facts(self.engine, checked.snapshot.name)
-            self.answer(call_id, install)
+                facts = _facts(self.engine, checked.snapshot.name)
+                self.broadcast(Adapters(facts, roots=call.args[2]), but=call.server)
+                return facts
+            self.answer(call, install)
 
-    def answer(self, call_id: int, fn: Callable[[], Any]) -> None:
+    def answer(self, call: Call, fn: Callable[[], Any]) -> None:
         try:
             result = fn()
         except Exception as e:  # noqa: BLE001 - the caller gets it
-            self.send(Reply(call_id, error=(type(e).__name__, str(e))))
+            self.send(Reply(call.call_id, error=(type(e).__name__, str(e))), call.server)
         else:
-            self.send(Reply(call_id, result))
+            self.send(Reply(call.call_id, result), call.server)
 
     def step(self) -> None:
         engine, outputs = self.engine, [*self.pending]
@@ -290,13 +314,35 @@ class _Core:
         if now - self.stats_at > STATS_SECONDS:
             stats, self.stats_at = self.stats(), now
         if outputs or stats is not None:
-            self.send(Step(outputs, stats))
+            self.send_step(outputs, stats)
 
     def stats(self) -> EngineStats:
         return engine_stats(self.engine, steps=self.steps, step_seconds=self.step_seconds)
 
-    def send(self, message: FromCore) -> None:
-        self.outbox.send(self.encode(message))
+    def send(self, message: FromCore, server: int = 0) -> None:
+        self.outboxes[server].send(self.encode(message))
+
+    def broadcast(self, message: FromCore, but: int | None = None) -> None:
+        data = self.encode(message)
+        for server, outbox in enumerate(self.outboxes):
+            if server != but:
+                outbox.send(data)
+
+    def send_step(self, outputs: list[Out], stats: EngineStats | None) -> None:
+        """Each server its requests' outputs (a request id starts with its server's "s<index>-"), and the stats."""
+        if len(self.outboxes) == 1:
+            self.send(Step(outputs, stats))
+            return
+        by_server: list[list[Out]] = [[] for _ in self.outboxes]
+        for out in outputs:
+            by_server[_server_of(out.request_id)].append(out)
+        for server, outs in enumerate(by_server):
+            if outs or stats is not None:
+                self.send(Step(outs, stats), server)
+
+
+def _server_of(request_id: str) -> int:
+    return int(request_id[1: request_id.index("-")])
 
 
 # The server's side.
@@ -321,9 +367,13 @@ class CoreClient:
     this process's tokenizing and detokenizing. ``launch()`` starts the core and waits until it is ready (before the
     server listens); ``start()``, on the event loop, starts reading its outputs."""
 
-    def __init__(self, factory: Callable[[], Engine], tokenizer=None):
-        self.factory, self.tokenizer = factory, tokenizer
-        self.process: multiprocessing.process.BaseProcess | None = None
+    def __init__(self, factory: Callable[[], Engine] | None, tokenizer=None, servers: int = 1):
+        self.factory, self.tokenizer, self.servers = factory, tokenizer, servers
+        self.index = 0  # this server's among ``servers`` (``attach`` sets it)
+        self.addresses: tuple[str, list[str]] | None = None  # (to the core, from the core to each server)
+        self.core_pid: int | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None  # the core, when this process started it
+        self.companions: list = []  # the other API server processes of this core (stopped before it)
         self.on_death: Callable[[], None] | None = None  # called once if the core exits on its own
         self.dead: str | None = None  # why the core is gone, once it is
         self.crashed = False  # it exited on its own (not stopped)
@@ -337,12 +387,13 @@ class CoreClient:
         self._context = zmq.Context()
         self._to_core = self._from_core = None
         self._reader: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromCore).decode
 
     @property
     def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
+        return self.core_pid
 
     # Starting and stopping.
 
@@ -350,32 +401,50 @@ class CoreClient:
         """Start the core process and wait for its Ready (its model loaded, its graphs captured). A core that
         fails to build its engine raises here: the exception type it raised (ValueError, ...) with its message."""
         self._folder = tempfile.mkdtemp(prefix="lorakit-core-")  # mode 0700: only this user reaches the sockets
-        to_core, from_core = f"ipc://{self._folder}/to-core", f"ipc://{self._folder}/from-core"
+        self.addresses = (f"ipc://{self._folder}/to-core",
+                          [f"ipc://{self._folder}/from-core-{i}" for i in range(self.servers)])
+        self._connect()
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
+        self.process = spawn.Process(target=run_core, args=(self.factory, *self.addresses, os.getpid()),
+                                     name="lorakit-core", daemon=True)
+        self.process.start()
+        self.core_pid = self.process.pid
+        logger.info("engine core started (pid %d); waiting for it to load the model", self.process.pid)
+        self._wait_ready(timeout, self.process)
+
+    def attach(self, addresses: tuple[str, list[str]], index: int, core_pid: int, timeout: float | None = None):
+        """Be server ``index`` of a core another process launched (``addresses``: that client's), once it is
+        ready."""
+        self.addresses, self.index, self.core_pid, self.servers = addresses, index, core_pid, len(addresses[1])
+        self._connect()
+        self._wait_ready(timeout, None)
+
+    def _connect(self) -> None:
+        to_core, from_core = self.addresses
         self._to_core = self._context.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
         self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(to_core)
+        self._to_core.connect(to_core)
         self._from_core = self._context.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.RCVHWM, 0)
-        self._from_core.bind(from_core)
-        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
-        self.process = spawn.Process(target=run_core, args=(self.factory, to_core, from_core, os.getpid()),
-                                     name="lorakit-core", daemon=True)
-        self.process.start()
-        logger.info("engine core started (pid %d); waiting for it to load the model", self.process.pid)
+        self._from_core.bind(from_core[self.index])
+
+    def _wait_ready(self, timeout: float | None, process) -> None:
         end = None if timeout is None else time.monotonic() + timeout
         while not self._from_core.poll(200):
-            if not self.process.is_alive():
+            if process is not None and not process.is_alive():
                 self._cleanup()
-                raise EngineDead(f"the engine core (pid {self.process.pid}) exited with code "
-                                 f"{self.process.exitcode} while starting; its log says why")
+                raise EngineDead(f"the engine core (pid {process.pid}) exited with code {process.exitcode} while "
+                                 f"starting; its log says why")
             if end is not None and time.monotonic() > end:
-                self.process.kill()
+                if process is not None:
+                    process.kill()
                 self._cleanup()
                 raise EngineDead(f"the engine core did not start within {timeout} s")
         message = self._decode(self._from_core.recv())
         if isinstance(message, Failed):
-            self.process.join(10)
+            if process is not None:
+                process.join(10)
             self._cleanup()
             raise _ERRORS.get(message.kind, RuntimeError)(message.message)
         self.vocab_size, self.max_seq_len, self.eos_token_id = message.vocab_size, message.max_seq_len, \
@@ -387,24 +456,44 @@ class CoreClient:
 
     def start(self) -> None:
         """Start reading the core's messages on the running event loop (``launch`` first if it was not)."""
-        if self.process is None:
+        if self.addresses is None:
             self.launch()
         loop = asyncio.get_running_loop()
         self._from_core = zmq.asyncio.Socket.from_socket(self._from_core)
         self._reader = loop.create_task(self._read())
-        loop.add_reader(self.process.sentinel, self._exited)
+        if self.process is not None:
+            loop.add_reader(self.process.sentinel, self._exited)
+        else:  # another server started the core: it exits when the core dies; watch it
+            self._watch = loop.create_task(self._watch_parent(os.getppid()))
+
+    async def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        self.dead, self.crashed = "the server process that started the engine core is gone", True
+        logger.error("%s; failing %d requests in flight", self.dead, len(self._streams))
+        self._fail_all(EngineDead(f"{self.dead}; the server restarts, send the request again"))
+        if self.on_death is not None:
+            self.on_death()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the core: running requests get ``timeout`` seconds, then end (abort); waits for the process."""
-        if self.process is None:
+        if self.process is None:  # another server's core: it stops it
+            if self._reader is not None:
+                self._reader.cancel()
+            self._fail_all(EngineDead("the server shut down before this request finished"))
+            self._cleanup()
             return
+        for process in self.companions:  # the other API servers: their requests in flight finish first
+            process.terminate()
+        for process in self.companions:
+            process.join(40)
         if self.process.is_alive() and self.dead is None:
             self.dead = "the server is shutting down"
             try:
                 asyncio.get_running_loop().remove_reader(self.process.sentinel)
             except RuntimeError:
                 pass
-            self._send(Call(next(self._call_ids), "shutdown", [timeout]))
+            self._send(Call(next(self._call_ids), "shutdown", [timeout], self.index))
             self.process.join(timeout + 10)
         if self.process.is_alive():
             self.process.kill()
@@ -475,7 +564,7 @@ class CoreClient:
         """The request's outputs as they come, with their text; leaving early aborts it in the core."""
         if self.dead is not None:
             raise EngineDead(self.dead)
-        request_id = f"r{next(self._ids)}"
+        request_id = f"s{self.index}-r{next(self._ids)}"
         params = fit_params(params, len(prompt), self.max_seq_len)
         detok = IncrementalDetokenizer(self.tokenizer_for(adapter) or _NO_TEXT, prompt, params, self.eos_token_id)
         queue: asyncio.Queue = asyncio.Queue()
@@ -506,7 +595,7 @@ class CoreClient:
             raise EngineDead(self.dead)
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(Call(call_id, method, list(args)))
+        self._send(Call(call_id, method, list(args), self.index))
         return await future
 
     def _send(self, message: ToCore) -> None:
@@ -525,6 +614,18 @@ class CoreClient:
                     self._deliver(out)
                 if message.stats is not None:
                     self._stats = message.stats
+            elif isinstance(message, Adapters):  # another server registered or removed one
+                if message.removed is not None:
+                    self._adapters.pop(message.removed, None)
+                else:
+                    facts = message.facts
+                    roots = [Path(r) for r in message.roots] if message.roots else None
+                    try:
+                        tokenizer = await asyncio.to_thread(read_tokenizer, facts.name, facts.path, roots)
+                    except AdapterError as e:  # read by the core already: only a file changed since
+                        logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.name, e)
+                        continue
+                    self._adapters[facts.name] = _Adapter(facts, frozenset(facts.added_tokens), tokenizer)
             elif isinstance(message, Reply):
                 future = self._calls.pop(message.call_id, None)
                 if future is None or future.done():

@@ -1,5 +1,14 @@
 """``lorakit serve``: an OpenAI-compatible server over the engine (see app.py), and the bundled default model."""
 
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import multiprocessing
+import socket
+from collections.abc import Callable
+
 from lorakit.serve.adapters import confined
 from lorakit.serve.app import create_app
 from lorakit.serve.state import ServeConfig
@@ -7,16 +16,62 @@ from lorakit.serve.state import ServeConfig
 __all__ = ["ServeConfig", "confined", "create_app", "run_server"]
 
 
-def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000) -> int:
+def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, *, api_servers: int = 1,
+               tokenizer: Callable | None = None) -> int:
     """Serve ``engine`` (an Engine, run on a thread, or an EngineClient such as a launched ``CoreClient``) until
     interrupted; on shutdown, requests in flight get 30 s to finish. Returns the exit status: 1 when the engine core
-    died (every request in flight got an error; a supervisor restarts the server), else 0."""
+    died (every request in flight got an error; a supervisor restarts the server), else 0.
+
+    ``api_servers`` > 1 (a ``CoreClient`` launched for as many servers): this process and ``api_servers`` - 1 more
+    serve the same port (SO_REUSEPORT: the kernel spreads connections over them), each with its own sockets to the
+    one core, ``--max-concurrent`` split between them; ``tokenizer``: a picklable callable that loads the base
+    tokenizer in each of them."""
     import uvicorn
 
+    if api_servers > 1:
+        config = dataclasses.replace(config, max_concurrent=max(1, math.ceil(config.max_concurrent / api_servers)))
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=30, log_level="info"))
     client = app.state.server.engine
     if hasattr(client, "on_death"):
         client.on_death = lambda: setattr(server, "should_exit", True)
-    server.run()
+    if api_servers == 1:
+        server.run()
+    else:
+        if port == 0:
+            raise ValueError("several API servers need a fixed port; give --port")
+        spawn = multiprocessing.get_context("spawn")
+        client.companions = [spawn.Process(target=_serve_more, name=f"lorakit-api-{i}", daemon=True,
+                                           args=(client.addresses, i, client.core_pid, tokenizer, config, host, port))
+                             for i in range(1, api_servers)]
+        listening = _listen(host, port)
+        for process in client.companions:
+            process.start()
+        server.run(sockets=[listening])
     return 1 if getattr(client, "crashed", False) else 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port that other processes can bind too (SO_REUSEPORT)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None, config: ServeConfig, host: str,
+                port: int) -> None:
+    """One more API server process: server ``index`` of the core that the first one launched."""
+    import uvicorn
+
+    from lorakit.engine.core import CoreClient
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
+    client = CoreClient(None, tokenizer() if tokenizer is not None else None)
+    client.attach(addresses, index, core_pid)
+    server = uvicorn.Server(uvicorn.Config(create_app(client, config), timeout_graceful_shutdown=30,
+                                           log_level="warning"))
+    client.on_death = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[_listen(host, port)])

@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process instead of a core process of its own "
                         "(default: off; the server and the engine then share one GIL)")
+    p.add_argument("--api-servers", type=_positive_int, default=1, metavar="N",
+                   help="API server processes in front of the engine core, sharing --port: HTTP, tokenizing and "
+                        "streaming spread over N cores (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--allow-runtime-lora", action="store_true",
@@ -147,9 +150,11 @@ def run(args) -> int:
     build = functools.partial(load_engine, str(folder), device, dtype, config, adapters)
     try:
         if args.engine_in_process:
+            if args.api_servers > 1:
+                raise ValueError("--api-servers needs the engine core process; drop --engine-in-process")
             engine = build()
         else:
-            engine = CoreClient(build, load_tokenizer(folder))
+            engine = CoreClient(build, load_tokenizer(folder), servers=args.api_servers)
             engine.launch()  # the model loads and the graphs are captured in the core before the server listens
     except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
         raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
@@ -158,7 +163,8 @@ def run(args) -> int:
                          max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                          max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                          max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
-    return run_server(engine, config, args.host, args.port)
+    return run_server(engine, config, args.host, args.port, api_servers=args.api_servers,
+                      tokenizer=functools.partial(load_tokenizer, folder))
 
 
 def check_options(args) -> dict[str, str]:
