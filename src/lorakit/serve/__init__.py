@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import multiprocessing
 import socket
 from collections.abc import Callable
@@ -23,13 +21,11 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
     died (every request in flight got an error; a supervisor restarts the server), else 0.
 
     ``api_servers`` > 1 (a ``CoreClient`` launched for as many servers): this process and ``api_servers`` - 1 more
-    serve the same port (SO_REUSEPORT: the kernel spreads connections over them), each with its own sockets to the
-    one core, ``--max-concurrent`` split between them; ``tokenizer``: a picklable callable that loads the base
-    tokenizer in each of them."""
+    serve the same port (SO_REUSEPORT: the kernel spreads connections over them, by a hash, not evenly), each with its
+    own sockets to the one core and its own ``max_concurrent``; ``tokenizer``: a picklable callable that loads the
+    base tokenizer in each of them."""
     import uvicorn
 
-    if api_servers > 1:
-        config = dataclasses.replace(config, max_concurrent=max(1, math.ceil(config.max_concurrent / api_servers)))
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=30, log_level="info"))
     client = app.state.server.engine
