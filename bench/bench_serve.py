@@ -6,7 +6,9 @@ french, round robin), greedy, ``ignore_eos`` with a fixed ``max_tokens`` so ever
 that many tokens. Measured per concurrency level: output tokens per second, requests per second, time to
 first token (p50 / p99) and time between streamed chunks (p50 / p99). The baseline is the same engine
 in-process (``LLM.generate`` on the same prompts and adapters, no HTTP): the ratio says what the server costs.
-The server's own engine-step time (from /metrics) tells the engine's share of that from the HTTP side's.
+The server's own engine-step time (from /metrics) tells the engine's share of that from the HTTP side's. The
+clients run in one process per 32 of them (at most 8; ``--client-procs``): one Python process parsing every
+server-sent event caps what it can measure (runs before this option, up to ce31b5b, used one).
 
     PYTHONPATH=src python bench/bench_serve.py --out DIR [--requests 256] [--max-tokens 128]
     PYTHONPATH=src python bench/bench_serve.py --out DIR --random-weights CONFIG_DIR
@@ -18,7 +20,9 @@ the bundled one (same shapes, same adapters, same work per token): for a machine
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import shlex
 import socket
 import subprocess
@@ -67,24 +71,42 @@ async def one_request(client: httpx.AsyncClient, i: int, max_tokens: int) -> dic
             "end": arrivals[-1]}
 
 
-async def load(url: str, requests: int, concurrency: int, max_tokens: int) -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        gate = asyncio.Semaphore(concurrency)
-
-        async def gated(i):
-            async with gate:
-                return await one_request(client, i, max_tokens)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(gated(i) for i in range(requests)))
-        wall = time.perf_counter() - start
+def load(url: str, requests: int, concurrency: int, max_tokens: int, procs: int = 1) -> dict:
+    """``requests`` streaming requests, ``concurrency`` at a time, from ``procs`` client processes (each with its share
+    of both): one Python process parsing every server-sent event can itself be what limits a run."""
+    procs = max(1, min(procs, concurrency, requests))
+    shares = [(url, k, range(k, requests, procs), len(range(k, concurrency, procs)), max_tokens) for k in range(procs)]
+    if procs == 1:
+        results = [_share(*shares[0])]
+    else:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=spawn) as pool:
+            results = list(pool.map(_share, *zip(*shares)))
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    ttfts = [t for r in results for t in r["ttfts"]]
     gaps = [g for r in results for g in r["gaps"]]
-    return {"concurrency": concurrency, "requests": requests, "wall_s": wall,
+    return {"concurrency": concurrency, "requests": requests, "client_procs": procs, "wall_s": wall,
             "tokens_per_s": requests * max_tokens / wall, "requests_per_s": requests / wall,
-            "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in results], 0.5),
-            "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in results], 0.99),
+            "ttft_p50_ms": 1e3 * pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
             "gap_p50_ms": 1e3 * pct(gaps, 0.5), "gap_p99_ms": 1e3 * pct(gaps, 0.99)}
+
+
+def _share(url: str, _: int, indices: range, concurrency: int, max_tokens: int) -> dict:
+    """One client process's requests (by index: the model and question round robin), with wall-clock start and end."""
+    async def run() -> list[dict]:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def gated(i):
+                async with gate:
+                    return await one_request(client, i, max_tokens)
+            return await asyncio.gather(*(gated(i) for i in indices))
+
+    start = time.time()
+    results = asyncio.run(run())
+    return {"start": start, "end": time.time(), "ttfts": [r["ttft"] for r in results],
+            "gaps": [g for r in results for g in r["gaps"]]}
 
 
 def metric(url: str, name: str) -> float:
@@ -135,6 +157,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--random-weights", type=Path, metavar="CONFIG_DIR",
                    help="serve random weights of this config + tokenizer instead of the bundled model")
+    p.add_argument("--client-procs", type=int, default=None, metavar="K",
+                   help="client processes driving the load (default: one per 32 clients, at most 8)")
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help="more `lorakit serve` options, one string (e.g. '--engine-in-process' or '--compile')")
     args = parse_args(p, argv, needs_cuda=False)
@@ -162,11 +186,12 @@ def main(argv=None) -> int:
                 if server.poll() is not None:
                     raise SystemExit("lorakit serve exited before it was ready")
                 time.sleep(0.25)
-        asyncio.run(load(url, max(args.concurrency), max(args.concurrency), args.max_tokens))  # warm-up
+        procs = {c: args.client_procs or max(1, min(8, c // 32)) for c in args.concurrency}
+        load(url, max(args.concurrency), max(args.concurrency), args.max_tokens, procs[max(args.concurrency)])  # warm-up
         rows = []
         for c in args.concurrency:
             steps, busy = metric(url, "lorakit_engine_steps"), metric(url, "lorakit_engine_step_seconds")
-            row = asyncio.run(load(url, max(c, min(args.requests, 16 * c)), c, args.max_tokens))
+            row = load(url, max(c, min(args.requests, 16 * c)), c, args.max_tokens, procs[c])
             steps = metric(url, "lorakit_engine_steps") - steps
             busy = metric(url, "lorakit_engine_step_seconds") - busy
             row["step_ms"], row["engine_busy"] = 1e3 * busy / steps, busy / row["wall_s"]
@@ -181,9 +206,9 @@ def main(argv=None) -> int:
     meta = setup("gpu", "torch", "triton", "commit", "date", device="cuda" if torch.cuda.is_available() else "cpu",
                  max_tokens=args.max_tokens, weights="random" if args.random_weights else "bundled",
                  serve_args=args.serve_args)
-    head = ("| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms | step ms "
+    head = ("| clients | client procs | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms | step ms "
             "| engine busy | offline tok/s | offline step ms | server / offline |")
-    rows_md = table(head, ([r["concurrency"], r["requests"], fmt(r["tokens_per_s"], ".0f"), fmt(r["requests_per_s"]),
+    rows_md = table(head, ([r["concurrency"], r["client_procs"], r["requests"], fmt(r["tokens_per_s"], ".0f"), fmt(r["requests_per_s"]),
                             fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["gap_p50_ms"], ".2f"),
                             fmt(r["gap_p99_ms"], ".2f"), fmt(r["step_ms"], ".2f"), fmt(r["engine_busy"], ".2f"),
                             fmt(r["offline_tokens_per_s"], ".0f"), fmt(r["offline_step_ms"], ".2f"),
