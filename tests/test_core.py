@@ -128,11 +128,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(world):
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(world, api_servers):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
-                               "cpu", "--port", str(port), "--lora", f"sql={world[3]['sql']}", "--block-size", "4"],
+                               "cpu", "--port", str(port), "--lora", f"sql={world[3]['sql']}", "--block-size", "4",
+                               "--api-servers", str(api_servers)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=Path(__file__).resolve().parents[1])
     log = []
@@ -149,11 +151,13 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
+        time.sleep(2.0 if api_servers > 1 else 0)  # the other API servers start after the first
         metrics = httpx.get(f"{url}/metrics").text
         pid = int(float(next(line.split()[1] for line in metrics.splitlines()
                              if line.startswith("lorakit_engine_pid "))))
         assert pid > 0 and pid not in (os.getpid(), server.pid)  # (0 would signal this test's own group)
-        results, started = [], [threading.Event() for _ in range(3)]
+        n = 3 * api_servers  # on new connections: spread over the servers
+        results, started = [], [threading.Event() for _ in range(n)]
 
         def stream(i):
             body = {"model": "sql", "prompt": PROMPT, "max_tokens": 110, "stream": True, "ignore_eos": True,
@@ -165,7 +169,7 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
                     started[i].set()
                 results.append((r.status_code, "".join(lines)))
 
-        streams = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        streams = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
         for t in streams:
             t.start()
         for event in started:
@@ -175,7 +179,7 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
         os.kill(pid, signal.SIGKILL)
         for t in streams:
             t.join(60)
-        assert len(results) == 3
+        assert len(results) == n
         for status, body in results:
             assert status == 200 and '"error"' in body and "engine core" in body, body[-500:]
         assert server.wait(60) != 0, "the server must exit non-zero when its engine core dies"

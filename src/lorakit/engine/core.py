@@ -463,13 +463,21 @@ class CoreClient:
         self._reader = loop.create_task(self._read())
         if self.process is not None:
             loop.add_reader(self.process.sentinel, self._exited)
-        else:  # another server started the core: it exits when the core dies; watch it
-            self._watch = loop.create_task(self._watch_parent(os.getppid()))
+        else:  # another server started the core (and reaps it when it dies): watch both
+            self._watch = loop.create_task(self._watch_core(os.getppid()))
 
-    async def _watch_parent(self, parent: int) -> None:
-        while os.getppid() == parent:
+    async def _watch_core(self, parent: int) -> None:
+        while True:
             await asyncio.sleep(0.5)
-        self.dead, self.crashed = "the server process that started the engine core is gone", True
+            if os.getppid() != parent:
+                self.dead = "the server process that started the engine core is gone"
+                break
+            try:
+                os.kill(self.core_pid, 0)
+            except ProcessLookupError:
+                self.dead = f"the engine core (pid {self.core_pid}) exited"
+                break
+        self.crashed = True
         logger.error("%s; failing %d requests in flight", self.dead, len(self._streams))
         self._fail_all(EngineDead(f"{self.dead}; the server restarts, send the request again"))
         if self.on_death is not None:
