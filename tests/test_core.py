@@ -282,9 +282,13 @@ def test_several_api_servers_share_one_core(world):
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "v2"}).status_code == 200
         time.sleep(0.5)
         assert {r.status_code for r in complete("v2", 8)} == {404}
-        pids = {line.split()[1] for line in (httpx.get(f"{url}/metrics").text for _ in range(6)) for line in
-                line.splitlines() if line.startswith("lorakit_engine_pid ")}
+        scrapes = [httpx.get(f"{url}/metrics").text for _ in range(6)]  # on new connections: from both servers
+        pids = {line.split()[1] for text in scrapes for line in text.splitlines()
+                if line.startswith("lorakit_engine_pid ")}
         assert len(pids) == 1  # one core behind both
+        done = {line.split()[1] for text in scrapes for line in text.splitlines()
+                if line.startswith('lorakit_requests_total{endpoint="/v1/completions",status="200"}')}
+        assert done == {"36.0"}  # every server's completions, added up, whichever answers the scrape
         os.killpg(server.pid, signal.SIGINT)
         assert server.wait(90) in (0, -signal.SIGINT), "".join(log)[-3000:]
         assert "exited with code" not in "".join(log)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 
 from lorakit.serve.adapters import confined
@@ -22,10 +24,16 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
 
     ``api_servers`` > 1 (a ``CoreClient`` launched for as many servers): this process and ``api_servers`` - 1 more
     serve the same port (SO_REUSEPORT: the kernel spreads connections over them, by a hash, not evenly), each with its
-    own sockets to the one core and its own ``max_concurrent``; ``tokenizer``: a picklable callable that loads the
-    base tokenizer in each of them."""
+    own sockets to the one core and its own ``max_concurrent``, and ``/metrics`` of any of them adds up all of
+    theirs; ``tokenizer``: a picklable callable that loads the base tokenizer in each of them."""
     import uvicorn
 
+    metrics = None
+    if api_servers > 1:
+        from lorakit.serve.metrics import share_across_processes
+
+        metrics = tempfile.mkdtemp(prefix="lorakit-metrics-")
+        share_across_processes(metrics)
     app = create_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=30, log_level="info"))
     client = app.state.server.engine
@@ -43,7 +51,10 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
         listening = _listen(host, port)
         for process in client.companions:
             process.start()
-        server.run(sockets=[listening])
+        try:
+            server.run(sockets=[listening])
+        finally:
+            shutil.rmtree(metrics, ignore_errors=True)
     return 1 if getattr(client, "crashed", False) else 0
 
 

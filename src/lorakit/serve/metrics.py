@@ -9,9 +9,11 @@ Adapter loads, evictions and residency, and the engine's gauges, are read when s
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import prometheus_client as prom
+from prometheus_client import multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -21,6 +23,7 @@ from lorakit.engine.client import EngineClient
 
 __all__ = ["CountResponses", "Metrics"]
 
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each process writes its values
 UNMATCHED = "unmatched"  # the endpoint label of every path no route matches (a scanner cannot add labels)
 TIERS = ("gpu", "cpu", "disk")
 _ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (streaming.event of ApiError.body())
@@ -47,14 +50,22 @@ class Metrics:
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
                                    ["adapter"], registry=r,
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
-        r.register(_EngineCollector(engine))
+        self._engine = _EngineCollector(engine)
+        r.register(self._engine)
 
     def request(self, adapter: str) -> RequestMetrics:
         """The metrics of one generation request for ``adapter`` (the label), its clock started now."""
         return RequestMetrics(self, adapter)
 
     def render(self) -> bytes:
-        return prom.generate_latest(self.registry)
+        """The series in Prometheus' text format; with several API server processes (``multiprocess``), every
+        process's counters and histograms added up, and the engine's gauges once."""
+        if not os.environ.get(MULTIPROCESS_ENV):
+            return prom.generate_latest(self.registry)
+        registry = prom.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self._engine)
+        return prom.generate_latest(registry)
 
 
 class RequestMetrics:
@@ -185,3 +196,11 @@ def _error_code(event: bytes) -> str:
     except (ValueError, KeyError, AttributeError, TypeError):
         return "500"
     return str(code) if isinstance(code, int) else "500"
+
+
+def share_across_processes(folder: str) -> None:
+    """Keep this process's counters and histograms in ``folder``, where every API server process keeps its own and a
+    scrape of any of them adds them up. Call it before any series is created; the processes it starts (spawned)
+    inherit it. prometheus_client reads its setting when imported, so this process's is set here too."""
+    os.environ[MULTIPROCESS_ENV] = folder
+    values.ValueClass = values.MultiProcessValue()
