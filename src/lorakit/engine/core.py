@@ -15,13 +15,21 @@ The core sends one message per step, whatever the batch, and token ids only: the
 looks for stop strings (the core's engine runs with ``detokenize = False``; its stop tokens, eos and max_tokens
 end requests as before). A stop string found by the client aborts the request in the core.
 
+Several server processes (``lorakit serve --api-servers N``) can share one core: each pushes to the core's one
+inbox and binds its own socket for the core's messages. A request id starts with its server's index ("s2-r17"), so
+the core sends each step's outputs to the servers they belong to; a call's reply goes to its caller, and an adapter
+registered or unregistered through one server is announced to the others (``Adapters``). The first server starts
+the core (``launch``), the others ``attach`` to it.
+
 The core is built in the child from a picklable factory (``functools.partial`` of a module-level function that
 returns an ``Engine``), and reports ``Ready`` (the facts the client answers lookups with) or ``Failed``. Adapter
 folders are read on a worker thread of the core while it keeps stepping, then installed between steps.
 
 Failure: a core that exits (killed, out of memory, a crash) is seen at once through its process sentinel: every
 waiting request gets ``EngineDead``, calls fail, and ``on_death`` tells the server to exit (non-zero: a supervisor
-restarts it). A core whose parent is gone exits within a second.
+restarts it); the other servers watch the core's pid and fail theirs within half a second. A core whose parent is
+gone exits within a second. The core ignores SIGINT and SIGTERM (the whole process group gets Ctrl-C): the server
+lets the requests in flight finish, then stops it.
 """
 
 from __future__ import annotations
