@@ -24,7 +24,6 @@ import concurrent.futures
 import json
 import multiprocessing
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,19 +32,13 @@ from pathlib import Path
 
 import httpx
 import torch
-from common import (arg_parser, fmt, parse_args, random_weights, setup, setup_line, table,
+from common import (arg_parser, fmt, free_port, parse_args, random_weights, setup, setup_line, table,
                     write_report)  # bench/ is on sys.path when this file runs as a script
 
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?", "Why is the sky blue?",
              "Name a fruit that is yellow.", "What do bees make?", "How far is the Moon?",
              "What is water made of?", "Who wrote Hamlet?"]
 MODELS = ["SmolLM2-135M-Instruct", "pirate", "json", "french"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -187,7 +180,8 @@ def main(argv=None) -> int:
                     raise SystemExit("lorakit serve exited before it was ready")
                 time.sleep(0.25)
         procs = {c: args.client_procs or max(1, min(8, c // 32)) for c in args.concurrency}
-        load(url, max(args.concurrency), max(args.concurrency), args.max_tokens, procs[max(args.concurrency)])  # warm-up
+        most = max(args.concurrency)
+        load(url, most, most, args.max_tokens, procs[most])  # warm-up
         rows = []
         for c in args.concurrency:
             steps, busy = metric(url, "lorakit_engine_steps"), metric(url, "lorakit_engine_step_seconds")
@@ -206,9 +200,10 @@ def main(argv=None) -> int:
     meta = setup("gpu", "torch", "triton", "commit", "date", device="cuda" if torch.cuda.is_available() else "cpu",
                  max_tokens=args.max_tokens, weights="random" if args.random_weights else "bundled",
                  serve_args=args.serve_args)
-    head = ("| clients | client procs | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms | step ms "
-            "| engine busy | offline tok/s | offline step ms | server / offline |")
-    rows_md = table(head, ([r["concurrency"], r["client_procs"], r["requests"], fmt(r["tokens_per_s"], ".0f"), fmt(r["requests_per_s"]),
+    head = ("| clients | client procs | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | gap p50 ms | gap p99 ms "
+            "| step ms | engine busy | offline tok/s | offline step ms | server / offline |")
+    rows_md = table(head, ([r["concurrency"], r["client_procs"], r["requests"], fmt(r["tokens_per_s"], ".0f"),
+                            fmt(r["requests_per_s"]),
                             fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["gap_p50_ms"], ".2f"),
                             fmt(r["gap_p99_ms"], ".2f"), fmt(r["step_ms"], ".2f"), fmt(r["engine_busy"], ".2f"),
                             fmt(r["offline_tokens_per_s"], ".0f"), fmt(r["offline_step_ms"], ".2f"),

@@ -3,6 +3,7 @@ the in-process engine answers (text, stop strings found in the server process, l
 hot-swaps and unloads), a core that cannot start says why, and a core that dies fails every waiting request and
 makes ``lorakit serve`` exit non-zero instead of hanging."""
 
+import contextlib
 import functools
 import os
 import signal
@@ -128,15 +129,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("api_servers", [1, 2])
-def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(world, api_servers):
+@contextlib.contextmanager
+def serve_cli(world, *flags: str):
+    """``lorakit serve`` on the tiny model as a subprocess in a process group of its own (as a terminal's job), once it
+    answers /health: (the process, its URL, its output so far). Killed with its group on the way out if still alive."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
-                               "cpu", "--port", str(port), "--lora", f"sql={world[3]['sql']}", "--block-size", "4",
-                               "--api-servers", str(api_servers)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=Path(__file__).resolve().parents[1])
+                               "cpu", "--port", str(port), "--block-size", "4", *flags], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+                              start_new_session=True)
     log = []
     threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -151,6 +153,16 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
+        yield server, url, log
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(world, api_servers):
+    with serve_cli(world, f"--lora=sql={world[3]['sql']}", "--api-servers", str(api_servers)) as (server, url, log):
         time.sleep(2.0 if api_servers > 1 else 0)  # the other API servers start after the first
         metrics = httpx.get(f"{url}/metrics").text
         pid = int(float(next(line.split()[1] for line in metrics.splitlines()
@@ -184,35 +196,12 @@ def test_a_dead_core_fails_every_waiting_request_and_the_server_exits_nonzero(wo
             assert status == 200 and '"error"' in body and "engine core" in body, body[-500:]
         assert server.wait(60) != 0, "the server must exit non-zero when its engine core dies"
         assert "engine core" in "".join(log)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
 
 
 def test_ctrl_c_lets_the_requests_in_flight_finish_and_stops_the_core(world):
     """SIGINT to the whole process group, as Ctrl-C in a terminal sends it: the core ignores it, the server finishes
     the stream in flight, then stops the core and exits as Ctrl-C makes it exit (not 1, as for a dead core)."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
-    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
-                               "cpu", "--port", str(port), "--block-size", "4"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
-                              start_new_session=True)  # its own process group, as a terminal's job
-    log = []
-    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, "".join(log)
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with serve_cli(world) as (server, url, log):
         result, started = [], threading.Event()
 
         def stream():
@@ -235,36 +224,14 @@ def test_ctrl_c_lets_the_requests_in_flight_finish_and_stops_the_core(world):
         assert sum(line.startswith("data: {") for line in lines) >= 100, "the stream was cut short"
         assert server.wait(60) in (0, -signal.SIGINT), "".join(log)[-3000:]  # uvicorn re-raises the SIGINT it handled
         assert "exited with code" not in "".join(log)  # the core was stopped, it did not die
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)
 
 
 def test_several_api_servers_share_one_core(world):
     """--api-servers 2: two server processes on one port (the kernel spreads connections), one core. Every request
     answers as the single server does, and an adapter loaded through one server is served by both."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
-    server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
-                               "cpu", "--port", str(port), "--block-size", "4", "--api-servers", "2",
-                               "--lora", f"sql={world[3]['sql']}", "--allow-runtime-lora", "--lora-root",
-                               str(world[2])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=Path(__file__).resolve().parents[1], start_new_session=True)
-    log = []
-    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, "".join(log)
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    flags = ("--api-servers", "2", f"--lora=sql={world[3]['sql']}", "--allow-runtime-lora", "--lora-root",
+             str(world[2]))
+    with serve_cli(world, *flags) as (server, url, log):
         time.sleep(2.0)  # the second API server starts after the first
 
         def complete(model, n=12):  # each on a new connection: spread over both servers
@@ -292,7 +259,3 @@ def test_several_api_servers_share_one_core(world):
         os.killpg(server.pid, signal.SIGINT)
         assert server.wait(90) in (0, -signal.SIGINT), "".join(log)[-3000:]
         assert "exited with code" not in "".join(log)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(10)

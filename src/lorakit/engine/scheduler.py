@@ -176,7 +176,7 @@ class Scheduler:
         # Prompt tokens (chunks, recomputation) this step may take: fewer while requests decode, so that a long
         # prompt is prefilled in chunks and the decodes' steps stay short.
         decoding = any(r.num_computed >= len(r.prompt_ids) for r in self.running)
-        self._prefill = self.max_prefill_tokens if decoding else budget
+        prefill = self.max_prefill_tokens if decoding else budget
         items: list[Scheduled] = []
         preempted: list[Request] = []
         for request in list(self.running):
@@ -184,8 +184,8 @@ class Scheduler:
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
             if n > 1 or request.num_computed < len(request.prompt_ids):  # a prompt chunk
-                n = min(n, self._prefill)
-                self._prefill -= n
+                n = min(n, prefill)
+                prefill -= n
             if n <= 0:
                 continue
             while not self.blocks.can_grow(request.blocks, request.num_computed + n):
@@ -201,19 +201,20 @@ class Scheduler:
             items.append(self._item(request, n))
             budget -= n
         if not preempted:
-            budget = self._admit(items, budget)
+            self._admit(items, budget, prefill)
         for request in self.waiting:
             request.waited += 1
         return StepPlan(items, preempted)
 
-    def _admit(self, items: list[Scheduled], budget: int) -> int:
+    def _admit(self, items: list[Scheduled], budget: int, prefill: int) -> None:
+        """Admit waiting requests within ``budget`` tokens, of which ``prefill`` prompt tokens."""
         head = self.waiting[0] if self.waiting else None
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if request is not head and head.waited > self.patience:
                 break  # the oldest has waited long enough: nobody bypasses it any more
-            n = min(request.num_tokens, budget, self._prefill)
+            n = min(request.num_tokens, budget, prefill)
             if n <= 0:
                 break
             if not self._adapter_ready(request) or not self.blocks.can_grow(request.blocks, n):
@@ -229,8 +230,7 @@ class Scheduler:
             self.blocks.grow(request.blocks, n)
             items.append(self._item(request, n))
             budget -= n
-            self._prefill -= n
-        return budget
+            prefill -= n
 
     def _adapter_ready(self, request: Request) -> bool:
         if request.adapter is None:
