@@ -27,7 +27,7 @@ from anchors import ANCHORS, H_IN, Anchor  # bench/ is on sys.path when this fil
 from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotating_us, rotation_method, setup,
                     setup_line, table, write_report)
 
-from lorakit.ops import add_lora, build_lora_meta
+from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta
 from lorakit.ops.reference import lora_ref
 
 SCALE = 0.5
@@ -115,6 +115,24 @@ def run_gemm(c: dict) -> torch.Tensor:
     return c["x"] @ c["W"].T
 
 
+def layer_copy(p: dict, num_slots: int) -> dict:
+    return lorakit_copy(p, num_slots) | gemm_copy(p)
+
+
+def run_layer_after(c: dict) -> None:
+    """A whole LoRA layer as for large inputs: the base GEMM, then add_lora into its output."""
+    y = c["x"] @ c["W"].T
+    add_lora(y, c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"])
+
+
+def run_layer_beside(c: dict) -> None:
+    """A whole LoRA layer as LoraLinear runs small inputs: the delta on a side stream beside the base GEMM."""
+    delta = lora_delta(c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"],
+                       [c["W"].shape[0]])
+    y = c["x"] @ c["W"].T
+    add_lora_delta([y], delta, c["x"])
+
+
 def run_gather_bmm(c: dict) -> None:
     slots = c["slots"]
     h = torch.bmm(c["x"][:, None], c["A"][:, 0][slots].transpose(1, 2))  # [T, 1, r]
@@ -171,6 +189,10 @@ def bench_row(a: Anchor, gbps: float, quick: bool) -> dict:
     if row["lorakit_us"] is None:
         return row
     row["base_gemm_us"], row["base_gemm_copies"] = rotating_us(run_gemm, lambda i: gemm_copy(p))
+    if a.mode == "decode":  # what LoRA adds to a whole layer, the delta after the base GEMM or beside it
+        for how, run in (("after", run_layer_after), ("beside", run_layer_beside)):
+            us, _ = rotating_us(run, lambda i: layer_copy(p, case.num_slots))
+            row[f"layer_{how}_us"], row[f"lora_{how}_us"] = us, us - row["base_gemm_us"]
     if not quick:
         def naive_copy(i):
             return clone(p, NAIVE_KEYS)
@@ -214,6 +236,14 @@ def rows_table(rows: list[dict]) -> str:
               fmt(r.get("vs_best"), ".2f"), fmt(r.get("beats_naive")), fmt(r.get("within_1_5x_best"))] for r in rows)
     return table(head, cells) + (
         "\n\n*PEFT loop: eager (boolean masks sync with the host), over rotating copies; all else CUDA graphs.")
+
+
+def layer_table(rows: list[dict]) -> str:
+    head = ("| T | L | r | h_out | base GEMM (us) | layer, delta after (us) | layer, delta beside (us) "
+            "| LoRA's cost after (us) | LoRA's cost beside (us) |")
+    return table(head, ([r["T"], r["L"], r["r"], r["h_out"], fmt(r["base_gemm_us"]), fmt(r["layer_after_us"]),
+                         fmt(r["layer_beside_us"]), fmt(r["lora_after_us"]), fmt(r["lora_beside_us"])]
+                        for r in rows if r.get("layer_after_us") is not None))
 
 
 def mixed_table(rows: list[dict]) -> str:
@@ -275,6 +305,8 @@ def main(argv=None) -> int:
         f"Measured copy {s['copy_gbps']:.0f} GB/s (read + write), bf16 matmul 8192^3 {s['matmul_tflops']:.0f} "
         f"TFLOP/s.\n\n{METHOD}",
         "## add_lora, one layer (bf16, h_in 4096, every adapter at rank r)", rows_table(rows),
+        "## A whole layer at decode: base GEMM + LoRA (delta after the GEMM, or beside it on a side stream)\n\n"
+        "LoRA's cost = layer - base GEMM alone, same run, same rotation.", layer_table(rows),
         "## Mixed ranks (ranks uniform in 8..128, seeded) vs every rank 128", mixed_table(mixed),
         "**Summary:** " + summary(rows, mixed)])
     write_report(args.out, "bench_ops", report,

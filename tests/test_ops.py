@@ -11,8 +11,7 @@ import torch
 from hypothesis import given
 
 from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, make_case, rel_err
-from lorakit.ops import add_lora, build_lora_meta, lora_shrink
-from lorakit.ops import expand as expand_mod
+from lorakit.ops import _checks, add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref, shrink_ref
 from lorakit.ops.shrink import _launch_shrink
@@ -49,6 +48,34 @@ def test_ops_match_reference(case):
     check_y(y, case)
 
 
+def y_from_stored_delta(case: Case, h: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """y + the delta the expand kernel writes in store mode (lorakit::delta's) into a float32 buffer of NaNs:
+    every element must be written, zeros on base rows."""
+    meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
+    delta = torch.full((case.x.shape[0], sum(case.slice_sizes)), float("nan"), device=case.x.device)
+    _launch_expand(list(torch.split(delta, case.slice_sizes, dim=1)), h, case.B, case.ranks, case.scales,
+                   meta.token_order, meta.tiles, meta.block_m, store=True)
+    assert not delta.isnan().any(), "store mode must write every element of the delta"
+    assert (delta.cpu()[(case.slots < 0).cpu()] == 0).all(), "base rows of the delta must be zeros"
+    y = case.y.clone()
+    for out, d in zip(torch.split(y, case.slice_sizes, dim=1), torch.split(delta, case.slice_sizes, dim=1)):
+        out.add_(d)
+    return y
+
+
+@given(case=cases(ALL_DTYPES))
+def test_delta_beside_the_base_layer_equals_add_lora(case):
+    """lora_delta then add_lora_delta gives add_lora's bits on the CPU path, for separate outputs too."""
+    meta = build_lora_meta(case.slots, case.A.shape[0])
+    expected = case.y.clone()
+    add_lora(expected, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    assert delta.dtype == torch.float32 and delta.shape == (case.x.shape[0], sum(case.slice_sizes))
+    ys = [y.clone() for y in torch.split(case.y, case.slice_sizes, dim=1)]
+    add_lora_delta(ys, delta, case.x)
+    assert torch.equal(torch.cat(ys, dim=1), expected)
+
+
 def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
     h = _launch_shrink(case.x, case.A, case.ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
@@ -63,14 +90,14 @@ def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[to
                   r_maxes=(1, 5, 16, 40, 130)))
 def test_triton_kernels_match_reference_interpreted(case):
     # block_m 64: the prefill tiles; one SM: each expand program walks every column block of its tile.
-    sms = expand_mod._NUM_SMS_GUESS
     try:
-        for split_k, block_m, expand_mod._NUM_SMS_GUESS in ((1, None, sms), (3, None, 1), (2, 64, sms)):
+        for split_k, block_m, _checks.SMS in ((1, None, None), (3, None, 1), (2, 64, None)):
             h, y = run_triton(case, split_k, block_m)
             check_h(h, case)
             check_y(y, case)
+            check_y(y_from_stored_delta(case, h, block_m), case)
     finally:
-        expand_mod._NUM_SMS_GUESS = sms
+        _checks.SMS = None
 
 
 @triton_on_cpu
@@ -78,11 +105,11 @@ def test_triton_kernels_match_reference_interpreted(case):
 def test_triton_ranks_above_128_interpreted(dtype):
     """Ranks above 128 take the expand's chunked path; every column block in one program too."""
     case = make_case(7, 40, [300, 20], 150, 3, "some-base", dtype, seed=7, min_rank=129)
-    sms = expand_mod._NUM_SMS_GUESS
     try:
-        for expand_mod._NUM_SMS_GUESS in (sms, 1):
+        for _checks.SMS in (None, 1):
             h, y = run_triton(case, 2)
             check_h(h, case)
             check_y(y, case)
+            check_y(y_from_stored_delta(case, h), case)
     finally:
-        expand_mod._NUM_SMS_GUESS = sms
+        _checks.SMS = None

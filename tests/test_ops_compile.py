@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _lora_cases import make_case
-from lorakit.ops import add_lora, build_lora_meta, lora_shrink
+from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -25,6 +25,12 @@ def test_opcheck(device, mapping):
     shrink_args, expand_args = op_args(case, meta, split_k=2)
     torch.library.opcheck(torch.ops.lorakit.shrink.default, shrink_args)
     torch.library.opcheck(torch.ops.lorakit.expand.default, expand_args)
+    delta_args = (case.x, case.A, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
+                  meta.block_m, case.slice_sizes)
+    torch.library.opcheck(torch.ops.lorakit.delta.default, delta_args)
+    delta = torch.ops.lorakit.delta(*delta_args)
+    ys = list(torch.split(case.y.clone(), case.slice_sizes, dim=1))
+    torch.library.opcheck(torch.ops.lorakit.add_delta.default, (ys, delta, case.x))
 
 
 def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
@@ -45,3 +51,29 @@ def test_compiled_equals_eager_without_graph_breaks(device):
         args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
         eager, comp = lora_layer(*args), compiled(*args)
         assert torch.equal(eager, comp), f"compiled differs from eager on mapping {mapping}"
+
+
+def lora_layer_beside(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
+    """The layer with the delta launched before the base layer and joined after (LoraLinear at small T)."""
+    meta = build_lora_meta(slots, num_slots)
+    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)
+    outs = [part * 1.0 for part in torch.split(y, sizes, dim=1)]  # the "base layers"
+    add_lora_delta(outs, delta, x)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delta_beside_compiled_equals_eager_and_add_lora(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(lora_layer_beside, fullgraph=True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for seed, mapping in enumerate(["uniform", "some-base", "zipf", "all-base"]):
+        case = make_case(9, 48, [16, 8, 8], 16, 4, mapping, dtype, seed=seed).to(device)
+        args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
+        eager, comp = lora_layer_beside(*args), compiled(*args)
+        assert torch.equal(eager, comp), f"compiled differs from eager on mapping {mapping}"
+        in_place = lora_layer(*args)
+        if device == "cpu":
+            assert torch.equal(eager, in_place)
+        else:  # the in-place kernel may fuse the multiply-add: at most one rounding step apart
+            assert torch.allclose(eager.float(), in_place.float(), rtol=2 ** -7, atol=0), mapping

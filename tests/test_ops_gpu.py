@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
-from lorakit.ops import add_lora, build_lora_meta, lora_shrink
+from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink
 from lorakit.ops.reference import lora_ref_by_slot
 
 from test_ops import check_h, check_y
@@ -94,3 +94,69 @@ def test_rank_above_r_max_is_refused_in_debug_mode(monkeypatch):
     ranks = torch.full_like(case.ranks, 9)
     with pytest.raises(ValueError, match=r"ranks must lie in \[0, R_max=8\]"):
         add_lora(case.y.clone(), case.x, case.A, case.B, ranks, case.scales, build_lora_meta(case.slots, 2))
+
+
+def layer_beside(case, W: torch.Tensor, meta) -> torch.Tensor:
+    """What LoraLinear does at small T: the delta on the side stream, the base GEMM beside it, then the join."""
+    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    y = case.x @ W.T  # the base layer, long enough that the delta really runs beside it
+    add_lora_delta(list(torch.split(y, case.slice_sizes, dim=1)), delta, case.x)
+    return y
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("tokens, in_features, sizes, r_max, num_slots, mapping, min_rank",
+                         [r for r in REAL if r[0] <= 256])
+def test_delta_beside_the_base_gemm(tokens, in_features, sizes, r_max, num_slots, mapping, min_rank, dtype):
+    case = make_case(tokens, in_features, sizes, r_max, num_slots, mapping, dtype, seed=tokens, min_rank=min_rank)
+    case = case.to("cuda")
+    W = torch.randn(sum(sizes), in_features, device="cuda", dtype=dtype) / in_features ** 0.5
+    poison_cuda_cache()
+    meta = build_lora_meta(case.slots, num_slots)
+    base = case.x @ W.T
+    y = layer_beside(case, W, meta)
+    ref = lora_ref_by_slot(base, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
+    assert rel_err(y, ref) <= TOLERANCE[dtype]
+    assert torch.equal(y[case.slots < 0], base[case.slots < 0])
+    in_place = base.clone()
+    add_lora(in_place, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    differ = (y != in_place).float().mean().item()
+    assert torch.allclose(y.float(), in_place.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-3, atol=1e-6)
+    print(f"{dtype} T={tokens}: {100 * differ:.3f} % of elements differ from add_lora's in-place rounding")
+
+
+def test_delta_beside_survives_freed_inputs_and_graphs():
+    """Inputs freed right after the call, memory reused at once, and the same in a CUDA graph: the side stream
+    never reads a reused buffer or races its join."""
+    case = make_case(64, 4096, [4096, 1024, 1024], 16, 8, "distinct", torch.bfloat16, seed=3).to("cuda")
+    W = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    meta = build_lora_meta(case.slots, 8)
+    rest = list(vars(case).values())[1:]
+    for seed in range(20):
+        x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+        expected = x @ W.T
+        add_lora(expected, x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        y = layer_beside(type(case)(x, *rest), W, meta)
+        del x  # freed while the side stream may still be reading it: add_lora_delta holds it to the join
+        torch.full((1 << 24,), float("nan"), device="cuda")  # reuses whatever was freed
+        assert torch.allclose(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6), seed
+    # graphs: capture two layers chained (the second reads the first's output), replay with new inputs
+    x_in = case.x.clone()
+
+    def two_layers():
+        h = layer_beside(type(case)(x_in, *rest), W, meta)[:, :4096].contiguous()
+        return layer_beside(type(case)(h, *rest), W, meta)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        two_layers()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two_layers()
+    for seed in range(3):
+        x_in.copy_(torch.randn(64, 4096, generator=torch.Generator().manual_seed(seed)).to(x_in))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, two_layers()), f"graph replay {seed} differs from eager"

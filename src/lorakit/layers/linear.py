@@ -9,7 +9,7 @@ deltas; the others return their output from that. Base layers are always called 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,12 @@ from torch import nn
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
-from lorakit.ops import add_lora
+from lorakit.ops import add_lora, add_lora_delta, lora_delta
+
+# Inputs of at most this many tokens (decode steps, small mixed steps) compute the LoRA delta beside the base
+# layer: ops.lora_delta runs on a side stream while the base GEMM runs, and only the add waits for both. Larger
+# inputs add the delta in place after the base layer (no float32 delta buffer of T x out). 0 turns it off.
+OVERLAP_MAX_TOKENS = 256
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -42,20 +47,33 @@ class _LinearSlots(LoraSlots):
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, len(self.out_sizes), r_max, self.in_features, dtype=dtype, device=device)
 
-    def add_delta(self, ys: list[torch.Tensor], x: torch.Tensor, meta, index: int | None = None) -> list[torch.Tensor]:
-        """ys[i] + the LoRA delta of slice i (all slices, or only ``index``); in place where dtypes allow."""
+    def _weights(self, index: int | None):
+        """A, B as [S, out, R_max], ranks, scales and the widths of every slice, or of slice ``index`` alone."""
+        A, B, ranks, scales = self.lora_A, self.lora_B.transpose(1, 2), self.ranks, self.scales
+        if index is None:
+            return A, B, ranks, scales, list(self.out_sizes)
+        lo, hi = self.out_offsets[index], self.out_offsets[index + 1]
+        return (A[:, index: index + 1], B[:, lo:hi], ranks[:, index: index + 1], scales[:, index: index + 1],
+                [hi - lo])
+
+    def with_delta(self, base: Callable[[], list[torch.Tensor]], x: torch.Tensor, meta,
+                   index: int | None = None) -> list[torch.Tensor]:
+        """The base layers' outputs ``base()`` plus the LoRA delta of each slice (all slices, or only ``index``),
+        in place where dtypes allow. Small inputs launch the delta first, so it runs beside the base layers."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        A, B, ranks, scales = self.lora_A, self.lora_B, self.ranks, self.scales
-        if index is not None:
-            lo, hi = self.out_offsets[index], self.out_offsets[index + 1]
-            A, B = A[:, index: index + 1], B[:, :, lo:hi]
-            ranks, scales = ranks[:, index: index + 1], scales[:, index: index + 1]
+        A, B, ranks, scales, widths = self._weights(index)
+        if x2.shape[0] <= OVERLAP_MAX_TOKENS:
+            delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
+            ys = base()
+            add_lora_delta([y.view(-1, y.shape[-1]) for y in ys], delta, x2)
+            return ys
+        ys = base()
         flat = [y.view(-1, y.shape[-1]) for y in ys]
         if all(y.dtype == self.dtype for y in ys):
-            add_lora(flat, x2, A, B.transpose(1, 2), ranks, scales, meta)
+            add_lora(flat, x2, A, B, ranks, scales, meta)
             return ys
         deltas = [torch.zeros(y.shape, dtype=self.dtype, device=y.device) for y in flat]
-        add_lora(deltas, x2, A, B.transpose(1, 2), ranks, scales, meta)
+        add_lora(deltas, x2, A, B, ranks, scales, meta)
         return [y + d.view(y.shape).to(y.dtype) for y, d in zip(ys, deltas)]
 
 
@@ -81,15 +99,14 @@ class LoraLinear(_LinearSlots):
         return self.out_sizes[0]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        y = self.base_layer(x, *args, **kwargs)
         rows = self.tokens if self.tokens is not None and self.tokens.k_max else None
-        if self.r_max == 0 and rows is None:
-            return y
-        meta = self.ctx.meta_for(x.shape[:-1])
+        meta = self.ctx.meta_for(x.shape[:-1]) if self.r_max or rows is not None else None
         if meta is None:
-            return y
+            return self.base_layer(x, *args, **kwargs)
         if self.r_max:
-            y = self.add_delta([y], x, meta)[0]
+            y = self.with_delta(lambda: [self.base_layer(x, *args, **kwargs)], x, meta)[0]
+        else:
+            y = self.base_layer(x, *args, **kwargs)
         if rows is not None:  # the head: each row's adapter's token logits (and its added tokens' columns)
             out = rows.logits(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), meta.token_slot)
             y = out.view(*y.shape[:-1], out.shape[-1])
@@ -112,8 +129,8 @@ class LoraLinearGroup(_LinearSlots):
     def outputs(self, x: torch.Tensor, meta) -> list[torch.Tensor]:
         """Every member's output for input x: base layers, then one shrink and one expand for all."""
         if self._input is not x:
-            ys = [member.base_layer(x) for member in self.members]
-            self._input, self._outputs = x, self.add_delta(ys, x, meta)
+            outputs = self.with_delta(lambda: [member.base_layer(x) for member in self.members], x, meta)
+            self._input, self._outputs = x, outputs
         return self._outputs
 
 
@@ -150,5 +167,5 @@ class LoraLinearMember(nn.Module):
         if meta is None:
             return self.base_layer(x, *args, **kwargs)
         if args or kwargs:  # called differently from its siblings: on its own
-            return group.add_delta([self.base_layer(x, *args, **kwargs)], x, meta, self.index)[0]
+            return group.with_delta(lambda: [self.base_layer(x, *args, **kwargs)], x, meta, self.index)[0]
         return group.outputs(x, meta)[self.index]

@@ -3,10 +3,14 @@
     meta = build_lora_meta(slots, num_slots)            # once per batch, shared by every layer
     add_lora(y, x, A, B, ranks, scales, meta, sizes)    # one layer: y[t] += scale * (x[t] @ A[s].T) @ B[s].T
 
+    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)   # the same, beside the base layer (a side stream)
+    y = base(x)
+    add_lora_delta([y], delta, x)                              # y += delta, once the delta is done
+
     write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
 
-``torch.ops.lorakit.shrink`` and ``torch.ops.lorakit.expand`` are the registered LoRA ops; the functions
+``torch.ops.lorakit.shrink``, ``expand``, ``delta`` and ``add_delta`` are the registered LoRA ops; the functions
 here only unpack ``LoraMeta`` and pick ``split_k``.
 """
 
@@ -16,16 +20,17 @@ from collections.abc import Sequence
 
 import torch
 
+from lorakit.ops import delta as _delta_mod  # noqa: F401  (registers lorakit::delta and lorakit::add_delta)
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
-from lorakit.ops._checks import MAX_SLICES, cdiv, round_up
+from lorakit.ops._checks import MAX_SLICES, cdiv, num_sms, round_up
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.shrink import shrink_split_k
 
 __all__ = [
-    "MAX_SLICES", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_expand", "lora_shrink",
-    "paged_attention", "round_up", "split_columns", "write_kv",
+    "MAX_SLICES", "LoraMeta", "add_lora", "add_lora_delta", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
+    "lora_expand", "lora_shrink", "num_sms", "paged_attention", "round_up", "split_columns", "write_kv",
 ]
 
 
@@ -42,7 +47,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: Lor
     """``torch.ops.lorakit.shrink`` over a LoraMeta: float32 partials [split_k, n_slices, T, R_max]."""
     _check_slot_count(meta, A, "A")
     if split_k is None:
-        split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], meta.tiles.shape[1], meta.block_m)
+        split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], meta.tiles.shape[1], meta.block_m,
+                                 num_sms(x.device))
     return torch.ops.lorakit.shrink(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
                                     split_k)
 
@@ -81,3 +87,19 @@ def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch
     rows, fully coalesced); ranks int32 and scales float32 [S, n_slices]. The meta must be built for S slots.
     """
     lora_expand(y, lora_shrink(x, A, ranks, meta), B, ranks, scales, meta, slice_sizes)
+
+
+def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+               meta: LoraMeta, widths: Sequence[int]) -> torch.Tensor:
+    """``torch.ops.lorakit.delta``: the delta ``add_lora`` would add, float32 [T, sum(widths)], computed on a side
+    stream on CUDA so that what the caller launches next (the base layer) runs beside it. Join with
+    ``add_lora_delta`` before reading the outputs. Arguments as for ``add_lora``; widths: the slices' widths."""
+    _check_slot_count(meta, A, "A")
+    _check_slot_count(meta, B, "B")
+    return torch.ops.lorakit.delta(x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles,
+                                   meta.block_m, list(widths))
+
+
+def add_lora_delta(ys: Sequence[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
+    """``torch.ops.lorakit.add_delta``: wait for ``lora_delta(x, ...)``, then ys[i] += its slice i, in place."""
+    torch.ops.lorakit.add_delta(list(ys), delta, x)

@@ -3,6 +3,7 @@ the gate for checks that read values on the host, one Triton dot, and integer ro
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -12,8 +13,24 @@ import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SLICES = 4
-# SMs of an H100 / H200: sizes the grids (split-K, column groups), never affects results.
-NUM_SMS_GUESS = 132
+# The SM count sizes the grids (split-K, column groups, attention segments) and never affects results. On a
+# CPU (the Triton interpreter) grids are sized as for an H100 / H200; tests set SMS to vary the grids.
+SMS: int | None = None
+CPU_SMS = 132
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (SMS where a test has set it)."""
+    if SMS is not None:
+        return SMS
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return CPU_SMS
 
 
 def cdiv(n: int, d: int) -> int:

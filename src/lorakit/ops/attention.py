@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import FLOAT_DTYPES, NUM_SMS_GUESS, cdiv, check_shape, check_tensor, dot, host_checks_allowed
+from lorakit.ops._checks import CPU_SMS, FLOAT_DTYPES, cdiv, num_sms, check_shape, check_tensor, dot, host_checks_allowed
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -321,12 +321,12 @@ def attention_config(num_tokens: int, num_seqs: int, dtype: torch.dtype, head_di
 
 
 def num_kv_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int, max_context: int,
-                    tile: int) -> int:
+                    tile: int, sms: int = CPU_SMS) -> int:
     """How many ways to split each query block's keys, from shapes only: only small grids are split."""
     busy = min(num_tokens, num_tokens // block_q + num_seqs) * num_kv_heads  # programs that can hold rows
     max_tiles = triton.cdiv(max_context, tile)
     segments = 1
-    while (segments < MAX_SEGMENTS and busy * segments * 2 <= PROGRAMS_PER_SM * NUM_SMS_GUESS
+    while (segments < MAX_SEGMENTS and busy * segments * 2 <= PROGRAMS_PER_SM * sms
            and segments * 2 <= max_tiles):
         segments *= 2
     return segments
@@ -347,7 +347,8 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     block_q = block_m // group
     tile = config.pop("TILE")
     if num_segments is None:
-        num_segments = num_kv_segments(num_tokens, num_seqs, num_kv_heads, block_q, max_blocks * block_size, tile)
+        num_segments = num_kv_segments(num_tokens, num_seqs, num_kv_heads, block_q, max_blocks * block_size, tile,
+                                       num_sms(query.device))
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))

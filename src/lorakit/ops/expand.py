@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import NUM_SMS_GUESS as _NUM_SMS_GUESS  # module-level: tests vary it
 from lorakit.ops._checks import (
-    FLOAT_DTYPES, MAX_SLICES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+    FLOAT_DTYPES, MAX_SLICES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot, num_sms,
 )
 
 
@@ -36,8 +35,9 @@ def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R:
 def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                     stride_hk, stride_bn, stride_br, stride_yn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr):
-    """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step.
+                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr, STORE: tl.constexpr):
+    """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step
+    (STORE: y = ..., without reading y).
 
     HOIST (rank <= BLOCK_R): h is loaded once and only B and y stream through the pipelined loop.
     Otherwise the rank is walked in chunks of BLOCK_R for every block of columns."""
@@ -48,7 +48,8 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
         n_mask = offs_n < n_hi
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         mask = m_mask[:, None] & n_mask[None, :]
-        yv = tl.load(y_ptrs, mask=mask, other=0.0)
+        if not STORE:
+            yv = tl.load(y_ptrs, mask=mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if HOIST:
             offs_r = tl.arange(0, BLOCK_R)
@@ -62,7 +63,10 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                 bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
                 acc = dot(hc, bv, acc, IEEE)
-        tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
+        if STORE:
+            tl.store(y_ptrs, (scale * acc).to(y_ptrs.dtype.element_ty), mask=mask)
+        else:
+            tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
 
 
 @triton.jit
@@ -75,9 +79,10 @@ def _expand_kernel(
     stride_ss, stride_si,
     stride_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
 ):
-    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice.
+    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice
+    # (STORE: writes it, zeros for base tokens, so every element of the outputs is written once).
     pid_g = tl.program_id(0)
     pid_tile = tl.program_id(1)
     slice_id = tl.program_id(2)
@@ -108,10 +113,11 @@ def _expand_kernel(
     slot = tl.load(tiles_ptr + pid_tile)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rs + slice_id * stride_ri)
     rank = tl.where(slot >= 0, tl.minimum(rank, R_MAX), 0)
-    if (rank > 0) & (n_lo < size):
+    if ((rank > 0) | STORE) & (n_lo < size):
         start = tl.load(tiles_ptr + stride_tiles + pid_tile)
         end = tl.load(tiles_ptr + 2 * stride_tiles + pid_tile)
-        scale = tl.load(scales_ptr + slot * stride_ss + slice_id * stride_si).to(tl.float32)
+        scale = tl.load(scales_ptr + tl.maximum(slot, 0) * stride_ss + slice_id * stride_si).to(tl.float32)
+        scale = tl.where(slot >= 0, scale, 0.0)
         offs_m = start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
         tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -123,23 +129,23 @@ def _expand_kernel(
         if rank <= 16:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True)
+                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True, STORE)
         elif rank <= 32:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True)
+                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True, STORE)
         elif rank <= 64:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True, STORE)
         elif rank <= 128:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True)
+                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True, STORE)
         else:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False, STORE)
 
 
 # Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
@@ -151,7 +157,8 @@ EXPAND_CONFIGS = {
 }
 
 
-def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int) -> None:
+def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False) -> None:
+    """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i."""
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
@@ -162,7 +169,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int) ->
     per_sm = config.pop("programs_per_sm")
     n_tiles = tiles.shape[1]
     col_blocks = triton.cdiv(max(widths), config["BLOCK_N"])
-    groups = max(1, min(col_blocks, triton.cdiv(per_sm * _NUM_SMS_GUESS, n_tiles * n_slices)))
+    groups = max(1, min(col_blocks, triton.cdiv(per_sm * num_sms(h.device), n_tiles * n_slices)))
     cols = triton.cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (triton.cdiv(max(widths), cols), n_tiles, n_slices)
     _expand_kernel[grid](
@@ -173,7 +180,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int) ->
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=ys[0].dtype == torch.float32, **config,
+        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, **config,
     )
 
 

@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import NUM_SMS_GUESS as _NUM_SMS_GUESS  # module-level: tests vary it
 from lorakit.ops._checks import (
-    FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+    CPU_SMS, FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
 )
 
 
@@ -87,12 +86,13 @@ def _shrink_config(block_m: int) -> dict:
     return SHRINK_CONFIGS[16 if block_m <= 16 else 64]
 
 
-def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int) -> int:
+def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, block_m: int,
+                   sms: int = CPU_SMS) -> int:
     """How many ways to split K (each split writes a partial of h that the expand sums once per program)."""
     config = _shrink_config(block_m)
     programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
     split = 1
-    while (split < config["max_split"] and programs * split * 2 <= config["programs_per_sm"] * _NUM_SMS_GUESS
+    while (split < config["max_split"] and programs * split * 2 <= config["programs_per_sm"] * sms
            and in_features // (split * 2) >= 256):
         split *= 2
     return split

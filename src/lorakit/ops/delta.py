@@ -1,0 +1,137 @@
+"""The LoRA delta beside the base layer: ``lorakit::delta`` runs shrink and expand on a side stream while the
+base GEMM runs, ``lorakit::add_delta`` waits for it and adds it into the base output.
+
+    delta = torch.ops.lorakit.delta(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
+    ys = [base(x) for base in siblings]                     # the base GEMMs, on the current stream
+    torch.ops.lorakit.add_delta(ys, delta, x)               # ys[i] += delta[:, slice i]
+
+In a decode step the LoRA kernels are latency-bound (a few microseconds of bytes, two dependent launches), and
+the base GEMM of the same layer leaves SMs idle: at batch 64 of a Llama-3-8B layer most GEMMs run 64-100
+tiles on 132 SMs. On CUDA the delta's two kernels go to a side stream (high priority) that waits for x; the
+base GEMM runs meanwhile; add_delta makes the current stream wait for the side stream, then adds. Captured in
+a CUDA graph this is a fork and a join: only the add stays on the layer's critical path.
+
+The delta is float32 [T, sum(widths)], written (not added) by the expand kernel, zeros on base tokens, so
+``y + delta`` is rounded once, as in ``add_lora``'s in-place expand (on the CPU the two paths give the same
+bits; on CUDA they may differ in the last bit where the in-place kernel fuses the multiply-add).
+add_delta takes x only to keep it alive until the join (the side stream reads it; a compiler that planned
+memory by the current stream alone could otherwise reuse x's buffer after the base GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorakit.ops._checks import MAX_SLICES, check_shape, check_tensor, num_sms
+from lorakit.ops.expand import _expand_torch, _launch_expand
+from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, _shrink_torch, shrink_split_k
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the LoRA deltas of ``device`` run on: one per device, highest priority, so its short kernels
+    take SMs as soon as the base GEMM leaves any."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index, priority=torch.cuda.Stream.priority_range()[1])
+    return _SIDE_STREAMS[index]
+
+
+def _check_delta_args(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths) -> None:
+    _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, 1)
+    num_slots, n_slices, r_max, _ = A.shape
+    if len(widths) != n_slices or not all(isinstance(w, int) and w > 0 for w in widths) or n_slices > MAX_SLICES:
+        raise ValueError(f"widths must give one positive output width per slice of A ({n_slices}), got {widths}")
+    check_tensor("B", B, dim=3, dtypes=(x.dtype,), device=x.device)
+    check_shape("B", B, (num_slots, sum(widths), r_max), f"[S, sum of the slice widths {list(widths)}, R_max]")
+    check_tensor("scales", scales, dim=2, dtypes=(torch.float32,), device=x.device)
+    check_shape("scales", scales, (num_slots, n_slices), "[S, n_slices], one scale per slot and slice")
+
+
+def _columns(delta: torch.Tensor, widths) -> list[torch.Tensor]:
+    return list(torch.split(delta, list(widths), dim=1))
+
+
+@torch.library.custom_op("lorakit::delta", mutates_args=())
+def delta(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_order: torch.Tensor,
+    tiles: torch.Tensor,
+    block_m: int,
+    widths: list[int],
+) -> torch.Tensor:
+    """The LoRA delta of every slice, float32, on a side stream on CUDA (join it with ``add_delta``).
+
+    Semantics:
+        delta = zeros(T, sum(widths), float32); cols(i) = slice i's columns
+        for t, i: s = token_slot[t]; r = ranks[s, i]
+            delta[t, cols(i)] = scales[s, i] * (x[t] @ A[s, i, :r].T) @ B[s, cols(i), :r].T   (zero where s == -1)
+
+    x: [T, in]; A: [S, n_slices, R_max, in]; B: [S, sum(widths), R_max] (x's dtype, any strides);
+    ranks int32 and scales float32 [S, n_slices]; token_slot, token_order, tiles, block_m: a LoraMeta.
+    Shrink and expand compute as ``add_lora``'s, so ``y + delta`` rounded once is its result.
+    """
+    _check_delta_args(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
+    out = torch.zeros((x.shape[0], sum(widths)), dtype=torch.float32, device=x.device)
+    split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], tiles.shape[1], block_m)
+    h = _shrink_torch(x, A, ranks, token_slot, split_k)
+    _expand_torch(_columns(out, widths), h, B, ranks, scales, token_slot)
+    return out
+
+
+@delta.register_kernel("cuda")
+def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
+    _check_delta_args(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
+    split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], tiles.shape[1], block_m, num_sms(x.device))
+    side = side_stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        # Allocated on the side stream; freed by the caller after add_delta has joined the streams, and the side
+        # stream's next use of the block waits for that join (every delta starts by waiting for the caller).
+        out = torch.empty((x.shape[0], sum(widths)), dtype=torch.float32, device=x.device)
+        h = _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k)
+        _launch_expand(_columns(out, widths), h, B, ranks, scales, token_order, tiles, block_m, store=True)
+    return out
+
+
+@delta.register_fake
+def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
+    return x.new_empty((x.shape[0], sum(widths)), dtype=torch.float32)
+
+
+def _check_add_args(ys, delta, x) -> None:
+    if not isinstance(ys, (list, tuple)) or not 1 <= len(ys) <= MAX_SLICES:
+        raise ValueError(f"ys must be a list of 1 to {MAX_SLICES} outputs (one per slice), got {ys!r:.100}")
+    check_tensor("delta", delta, dim=2, dtypes=(torch.float32,), device=x.device)
+    widths = []
+    for i, y in enumerate(ys):
+        check_tensor(f"ys[{i}]", y, dim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16), device=x.device)
+        if y.shape[0] != delta.shape[0]:
+            raise ValueError(f"ys[{i}] must have the delta's {delta.shape[0]} rows, got shape {tuple(y.shape)}")
+        widths.append(y.shape[1])
+    if sum(widths) != delta.shape[1]:
+        raise ValueError(f"the outputs' widths {widths} must add up to the delta's {delta.shape[1]} columns")
+
+
+@torch.library.custom_op("lorakit::add_delta", mutates_args=("ys",))
+def add_delta(ys: list[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
+    """ys[i] += delta[:, slice i], rounded once into ys' dtype, after the side stream's delta is done.
+
+    ys: 1 to 4 outputs [T, out_i]; delta: float32 [T, sum(out_i)] from ``lorakit::delta``; x: that delta's
+    input, held until here (see the module docstring)."""
+    _check_add_args(ys, delta, x)
+    if delta.is_cuda:
+        torch.cuda.current_stream(delta.device).wait_stream(side_stream(delta.device))
+    for y, d in zip(ys, _columns(delta, [y.shape[1] for y in ys])):
+        y.add_(d)
+
+
+@add_delta.register_fake
+def _(ys, delta, x):
+    return None
