@@ -24,6 +24,7 @@ from common import (TARGETS, arg_parser, copy_gbps, fmt, make_model, parse_args,
                     write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine import Engine, SamplingParams
+from lorakit.layers import linear
 
 PROMPT = 128
 
@@ -91,8 +92,10 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=64, help="decode tokens per request")
     p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
     p.add_argument("--quick", action="store_true", help="batch 64 only")
-    p.add_argument("--compile", action="store_true", help="also base at batch 1 and 32 adapters at batch 64 compiled")
-    p.add_argument("--compile-only", action="store_true", help="only compiled: base and 8 adapters at batch 64")
+    p.add_argument("--compile", action="store_true",
+                   help="also compiled: base, 8 and 32 adapters at every batch, and 8 adapters at batch 64 with the "
+                        "LoRA delta added after the base GEMM (the reference for computing it beside)")
+    p.add_argument("--compile-only", action="store_true", help="only the compiled rows")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -104,12 +107,13 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         model = make_model(layers, args.tiny, args.device)
         vocab = model.config.vocab_size
-        n_uniform = 8 if args.compile_only else 32
+        n_uniform = 32
         uniform = [write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_uniform)]
         mixed_ranks = [8, 16, 32, 64, 8, 24, 48, 16]
         mixed = [write_adapter(model, Path(tmp) / f"m{i}", r, seed=100 + i) for i, r in enumerate(mixed_ranks)
                  if not args.compile_only]
         base_bytes = weight_bytes(model)
+        per_rank = adapter_bytes(model, 1)  # counted before an engine wraps the projections
         cfg = model.config
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
         cases = [("base", [None], 0), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], 8),
@@ -126,11 +130,8 @@ def main(argv=None) -> int:
                             adapters={f"u{i}": f for i, f in enumerate(uniform)} | {f"m{i}": f for i, f in enumerate(mixed)})
             for batch in batches:
                 used = names[: min(len(names), batch)]
-                if count:
-                    ranks = [16] * len(used) if "rank 16" in label else mixed_ranks[: len(used)]
-                    lora = sum(adapter_bytes_cached(model, r) for r in ranks)
-                else:
-                    lora = 0
+                ranks = [16] * len(used) if "rank 16" in label else mixed_ranks[: len(used)]
+                lora = per_rank * sum(ranks) if count else 0
                 result = run_engine(engine, batch, used, args.decode, vocab, sync)
                 kv = batch * kv_per_token * (PROMPT + args.decode // 2)
                 floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
@@ -141,29 +142,34 @@ def main(argv=None) -> int:
             gc.collect()  # the patched model and its handle refer to each other
             if cuda:
                 torch.cuda.empty_cache()
-        if args.compile:  # the same with decode graphs captured from torch.compile (one compile per bucket)
-            compiled = [("base", [None], 1), ("32 adapters, rank 16", [f"u{i}" for i in range(32)], 64)]
-            if args.compile_only:  # base and 8 adapters at batch 64: the 90 % target, compiled
-                compiled = [("base", [None], 64), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], 64)]
-            for label, names, batch in compiled:
-                if model is None:
-                    torch.manual_seed(0)
-                    model = make_model(layers, args.tiny, args.device)
+        if args.compile:  # decode graphs captured from torch.compile (one compile per batch size)
+            compiled = [("base", [None], None), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], None),
+                        ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None),
+                        # the same run's reference for the LoRA delta beside the base GEMM: added after it
+                        ("8 adapters, rank 16, delta after the GEMM", [f"u{i}" for i in range(8)], 0)]
+            beside = linear.OVERLAP_MAX_TOKENS
+            for label, names, overlap in compiled:
+                linear.OVERLAP_MAX_TOKENS = beside if overlap is None else overlap
+                sizes = [64] if overlap is not None else list(batches)
+                torch.manual_seed(0)
+                model = make_model(layers, args.tiny, args.device)
                 engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
                                 max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
-                                adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=[batch])
-                start = time.perf_counter()
-                result = run_engine(engine, batch, names[:batch], args.decode, vocab, sync)
-                result["wall_s"] = time.perf_counter() - start
-                lora = 0 if names == [None] else sum(adapter_bytes_cached(model, 16) for _ in names[:batch])
-                kv = batch * kv_per_token * (PROMPT + args.decode // 2)
-                floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
-                rows.append(dict(what=f"lorakit compiled, {label}", batch=batch, adapters=len(names[:batch]) if lora
-                                 else 0, **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
-                print(rows[-1], flush=True)
+                                adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes)
+                for batch in sizes:
+                    used = names[: min(len(names), batch)]
+                    result = run_engine(engine, batch, used, args.decode, vocab, sync)
+                    lora = 0 if names == [None] else len(used) * per_rank * 16
+                    kv = batch * kv_per_token * (PROMPT + args.decode // 2)
+                    floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
+                    rows.append(dict(what=f"lorakit compiled, {label}", batch=batch, adapters=len(used) if lora else 0,
+                                     **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
+                    print(rows[-1], flush=True)
                 engine = model = None
                 gc.collect()
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
+            linear.OVERLAP_MAX_TOKENS = beside
         if cuda and not args.tiny and not args.compile_only:
             for n in (8, 32):
                 result = run_peft(lambda: make_model(layers, args.tiny, args.device), uniform[:n], 64,
@@ -171,12 +177,13 @@ def main(argv=None) -> int:
                 rows.append(dict(what=f"transformers + PEFT generate, {n} adapters", batch=64, adapters=n, **result,
                                  floor_ms=float("nan"), roofline_pct=float("nan")))
                 print(rows[-1], flush=True)
-    base64 = next((r for r in rows if r["what"] == "lorakit, base" and r["batch"] == 64), None)
-    for r in rows:
-        r["vs_base"] = r["tok_s"] / base64["tok_s"] if base64 and r["batch"] == 64 else float("nan")
+    for r in rows:  # against the base model in the same mode (eager or compiled graphs) at the same batch
+        base_what = "lorakit compiled, base" if r["what"].startswith("lorakit compiled") else "lorakit, base"
+        base = next((b for b in rows if b["what"] == base_what and b["batch"] == r["batch"]), None)
+        r["vs_base"] = r["tok_s"] / base["tok_s"] if base and r["what"].startswith("lorakit") else float("nan")
     s = setup("device", "torch", "transformers", "commit", "date_utc", device=args.device, layers=layers,
               copy_gbps=gbps, prompt=PROMPT, decode=args.decode)
-    head = "| what | batch | decode tok/s | step (ms) | byte floor (ms) | % of roofline | vs base at batch 64 |"
+    head = "| what | batch | decode tok/s | step (ms) | byte floor (ms) | % of roofline | vs base (same mode and batch) |"
     rows_md = table(head, ([r["what"], r["batch"], fmt(r["tok_s"], ".0f"), fmt(r["step_ms"], ".2f"),
                             fmt(r["floor_ms"], ".2f"), fmt(r["roofline_pct"], ".0f"), fmt(r["vs_base"], ".2f")]
                            for r in rows))
@@ -185,16 +192,6 @@ def main(argv=None) -> int:
               f"graphs; copy {gbps:.0f} GB/s measured in the same run.\n\n{rows_md}")
     write_report(args.out, "bench_engine", report, dict(setup=s, rows=rows))
     return 0
-
-
-_ADAPTER_BYTES: dict[int, int] = {}
-
-
-def adapter_bytes_cached(model, rank: int) -> int:
-    if not _ADAPTER_BYTES:
-        per_rank = adapter_bytes(model, 1) if any(isinstance(m, torch.nn.Linear) for m in model.modules()) else 0
-        _ADAPTER_BYTES[1] = per_rank
-    return _ADAPTER_BYTES[1] * rank
 
 
 if __name__ == "__main__":

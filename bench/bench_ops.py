@@ -27,7 +27,7 @@ from anchors import ANCHORS, H_IN, Anchor  # bench/ is on sys.path when this fil
 from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotating_us, rotation_method, setup,
                     setup_line, table, write_report)
 
-from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta
+from lorakit.ops import add_lora, build_lora_meta, lora_delta, wait_lora_delta
 from lorakit.ops.reference import lora_ref
 
 SCALE = 0.5
@@ -125,12 +125,14 @@ def run_layer_after(c: dict) -> None:
     add_lora(y, c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"])
 
 
-def run_layer_beside(c: dict) -> None:
-    """A whole LoRA layer as LoraLinear runs small inputs: the delta on a side stream beside the base GEMM."""
+def run_layer_beside(c: dict) -> torch.Tensor:
+    """A whole LoRA layer as compiled LoraLinear runs small inputs: the delta on a side stream beside the base GEMM,
+    then the add (here a kernel of its own; compiled, it rides in the next kernel that reads y)."""
     delta = lora_delta(c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"],
                        [c["W"].shape[0]])
     y = c["x"] @ c["W"].T
-    add_lora_delta([y], delta, c["x"])
+    wait_lora_delta(delta, c["x"])
+    return (y.float() + delta).to(y.dtype)
 
 
 def run_gather_bmm(c: dict) -> None:

@@ -27,7 +27,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_llama_siblings_are_grouped_and_launch_once(tmp_path, monkeypatch):
+def test_llama_siblings_are_grouped_and_launch_once(tmp_path):
     base = tiny_model("llama", seed=0)
     cfg = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS["llama"], init_lora_weights=False)
     adapter = save_adapter(base, "all", cfg, tmp_path, seed=0)
@@ -41,19 +41,12 @@ def test_llama_siblings_are_grouped_and_launch_once(tmp_path, monkeypatch):
     input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), CountOps() as ops:
         out = model(input_ids=input_ids, lora_ids=handle.ids(["all", None]), use_cache=False).logits
-    # Per layer: q/k/v, o, gate/up, down; then the head: one delta and one add each (small inputs compute the
-    # delta beside the base layers). The embedding's shrink is a lookup, then one expand.
-    assert ops.counts["lorakit.delta"] == ops.counts["lorakit.add_delta"] == 2 * 4 + 1
-    assert ops.counts["lorakit.expand"] == 1
+    # Per layer: q/k/v, o, gate/up, down; then the head. The embedding's shrink is a lookup.
+    assert ops.counts["lorakit.shrink"] == 2 * 4 + 1
+    assert ops.counts["lorakit.expand"] == 2 * 4 + 1 + 1
     with torch.no_grad():
         ref = adapter.peft_model(input_ids=input_ids[:1], use_cache=False).logits[0]
     assert rel_err(out[0], ref) < 1e-5
-    monkeypatch.setattr(lorakit.layers.linear, "OVERLAP_MAX_TOKENS", 0)
-    with torch.no_grad(), CountOps() as ops:
-        after = model(input_ids=input_ids, lora_ids=handle.ids(["all", None]), use_cache=False).logits
-    assert ops.counts["lorakit.shrink"] == 2 * 4 + 1
-    assert ops.counts["lorakit.expand"] == 2 * 4 + 1 + 1
-    assert torch.equal(after, out), "the delta added after the base layers must give the same bits as beside them"
 
 
 class CrossAttention(nn.Module):

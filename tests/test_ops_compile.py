@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _lora_cases import make_case
-from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink
+from lorakit.ops import add_lora, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -28,9 +28,7 @@ def test_opcheck(device, mapping):
     delta_args = (case.x, case.A, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
                   meta.block_m, case.slice_sizes)
     torch.library.opcheck(torch.ops.lorakit.delta.default, delta_args)
-    delta = torch.ops.lorakit.delta(*delta_args)
-    ys = list(torch.split(case.y.clone(), case.slice_sizes, dim=1))
-    torch.library.opcheck(torch.ops.lorakit.add_delta.default, (ys, delta, case.x))
+    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (torch.ops.lorakit.delta(*delta_args), case.x))
 
 
 def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
@@ -54,12 +52,12 @@ def test_compiled_equals_eager_without_graph_breaks(device):
 
 
 def lora_layer_beside(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
-    """The layer with the delta launched before the base layer and joined after (LoraLinear at small T)."""
+    """The layer with the delta launched before the base layer and joined after (compiled LoraLinear at small T)."""
     meta = build_lora_meta(slots, num_slots)
     delta = lora_delta(x, A, B, ranks, scales, meta, sizes)
-    outs = [part * 1.0 for part in torch.split(y, sizes, dim=1)]  # the "base layers"
-    add_lora_delta(outs, delta, x)
-    return torch.cat(outs, dim=1)
+    base = y * 1.0  # the base layer
+    wait_lora_delta(delta, x)
+    return (base.float() + delta).to(base.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
-from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink
+from lorakit.ops import add_lora, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
 from lorakit.ops.reference import lora_ref_by_slot
 
 from test_ops import check_h, check_y
@@ -97,11 +97,11 @@ def test_rank_above_r_max_is_refused_in_debug_mode(monkeypatch):
 
 
 def layer_beside(case, W: torch.Tensor, meta) -> torch.Tensor:
-    """What LoraLinear does at small T: the delta on the side stream, the base GEMM beside it, then the join."""
+    """What compiled LoraLinear does at small T: the delta on the side stream, the base GEMM beside it, the join."""
     delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
     y = case.x @ W.T  # the base layer, long enough that the delta really runs beside it
-    add_lora_delta(list(torch.split(y, case.slice_sizes, dim=1)), delta, case.x)
-    return y
+    wait_lora_delta(delta, case.x)
+    return (y.float() + delta).to(y.dtype)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -137,7 +137,7 @@ def test_delta_beside_survives_freed_inputs_and_graphs():
         expected = x @ W.T
         add_lora(expected, x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
         y = layer_beside(type(case)(x, *rest), W, meta)
-        del x  # freed while the side stream may still be reading it: add_lora_delta holds it to the join
+        del x
         torch.full((1 << 24,), float("nan"), device="cuda")  # reuses whatever was freed
         assert torch.allclose(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6), seed
     # graphs: capture two layers chained (the second reads the first's output), replay with new inputs

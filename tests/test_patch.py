@@ -126,6 +126,38 @@ def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp
             assert rel_err(comp, eager) < LOGITS_TOLERANCE[torch.float32], names
 
 
+def test_compiled_forward_computes_the_delta_beside_the_base_layers(tmp_path, monkeypatch):
+    """Compiled, small inputs take lora_delta + wait_delta (the add fused into what follows); over
+    OVERLAP_MAX_TOKENS, or eager, shrink + expand after the base layer. The logits agree either way."""
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    ids = handle.ids(["r8", "r64"])
+
+    def ops_of(limit: int) -> tuple[set[str], torch.Tensor]:
+        seen = set()
+
+        def backend(gm, example_inputs):
+            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        torch._dynamo.reset()
+        monkeypatch.setattr(lorakit.layers.linear, "OVERLAP_MAX_TOKENS", limit)
+        with torch.no_grad():
+            logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, lora_ids=ids,
+                                                                           use_cache=False).logits
+        return seen, logits
+
+    beside, logits_beside = ops_of(256)
+    after, logits_after = ops_of(0)
+    assert {"lorakit.delta", "lorakit.wait_delta"} <= beside and "lorakit.shrink" not in beside
+    assert "lorakit.shrink" in after and "lorakit.delta" not in after
+    assert torch.equal(logits_beside, logits_after)
+    with torch.no_grad():
+        eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+    assert torch.equal(eager, logits_after)
+
+
 def test_per_token_ids_match_per_sequence_ids(tmp_path):
     base, adapters = two_adapters(tmp_path)
     model, handle = patched(base, adapters)

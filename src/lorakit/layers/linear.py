@@ -17,11 +17,12 @@ from torch import nn
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
-from lorakit.ops import add_lora, add_lora_delta, lora_delta
+from lorakit.ops import add_lora, lora_delta, wait_lora_delta
 
-# Inputs of at most this many tokens (decode steps, small mixed steps) compute the LoRA delta beside the base
-# layer: ops.lora_delta runs on a side stream while the base GEMM runs, and only the add waits for both. Larger
-# inputs add the delta in place after the base layer (no float32 delta buffer of T x out). 0 turns it off.
+# Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens compute the
+# LoRA delta beside the base layer: ops.lora_delta runs on a side stream while the base GEMM runs, and the add
+# rides in the compiled kernel that reads the base output next (see ops/delta.py). Eager forwards and larger
+# inputs add the delta in place after the base layer (no float32 buffer of T x out). 0 turns it off.
 OVERLAP_MAX_TOKENS = 256
 
 
@@ -59,14 +60,14 @@ class _LinearSlots(LoraSlots):
     def with_delta(self, base: Callable[[], list[torch.Tensor]], x: torch.Tensor, meta,
                    index: int | None = None) -> list[torch.Tensor]:
         """The base layers' outputs ``base()`` plus the LoRA delta of each slice (all slices, or only ``index``),
-        in place where dtypes allow. Small inputs launch the delta first, so it runs beside the base layers."""
+        in place where dtypes allow. Small compiled inputs launch the delta first, so it runs beside the base layers."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         A, B, ranks, scales, widths = self._weights(index)
-        if x2.shape[0] <= OVERLAP_MAX_TOKENS:
+        if x2.shape[0] <= OVERLAP_MAX_TOKENS and torch.compiler.is_compiling():
             delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
             ys = base()
-            add_lora_delta([y.view(-1, y.shape[-1]) for y in ys], delta, x2)
-            return ys
+            wait_lora_delta(delta, x2)
+            return [(y.float() + d.view(y.shape)).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
         ys = base()
         flat = [y.view(-1, y.shape[-1]) for y in ys]
         if all(y.dtype == self.dtype for y in ys):

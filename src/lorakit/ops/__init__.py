@@ -3,14 +3,14 @@
     meta = build_lora_meta(slots, num_slots)            # once per batch, shared by every layer
     add_lora(y, x, A, B, ranks, scales, meta, sizes)    # one layer: y[t] += scale * (x[t] @ A[s].T) @ B[s].T
 
-    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)   # the same, beside the base layer (a side stream)
-    y = base(x)
-    add_lora_delta([y], delta, x)                              # y += delta, once the delta is done
+    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)   # the same delta, float32, on a side stream
+    y = base(x)                                                # ... while the base layer runs
+    wait_lora_delta(delta, x)                                  # then y + delta, rounded once
 
     write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
 
-``torch.ops.lorakit.shrink``, ``expand``, ``delta`` and ``add_delta`` are the registered LoRA ops; the functions
+``torch.ops.lorakit.shrink``, ``expand``, ``delta`` and ``wait_delta`` are the registered LoRA ops; the functions
 here only unpack ``LoraMeta`` and pick ``split_k``.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lorakit.ops import delta as _delta_mod  # noqa: F401  (registers lorakit::delta and lorakit::add_delta)
+from lorakit.ops import delta as _delta_mod  # noqa: F401  (registers lorakit::delta and lorakit::wait_delta)
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
 from lorakit.ops._checks import MAX_SLICES, cdiv, num_sms, round_up
@@ -29,8 +29,8 @@ from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.shrink import shrink_split_k
 
 __all__ = [
-    "MAX_SLICES", "LoraMeta", "add_lora", "add_lora_delta", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
-    "lora_expand", "lora_shrink", "num_sms", "paged_attention", "round_up", "split_columns", "write_kv",
+    "MAX_SLICES", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
+    "lora_expand", "lora_shrink", "num_sms", "paged_attention", "round_up", "split_columns", "wait_lora_delta", "write_kv",
 ]
 
 
@@ -93,13 +93,13 @@ def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.T
                meta: LoraMeta, widths: Sequence[int]) -> torch.Tensor:
     """``torch.ops.lorakit.delta``: the delta ``add_lora`` would add, float32 [T, sum(widths)], computed on a side
     stream on CUDA so that what the caller launches next (the base layer) runs beside it. Join with
-    ``add_lora_delta`` before reading the outputs. Arguments as for ``add_lora``; widths: the slices' widths."""
+    ``wait_lora_delta`` before reading it. Arguments as for ``add_lora``; widths: the slices' widths."""
     _check_slot_count(meta, A, "A")
     _check_slot_count(meta, B, "B")
     return torch.ops.lorakit.delta(x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles,
                                    meta.block_m, list(widths))
 
 
-def add_lora_delta(ys: Sequence[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
-    """``torch.ops.lorakit.add_delta``: wait for ``lora_delta(x, ...)``, then ys[i] += its slice i, in place."""
-    torch.ops.lorakit.add_delta(list(ys), delta, x)
+def wait_lora_delta(delta: torch.Tensor, x: torch.Tensor) -> None:
+    """``torch.ops.lorakit.wait_delta``: the current stream waits for ``delta = lora_delta(x, ...)``."""
+    torch.ops.lorakit.wait_delta(delta, x)

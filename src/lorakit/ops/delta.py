@@ -1,20 +1,25 @@
 """The LoRA delta beside the base layer: ``lorakit::delta`` runs shrink and expand on a side stream while the
-base GEMM runs, ``lorakit::add_delta`` waits for it and adds it into the base output.
+base GEMM runs, ``lorakit::wait_delta`` joins the streams, and the add is plain torch (compiled: fused into the
+kernel that reads the base output next).
 
     delta = torch.ops.lorakit.delta(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
     ys = [base(x) for base in siblings]                     # the base GEMMs, on the current stream
-    torch.ops.lorakit.add_delta(ys, delta, x)               # ys[i] += delta[:, slice i]
+    torch.ops.lorakit.wait_delta(delta, x)
+    ys = [(y.float() + d).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
 
 In a decode step the LoRA kernels are latency-bound (a few microseconds of bytes, two dependent launches), and
 the base GEMM of the same layer leaves SMs idle: at batch 64 of a Llama-3-8B layer most GEMMs run 64-100
 tiles on 132 SMs. On CUDA the delta's two kernels go to a side stream (high priority) that waits for x; the
-base GEMM runs meanwhile; add_delta makes the current stream wait for the side stream, then adds. Captured in
-a CUDA graph this is a fork and a join: only the add stays on the layer's critical path.
+base GEMM runs meanwhile; wait_delta makes the current stream wait for the side stream. Captured in a CUDA graph
+this is a fork and a join. Measured on an H200 (bench/results/profile_step_*): the side stream's kernels finish
+within the base GEMMs of a Llama-3-8B layer at batch 64, but adding the delta in kernels of its own (seven per
+layer) costs as much as it saves; compiled, the add rides in the kernels that already read the base outputs (the
+rotary embedding, silu * up, the residual add), so LoraLinear takes this path only inside torch.compile.
 
 The delta is float32 [T, sum(widths)], written (not added) by the expand kernel, zeros on base tokens, so
 ``y + delta`` is rounded once, as in ``add_lora``'s in-place expand (on the CPU the two paths give the same
 bits; on CUDA they may differ in the last bit where the in-place kernel fuses the multiply-add).
-add_delta takes x only to keep it alive until the join (the side stream reads it; a compiler that planned
+wait_delta takes x only to keep it alive until the join (the side stream reads it; a compiler that planned
 memory by the current stream alone could otherwise reuse x's buffer after the base GEMM).
 """
 
@@ -66,7 +71,7 @@ def delta(
     block_m: int,
     widths: list[int],
 ) -> torch.Tensor:
-    """The LoRA delta of every slice, float32, on a side stream on CUDA (join it with ``add_delta``).
+    """The LoRA delta of every slice, float32, on a side stream on CUDA (join it with ``wait_delta``).
 
     Semantics:
         delta = zeros(T, sum(widths), float32); cols(i) = slice i's columns
@@ -92,7 +97,7 @@ def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
     side = side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
-        # Allocated on the side stream; freed by the caller after add_delta has joined the streams, and the side
+        # Allocated on the side stream; freed by the caller after wait_delta has joined the streams, and the side
         # stream's next use of the block waits for that join (every delta starts by waiting for the caller).
         out = torch.empty((x.shape[0], sum(widths)), dtype=torch.float32, device=x.device)
         h = _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k)
@@ -105,33 +110,18 @@ def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
     return x.new_empty((x.shape[0], sum(widths)), dtype=torch.float32)
 
 
-def _check_add_args(ys, delta, x) -> None:
-    if not isinstance(ys, (list, tuple)) or not 1 <= len(ys) <= MAX_SLICES:
-        raise ValueError(f"ys must be a list of 1 to {MAX_SLICES} outputs (one per slice), got {ys!r:.100}")
+@torch.library.custom_op("lorakit::wait_delta", mutates_args=("delta",))
+def wait_delta(delta: torch.Tensor, x: torch.Tensor) -> None:
+    """Make the current stream wait for the side stream that computes ``delta`` (from ``lorakit::delta(x, ...)``).
+
+    Computes nothing: it is declared to mutate delta so that every later read of delta (the add into the base
+    output, which torch.compile fuses into the kernel that reads that output next) is ordered after the wait.
+    x is held until here (see the module docstring)."""
     check_tensor("delta", delta, dim=2, dtypes=(torch.float32,), device=x.device)
-    widths = []
-    for i, y in enumerate(ys):
-        check_tensor(f"ys[{i}]", y, dim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16), device=x.device)
-        if y.shape[0] != delta.shape[0]:
-            raise ValueError(f"ys[{i}] must have the delta's {delta.shape[0]} rows, got shape {tuple(y.shape)}")
-        widths.append(y.shape[1])
-    if sum(widths) != delta.shape[1]:
-        raise ValueError(f"the outputs' widths {widths} must add up to the delta's {delta.shape[1]} columns")
-
-
-@torch.library.custom_op("lorakit::add_delta", mutates_args=("ys",))
-def add_delta(ys: list[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
-    """ys[i] += delta[:, slice i], rounded once into ys' dtype, after the side stream's delta is done.
-
-    ys: 1 to 4 outputs [T, out_i]; delta: float32 [T, sum(out_i)] from ``lorakit::delta``; x: that delta's
-    input, held until here (see the module docstring)."""
-    _check_add_args(ys, delta, x)
     if delta.is_cuda:
         torch.cuda.current_stream(delta.device).wait_stream(side_stream(delta.device))
-    for y, d in zip(ys, _columns(delta, [y.shape[1] for y in ys])):
-        y.add_(d)
 
 
-@add_delta.register_fake
-def _(ys, delta, x):
+@wait_delta.register_fake
+def _(delta, x):
     return None
