@@ -131,7 +131,7 @@ def run_layer_beside(c: dict) -> torch.Tensor:
     delta = lora_delta(c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"],
                        [c["W"].shape[0]])
     y = c["x"] @ c["W"].T
-    wait_lora_delta(delta, c["x"])
+    wait_lora_delta(delta, c["x"], [y])
     return (y.float() + delta).to(y.dtype)
 
 

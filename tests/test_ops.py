@@ -71,7 +71,7 @@ def test_delta_beside_the_base_layer_equals_add_lora(case):
     add_lora(expected, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
     delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
     assert delta.dtype == torch.float32 and delta.shape == (case.x.shape[0], sum(case.slice_sizes))
-    wait_lora_delta(delta, case.x)
+    wait_lora_delta(delta, case.x, [case.y])
     assert torch.equal((case.y.float() + delta).to(case.y.dtype), expected)
 
 

@@ -28,7 +28,7 @@ def test_opcheck(device, mapping):
     delta_args = (case.x, case.A, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
                   meta.block_m, case.slice_sizes)
     torch.library.opcheck(torch.ops.lorakit.delta.default, delta_args)
-    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (torch.ops.lorakit.delta(*delta_args), case.x))
+    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (torch.ops.lorakit.delta(*delta_args), case.x, [case.y]))
 
 
 def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
@@ -56,7 +56,7 @@ def lora_layer_beside(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: l
     meta = build_lora_meta(slots, num_slots)
     delta = lora_delta(x, A, B, ranks, scales, meta, sizes)
     base = y * 1.0  # the base layer
-    wait_lora_delta(delta, x)
+    wait_lora_delta(delta, x, [base])
     return (base.float() + delta).to(base.dtype)
 
 

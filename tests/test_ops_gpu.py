@@ -100,7 +100,7 @@ def layer_beside(case, W: torch.Tensor, meta) -> torch.Tensor:
     """What compiled LoraLinear does at small T: the delta on the side stream, the base GEMM beside it, the join."""
     delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
     y = case.x @ W.T  # the base layer, long enough that the delta really runs beside it
-    wait_lora_delta(delta, case.x)
+    wait_lora_delta(delta, case.x, [y])
     return (y.float() + delta).to(y.dtype)
 
 

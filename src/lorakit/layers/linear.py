@@ -66,7 +66,7 @@ class _LinearSlots(LoraSlots):
         if x2.shape[0] <= OVERLAP_MAX_TOKENS and torch.compiler.is_compiling():
             delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
             ys = base()
-            wait_lora_delta(delta, x2)
+            wait_lora_delta(delta, x2, ys)
             return [(y.float() + d.view(y.shape)).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
         ys = base()
         flat = [y.view(-1, y.shape[-1]) for y in ys]

@@ -5,7 +5,7 @@
 
     delta = lora_delta(x, A, B, ranks, scales, meta, sizes)   # the same delta, float32, on a side stream
     y = base(x)                                                # ... while the base layer runs
-    wait_lora_delta(delta, x)                                  # then y + delta, rounded once
+    wait_lora_delta(delta, x, [y])                             # then y + delta, rounded once
 
     write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
@@ -100,6 +100,7 @@ def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.T
                                    meta.block_m, list(widths))
 
 
-def wait_lora_delta(delta: torch.Tensor, x: torch.Tensor) -> None:
-    """``torch.ops.lorakit.wait_delta``: the current stream waits for ``delta = lora_delta(x, ...)``."""
-    torch.ops.lorakit.wait_delta(delta, x)
+def wait_lora_delta(delta: torch.Tensor, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> None:
+    """``torch.ops.lorakit.wait_delta``: the current stream waits for ``delta = lora_delta(x, ...)``, after the
+    base outputs ys it will be added to."""
+    torch.ops.lorakit.wait_delta(delta, x, list(ys))

@@ -4,7 +4,7 @@ kernel that reads the base output next).
 
     delta = torch.ops.lorakit.delta(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
     ys = [base(x) for base in siblings]                     # the base GEMMs, on the current stream
-    torch.ops.lorakit.wait_delta(delta, x)
+    torch.ops.lorakit.wait_delta(delta, x, ys)
     ys = [(y.float() + d).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
 
 In a decode step the LoRA kernels are latency-bound (a few microseconds of bytes, two dependent launches), and
@@ -32,6 +32,9 @@ from lorakit.ops.expand import _expand_torch, _launch_expand
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, _shrink_torch, shrink_split_k
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+# Beside a GEMM the delta's grids are sized for this share of the SMs (1/4), not the whole device: the GEMM
+# holds the rest, and grids sized to fill every SM only slow it down.
+BESIDE_SM_SHARE = 4
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -93,7 +96,8 @@ def delta(
 @delta.register_kernel("cuda")
 def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
     _check_delta_args(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths)
-    split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], tiles.shape[1], block_m, num_sms(x.device))
+    sms = max(1, num_sms(x.device) // BESIDE_SM_SHARE)
+    split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], tiles.shape[1], block_m, sms)
     side = side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side):
@@ -101,7 +105,7 @@ def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
         # stream's next use of the block waits for that join (every delta starts by waiting for the caller).
         out = torch.empty((x.shape[0], sum(widths)), dtype=torch.float32, device=x.device)
         h = _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k)
-        _launch_expand(_columns(out, widths), h, B, ranks, scales, token_order, tiles, block_m, store=True)
+        _launch_expand(_columns(out, widths), h, B, ranks, scales, token_order, tiles, block_m, store=True, sms=sms)
     return out
 
 
@@ -111,11 +115,13 @@ def _(x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, widths):
 
 
 @torch.library.custom_op("lorakit::wait_delta", mutates_args=("delta",))
-def wait_delta(delta: torch.Tensor, x: torch.Tensor) -> None:
-    """Make the current stream wait for the side stream that computes ``delta`` (from ``lorakit::delta(x, ...)``).
+def wait_delta(delta: torch.Tensor, x: torch.Tensor, ys: list[torch.Tensor]) -> None:
+    """Make the current stream wait for the side stream that computes ``delta`` (from ``lorakit::delta(x, ...)``),
+    once the base outputs ``ys`` are launched.
 
     Computes nothing: it is declared to mutate delta so that every later read of delta (the add into the base
-    output, which torch.compile fuses into the kernel that reads that output next) is ordered after the wait.
+    outputs, which torch.compile fuses into the kernel that reads them next) is ordered after the wait, and it
+    reads ys so that no compiler moves the wait before the base layers (which would serialize the two streams).
     x is held until here (see the module docstring)."""
     check_tensor("delta", delta, dim=2, dtypes=(torch.float32,), device=x.device)
     if delta.is_cuda:
@@ -123,5 +129,5 @@ def wait_delta(delta: torch.Tensor, x: torch.Tensor) -> None:
 
 
 @wait_delta.register_fake
-def _(delta, x):
+def _(delta, x, ys):
     return None

@@ -157,8 +157,10 @@ EXPAND_CONFIGS = {
 }
 
 
-def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False) -> None:
-    """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i."""
+def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False,
+                   sms: int | None = None) -> None:
+    """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i; the grid is sized for
+    ``sms`` SMs (default: the device's)."""
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
@@ -169,7 +171,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     per_sm = config.pop("programs_per_sm")
     n_tiles = tiles.shape[1]
     col_blocks = triton.cdiv(max(widths), config["BLOCK_N"])
-    groups = max(1, min(col_blocks, triton.cdiv(per_sm * num_sms(h.device), n_tiles * n_slices)))
+    groups = max(1, min(col_blocks, triton.cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
     cols = triton.cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (triton.cdiv(max(widths), cols), n_tiles, n_slices)
     _expand_kernel[grid](
