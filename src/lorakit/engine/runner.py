@@ -68,6 +68,9 @@ class PagedStep(StepContext):
     query_start: torch.Tensor  # [S + 1] int32
 
 
+PROGRAM_ORDER = {"reorder_for_locality": False, "reorder_for_peak_memory": False}  # Inductor options
+
+
 def lorakit_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask=None, scaling: float | None = None, dropout: float = 0.0,
                       softcap: float | None = None, sliding_window: int | None = None,
@@ -222,9 +225,10 @@ class ModelRunner:
         self._free_rows: list[int] = []
         self._used_rows = 0
         self._row_key = f"_lorakit_table_row_{id(self)}"
-        # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket).
-        self._decode_model = torch.compile(model, fullgraph=True, dynamic=False) if compile and self.cuda_graphs \
-            else model
+        # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket), in
+        # program order: a LoRA delta launched before its base GEMM runs beside it (layers/linear.py).
+        self._decode_model = torch.compile(model, fullgraph=True, dynamic=False, options=PROGRAM_ORDER) \
+            if compile and self.cuda_graphs else model
         if self.cuda_graphs:
             self.capture_graphs()
 
