@@ -120,8 +120,10 @@ def test_delta_beside_the_base_gemm(tokens, in_features, sizes, r_max, num_slots
     assert torch.equal(y[case.slots < 0], base[case.slots < 0])
     in_place = base.clone()
     add_lora(in_place, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    # Beside a GEMM the shrink splits K differently (grids for a quarter of the SMs), so h, rounded to the dtype
+    # for the expand's dot, may differ in its last bit: the two paths agree to the dtype's tolerance, not bitwise.
     differ = (y != in_place).float().mean().item()
-    assert torch.allclose(y.float(), in_place.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-3, atol=1e-6)
+    assert rel_err(y, in_place) <= TOLERANCE[dtype]
     print(f"{dtype} T={tokens}: {100 * differ:.3f} % of elements differ from add_lora's in-place rounding")
 
 
@@ -139,7 +141,7 @@ def test_delta_beside_survives_freed_inputs_and_graphs():
         y = layer_beside(type(case)(x, *rest), W, meta)
         del x
         torch.full((1 << 24,), float("nan"), device="cuda")  # reuses whatever was freed
-        assert torch.allclose(y.float(), expected.float(), rtol=2 ** -7, atol=1e-6), seed
+        assert rel_err(y, expected) <= TOLERANCE[torch.bfloat16], seed
     # graphs: capture two layers chained (the second reads the first's output), replay with new inputs
     x_in = case.x.clone()
 
