@@ -24,12 +24,14 @@ from lorakit.ops.shrink import _shrink_kernel
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
 
 
-def compile_for_hopper(fn, constexprs, dtype):
+def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name.endswith("_ptr") or name in ("Y0", "Y1", "Y2", "Y3"):
+        elif name in ("Y0", "Y1", "Y2", "Y3"):
+            signature[name] = "*" + (y_dtype or dtype)
+        elif name.endswith("_ptr"):
             signature[name] = POINTERS.get(name, "*" + dtype)
         else:
             signature[name] = "i32"
@@ -47,7 +49,10 @@ except RuntimeError as e:
         sys.exit(0)
     raise
 # A 1-wide slice with unit row stride is specialised to constexpr 1 by the launcher: compile that too.
-compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1), dtype)
+compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, STORE=False, N1=1, SYT1=1),
+                   dtype)
+# Store mode (lorakit::delta): float32 outputs written, not read.
+compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, STORE=True), dtype, "fp32")
 print("OK")
 '''
 
