@@ -54,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                      help="cpu or cuda (default: cuda when available, else cpu)")
     serve_cli.add_parser(sub)
+    serve_cli.add_ray_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_cli.run(args)
+    if args.command == "serve-ray":
+        return serve_cli.run_ray(args)
     return demo(args.device)
 
 

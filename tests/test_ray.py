@@ -1,0 +1,215 @@
+"""lorakit behind Ray Serve: two replicas of a tiny model on a local Ray cluster, six adapters, three per replica.
+
+Every answer equals the single server's (greedy, token for token); requests for an adapter stick to the replica
+that holds it (each adapter is loaded once); a replica killed mid-run costs only its own requests (retried, or
+failed with a clean error) and the fleet serves on. Skipped where Ray Serve is not installed.
+"""
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from peft import LoraConfig
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'lorakit[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'lorakit[ray]'")
+
+from _peft_models import save_adapter  # noqa: E402
+from _serve_helpers import build_world  # noqa: E402
+from lorakit.engine import EngineConfig  # noqa: E402
+from lorakit.ray import FleetConfig, adapter_of, build_app  # noqa: E402
+from lorakit.serve import ServeConfig, create_app  # noqa: E402
+from lorakit.serve.model import load_engine  # noqa: E402
+
+ENGINE = dict(max_loras=2, block_size=4, patience=4)
+NAMES = ["sql", "chat", "v2", "a3", "a4", "a5"]
+EXTRA = ["a6", "a7"]  # past the fleet's six places: Ray evicts
+PROMPT = "What is the capital of France?"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray")
+    base, tokenizer, root, adapters = build_world(tmp)
+    for seed, name in enumerate(NAMES[3:] + EXTRA, 3):
+        cfg = LoraConfig(r=4 * seed, lora_alpha=8, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+        save_adapter(base, name, cfg, root, seed=seed, std=0.3)
+    base.save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    return tmp / "model", root
+
+
+@pytest.fixture(scope="module")
+def single(world):
+    """The single server over the same model, every adapter registered: what the fleet must answer."""
+    model, root = world
+    engine = load_engine(str(model), "cpu", "float32", EngineConfig(**ENGINE), {n: str(root / n) for n in NAMES + EXTRA})
+    with TestClient(create_app(engine, ServeConfig(model_name="tiny"))) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def fleet(world):
+    model, root = world
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE, serve={"model_name": "tiny"},
+                         lora_roots=[str(root)], cache=str(root.parent / "cache"), replicas=2, adapters_per_replica=3,
+                         replica_cpus=0.5)
+    serve.run(build_app(dataclasses.asdict(config)), name="lorakit", route_prefix="/")  # as `serve run` passes args
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def complete(client, url: str, model: str, **extra) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0} | extra
+    return client.post(f"{url}/v1/completions" if url else "/v1/completions", json=body)
+
+
+def test_the_adapter_is_read_from_the_body():
+    assert adapter_of("POST", "/v1/completions", b'{"model": "sql", "prompt": "x"}', "tiny") == "sql"
+    assert adapter_of("POST", "/v1/chat/completions", b'{"model": "tiny"}', "tiny") == ""
+    assert adapter_of("POST", "/generate", b'{"text": "x", "lora_path": ["sql", "sql"]}', "tiny") == "sql"
+    assert adapter_of("POST", "/generate", b'{"text": "x", "lora_path": ["sql", "chat"]}', "tiny") == ""
+    assert adapter_of("POST", "/v1/completions", b"not json", "tiny") == ""
+    assert adapter_of("GET", "/v1/models", b"", "tiny") == ""
+
+
+def test_every_request_answers_as_the_single_server_does(fleet, single):
+    with httpx.Client(timeout=120) as client:
+        for model in ["tiny", *NAMES, "tiny"]:
+            expected = complete(single, "", model).json()
+            got = complete(client, fleet, model).json()
+            assert got["choices"][0]["text"] == expected["choices"][0]["text"], model
+            assert got["usage"] == expected["usage"], model
+        chat = {"model": "a4", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0,
+                "stream": True}
+        expected = single.post("/v1/chat/completions", json=chat).text
+        got = client.post(f"{fleet}/v1/chat/completions", json=chat).text
+        assert _content(got) == _content(expected)
+        missing = complete(client, fleet, "no-such-adapter")
+        error = missing.json()["error"]  # the replica's own 404 (its list of models is the replica's)
+        assert missing.status_code == 404 and error["type"] == "not_found_error" and "no-such-adapter" in error["message"]
+        refused = client.post(f"{fleet}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+        assert refused.status_code == 403 and "by name" in refused.json()["error"]["message"]
+
+
+def _content(sse: str) -> str:
+    parts = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
+
+
+def loads(client, fleet: str) -> float:
+    text = client.get(f"{fleet}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("lorakit_ray_adapter_loads_total"))
+
+
+def test_requests_for_an_adapter_stick_to_the_replica_that_holds_it(fleet):
+    with httpx.Client(timeout=120) as client:
+        for name in NAMES:  # every adapter loaded somewhere (six fit in two replicas of three)
+            assert complete(client, fleet, name).status_code == 200
+        before = loads(client, fleet)
+        assert before >= len(NAMES)
+        for _ in range(3):
+            for name in NAMES:
+                assert complete(client, fleet, name).status_code == 200
+        assert loads(client, fleet) == before, "a request went to a replica that did not hold its adapter"
+
+
+def metric(client, fleet: str, name: str) -> float:
+    text = client.get(f"{fleet}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_adapters_past_the_replicas_places_evict_the_least_recently_used(fleet, single):
+    """Six places, eight adapters: each new one evicts one (unregistered from that replica's engine), and an evicted
+    adapter asked for again is loaded again and answers as before."""
+    with httpx.Client(timeout=120) as client:
+        loads_before = metric(client, fleet, "lorakit_ray_adapter_loads_total")
+        unloads_before = metric(client, fleet, "lorakit_ray_adapter_unloads_total")
+        for name in EXTRA:
+            reply = complete(client, fleet, name).json()
+            assert reply["choices"][0]["text"] == complete(single, "", name).json()["choices"][0]["text"], name
+        deadline = time.monotonic() + 30
+        while metric(client, fleet, "lorakit_ray_adapter_unloads_total") < unloads_before + len(EXTRA):
+            assert time.monotonic() < deadline, "evicted adapters were not unloaded from their engines"
+            time.sleep(0.2)
+        for name in NAMES:  # two of them were evicted: loaded again, and right
+            reply = complete(client, fleet, name).json()
+            assert reply["choices"][0]["text"] == complete(single, "", name).json()["choices"][0]["text"], name
+        assert metric(client, fleet, "lorakit_ray_adapter_loads_total") >= loads_before + len(EXTRA) + 1
+
+
+def test_a_killed_replica_costs_only_its_own_requests(fleet, single):
+    """Long requests in flight on both replicas, one replica killed: plain requests that had no answer yet are
+    retried elsewhere and answer right; streams cut mid-answer end with a 503 event after a correct prefix; the
+    fleet serves everything afterwards (the survivor, then the replica Ray restarts)."""
+    long = dict(max_tokens=120, ignore_eos=True)
+    expected = {name: complete(single, "", name, **long).json()["choices"][0]["text"] for name in NAMES}
+    results: dict[tuple[str, bool], object] = {}
+    started = threading.Semaphore(0)
+
+    def run(name, stream):
+        body = {"model": name, "prompt": PROMPT, "temperature": 0, "stream": stream} | long
+        try:
+            with httpx.Client(timeout=180) as client, client.stream("POST", f"{fleet}/v1/completions", json=body) as r:
+                chunks = []
+                for chunk in r.iter_text():
+                    if stream and not chunks:
+                        started.release()  # this stream is decoding
+                    chunks.append(chunk)
+                results[name, stream] = (r.status_code, "".join(chunks))
+        except httpx.HTTPError as e:
+            results[name, stream] = e
+
+    with httpx.Client(timeout=180) as client:
+        failures_before = metric(client, fleet, "lorakit_ray_replica_failures_total")
+        threads = [threading.Thread(target=run, args=(name, stream)) for name in NAMES for stream in (False, True)]
+        for t in threads:
+            t.start()
+        for _ in NAMES:  # every stream has its first tokens: the requests are decoding on both replicas
+            assert started.acquire(timeout=120)
+        victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "LorakitReplica" in a["name"])
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+        for t in threads:
+            t.join(240)
+        assert len(results) == 2 * len(NAMES), "a request hung"
+        cut = 0
+        for (name, stream), result in results.items():  # each answered right, or failed cleanly
+            assert not isinstance(result, Exception), (name, stream, result)
+            status, body = result
+            assert status == 200, (name, stream, body[:300])
+            if not stream:
+                assert json.loads(body)["choices"][0]["text"] == expected[name], name
+                continue
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in body.splitlines()
+                           if line.startswith('data: {"id"'))
+            if text != expected[name]:
+                cut += 1
+                assert expected[name].startswith(text), name
+                assert '"code": 503' in body and "retry" in body, body[-300:]
+        assert cut >= 1, "no stream was cut: the kill did not land mid-answer"
+        assert metric(client, fleet, "lorakit_ray_replica_failures_total") > failures_before
+        for name in NAMES:  # the fleet serves on
+            reply = complete(client, fleet, name, **long)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected[name], name
