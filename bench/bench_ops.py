@@ -28,6 +28,7 @@ from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotat
                     setup_line, table, write_report)
 
 from lorakit.ops import add_lora, build_lora_meta, lora_delta, wait_lora_delta
+from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 
 SCALE = 0.5
@@ -175,6 +176,44 @@ def bench_lorakit(case: Case, p: dict, gbps: float) -> dict:
     return out
 
 
+def host_time() -> list[dict]:
+    """Host microseconds of one eager call (no graph; T=1, so the device idles and wall time per call is host time):
+    add_lora as layers call it (kernels launched directly) and through the dispatcher (torch.ops.lorakit.*)."""
+    import time
+
+    case = Case("decode", 1, 1, 4096, 16, (16,))
+    p = make_problem(case)
+    c = lorakit_copy(p, case.num_slots)
+    B, meta = c["B_store"].transpose(1, 2), c["meta"]
+    h = torch.ops.lorakit.shrink(c["x"], c["A"], c["ranks"], meta.token_slot, meta.token_order, meta.tiles,
+                                 meta.block_m, 1)
+
+    def via_ops():
+        hh = torch.ops.lorakit.shrink(c["x"], c["A"], c["ranks"], meta.token_slot, meta.token_order, meta.tiles,
+                                      meta.block_m, 1)
+        torch.ops.lorakit.expand([c["y"]], hh, B, c["ranks"], c["scales"], meta.token_slot, meta.token_order,
+                                 meta.tiles, meta.block_m)
+
+    rows = []
+    for what, fn in (("add_lora (kernels launched directly)", lambda: run_lorakit(c)),
+                     ("torch.ops.lorakit.shrink + expand (the dispatcher)", via_ops),
+                     ("one bare Triton launch (expand kernel's launcher)",
+                      lambda: _launch_expand([c["y"]], h, B, c["ranks"], c["scales"], meta.token_order, meta.tiles,
+                                             meta.block_m))):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - start) / 1000 * 1e6)
+        rows.append({"what": what, "host_us": best})
+    return rows
+
+
 def selected_anchors(quick: bool) -> tuple[Anchor, ...]:
     """Every anchor row; with --quick the r=16, h_out=4096 decode rows and one prefill row."""
     if not quick:
@@ -300,6 +339,7 @@ def main(argv=None) -> int:
         print(f"  {a.mode} T={a.T} L={a.L} r={a.r} h_out={a.h_out}: lorakit {fmt(rows[-1]['lorakit_us'])} us "
               f"(best public {a.best_us} us)", flush=True)
         torch.cuda.empty_cache()
+    host = host_time()
     pairs = [(32, 4096)] if args.quick else [(L, n) for n in (4096, 14336) for L in (32, 128)]
     mixed = [bench_mixed(L, n, s["copy_gbps"]) for L, n in pairs]
     report = "\n\n".join([
@@ -310,9 +350,11 @@ def main(argv=None) -> int:
         "## A whole layer at decode: base GEMM + LoRA (delta after the GEMM, or beside it on a side stream)\n\n"
         "LoRA's cost = layer - base GEMM alone, same run, same rotation.", layer_table(rows),
         "## Mixed ranks (ranks uniform in 8..128, seeded) vs every rank 128", mixed_table(mixed),
+        "## Host time of one eager call (T=1, r 16, h_out 4096: the device idles; min of 5 x 1000 calls)",
+        table("| what | host us per call |", ([r["what"], fmt(r["host_us"])] for r in host)),
         "**Summary:** " + summary(rows, mixed)])
     write_report(args.out, "bench_ops", report,
-                 {"setup": s, "rows": rows, "mixed_rank": mixed, "summary": summary(rows, mixed)})
+                 {"setup": s, "rows": rows, "mixed_rank": mixed, "host": host, "summary": summary(rows, mixed)})
     plot(rows, args.out / "bench_ops.png")
     return 0
 

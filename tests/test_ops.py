@@ -112,3 +112,45 @@ def test_triton_ranks_above_128_interpreted(dtype):
             check_y(y_from_stored_delta(case, h), case)
     finally:
         _checks.SMS = None
+
+
+@triton_on_cpu
+def test_eager_calls_launch_the_kernels_directly_unless_something_watches(monkeypatch):
+    """Eager calls on a direct device (CUDA; here the CPU, interpreted) skip the dispatcher: the same checks and
+    kernels, so the same results; under a dispatch mode, with gradients, or compiling, they go through torch.ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lorakit.ops as ops
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.counts[str(func.overloadpacket)] = self.counts.get(str(func.overloadpacket), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    for name in ("_launch_shrink", "_launch_expand"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **k: launches.append(_name) or _real(*a, **k))
+    case = make_case(7, 40, [24, 8], 16, 3, "some-base", torch.float32, seed=3)
+    meta = build_lora_meta(case.slots, 3)
+
+    def run():
+        y = case.y.clone()
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        return y
+
+    via_op = run()  # the CPU isn't a direct device by default: torch.ops, the torch path
+    assert launches == []
+    monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
+    check_y(run(), case)
+    assert launches == ["_launch_shrink", "_launch_expand"]
+    with CountOps() as counter:
+        assert torch.equal(run(), via_op)
+    assert counter.counts["lorakit.shrink"] == counter.counts["lorakit.expand"] == 1
+    with pytest.raises(ValueError, match="A must have shape"):  # the op's checks, before any launch
+        add_lora(case.y.clone(), case.x, case.A[..., :-1], case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    assert launches == ["_launch_shrink", "_launch_expand"]

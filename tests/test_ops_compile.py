@@ -75,3 +75,21 @@ def test_delta_beside_compiled_equals_eager_and_add_lora(device):
             assert torch.equal(eager, in_place)
         else:  # the in-place kernel may fuse the multiply-add: at most one rounding step apart
             assert torch.allclose(eager.float(), in_place.float(), rtol=2 ** -7, atol=0), mapping
+
+
+def test_compiling_goes_through_the_registered_ops_even_on_a_direct_device(monkeypatch):
+    """Eager calls on a direct device launch kernels themselves; traced, they must stay torch.ops calls."""
+    import lorakit.ops as ops
+
+    monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    case = make_case(9, 48, [16, 8, 8], 16, 4, "some-base", torch.float32, seed=0)
+    args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
+    torch.compile(lora_layer, backend=backend, fullgraph=True)(*args)
+    assert {"lorakit.shrink", "lorakit.expand"} <= seen

@@ -26,7 +26,8 @@ from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit:
 from lorakit.ops._checks import MAX_SLICES, cdiv, num_sms, round_up
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
-from lorakit.ops.shrink import shrink_split_k
+from lorakit.ops.expand import _check_expand_args, _launch_expand
+from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, shrink_split_k
 
 __all__ = [
     "MAX_SLICES", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
@@ -42,6 +43,20 @@ def _check_slot_count(meta: LoraMeta, weights: torch.Tensor, name: str) -> None:
         )
 
 
+# Devices whose eager calls launch the Triton kernels themselves (tests add "cpu", to run them interpreted).
+DIRECT_DEVICES = {"cuda"}
+
+
+def _direct(*tensors: torch.Tensor) -> bool:
+    """Whether an eager call may check its arguments and launch the kernels itself, skipping the dispatcher, which
+    costs 35-50 us of host time per op on an H200 (bench/results/host_add_lora_dea3ab2.txt): only where nothing
+    needs to see the op (not compiling; no dispatch or function mode: tracing, fake tensors, op counters; plain
+    tensors that need no gradient). The kernels and checks are the registered op's, so the results are the same."""
+    return (not torch.compiler.is_compiling() and tensors[0].device.type in DIRECT_DEVICES
+            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
+            and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors))
+
+
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: LoraMeta,
                 split_k: int | None = None) -> torch.Tensor:
     """``torch.ops.lorakit.shrink`` over a LoraMeta: float32 partials [split_k, n_slices, T, R_max]."""
@@ -49,6 +64,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: Lor
     if split_k is None:
         split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], meta.tiles.shape[1], meta.block_m,
                                  num_sms(x.device))
+    if _direct(x, A):
+        _check_shrink_args(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
+        return _launch_shrink(x, A, ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
     return torch.ops.lorakit.shrink(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
                                     split_k)
 
@@ -69,6 +87,10 @@ def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: t
     ys: one output per slice, or one tensor y split into slices of widths slice_sizes."""
     _check_slot_count(meta, B, "B")
     outs = split_columns(ys, slice_sizes) if isinstance(ys, torch.Tensor) else list(ys)
+    if _direct(h, B, *outs):
+        _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
+        _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m)
+        return
     torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
 
 
