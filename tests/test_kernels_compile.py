@@ -18,10 +18,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from lorakit.ops.delta import _add_delta_kernel
 from lorakit.ops.expand import _expand_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
-POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
+POINTERS = {"h_ptr": "*fp32", "d_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
 
 
 def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
@@ -53,6 +54,7 @@ compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE
                    dtype)
 # Store mode (lorakit::delta): float32 outputs written, not read.
 compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, STORE=True), dtype, "fp32")
+compile_for_hopper(_add_delta_kernel, dict(BLOCK_T=16, BLOCK_N=256), dtype)
 print("OK")
 '''
 

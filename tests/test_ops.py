@@ -154,3 +154,19 @@ def test_eager_calls_launch_the_kernels_directly_unless_something_watches(monkey
     with pytest.raises(ValueError, match="A must have shape"):  # the op's checks, before any launch
         add_lora(case.y.clone(), case.x, case.A[..., :-1], case.B, case.ranks, case.scales, meta, case.slice_sizes)
     assert launches == ["_launch_shrink", "_launch_expand"]
+
+
+@triton_on_cpu
+@given(case=cases((torch.float32, torch.float16), tokens=(1, 3, 33), out_sizes=(1, 24, 300), r_maxes=(4, 16)))
+def test_eager_join_adds_every_slice_in_one_launch_interpreted(case):
+    """The eager join's kernel: ys[i] += delta[:, slice i], float32, rounded once (torch's add_ gives the same)."""
+    from lorakit.ops.delta import _launch_add_delta
+
+    meta = build_lora_meta(case.slots, case.A.shape[0])
+    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    ys = [y.clone() for y in torch.split(case.y, case.slice_sizes, dim=1)]
+    _launch_add_delta(ys, delta)
+    expected = [y.clone().add_(d) for y, d in zip(torch.split(case.y, case.slice_sizes, dim=1),
+                                                 torch.split(delta, case.slice_sizes, dim=1))]
+    for got, want in zip(ys, expected):
+        assert torch.equal(got, want)

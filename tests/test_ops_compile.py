@@ -28,7 +28,10 @@ def test_opcheck(device, mapping):
     delta_args = (case.x, case.A, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
                   meta.block_m, case.slice_sizes)
     torch.library.opcheck(torch.ops.lorakit.delta.default, delta_args)
-    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (torch.ops.lorakit.delta(*delta_args), case.x, [case.y]))
+    delta = torch.ops.lorakit.delta(*delta_args)
+    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (delta, case.x, [case.y]))
+    ys = list(torch.split(case.y.clone(), case.slice_sizes, dim=1))
+    torch.library.opcheck(torch.ops.lorakit.add_delta.default, (ys, delta, case.x))
 
 
 def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):

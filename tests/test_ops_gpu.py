@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
-from lorakit.ops import add_lora, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
+from lorakit.ops import add_lora, add_lora_delta, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
 from lorakit.ops.reference import lora_ref_by_slot
 
 from test_ops import check_h, check_y
@@ -162,3 +162,17 @@ def test_delta_beside_survives_freed_inputs_and_graphs():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, two_layers()), f"graph replay {seed} differs from eager"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_eager_join_beside_the_base_gemm(dtype):
+    """The eager path (linear.OVERLAP_EAGER): the delta beside the GEMM, one add_delta launch for q, k and v."""
+    case = make_case(64, 4096, [4096, 1024, 1024], 16, 8, "some-base", dtype, seed=5).to("cuda")
+    W = torch.randn(6144, 4096, device="cuda", dtype=dtype) / 64
+    meta = build_lora_meta(case.slots, 8)
+    base = case.x @ W.T
+    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+    ys = [y.contiguous() for y in torch.split(case.x @ W.T, case.slice_sizes, dim=1)]  # separate outputs, as q/k/v
+    add_lora_delta(ys, delta, case.x)
+    ref = lora_ref_by_slot(base, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
+    assert rel_err(torch.cat(ys, dim=1), ref) <= TOLERANCE[dtype]

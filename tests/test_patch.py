@@ -158,6 +158,20 @@ def test_compiled_forward_computes_the_delta_beside_the_base_layers(tmp_path, mo
     assert torch.equal(eager, logits_after)
 
 
+def test_eager_forward_with_the_delta_beside_gives_the_same_bits(tmp_path, monkeypatch):
+    """linear.OVERLAP_EAGER: eager forwards take lora_delta + add_lora_delta (one join per group); on the CPU the
+    logits are bit for bit those of the delta added after the base layers."""
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(3))
+    ids = handle.ids(["r8", None, "r64"])
+    with torch.no_grad():
+        after = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+        monkeypatch.setattr(lorakit.layers.linear, "OVERLAP_EAGER", True)
+        beside = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+    assert torch.equal(after, beside)
+
+
 def test_per_token_ids_match_per_sequence_ids(tmp_path):
     base, adapters = two_adapters(tmp_path)
     model, handle = patched(base, adapters)

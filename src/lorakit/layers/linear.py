@@ -17,13 +17,16 @@ from torch import nn
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
-from lorakit.ops import add_lora, lora_delta, wait_lora_delta
+from lorakit.ops import add_lora, add_lora_delta, lora_delta, wait_lora_delta
 
 # Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens compute the
 # LoRA delta beside the base layer: ops.lora_delta runs on a side stream while the base GEMM runs, and the add
 # rides in the compiled kernel that reads the base output next (see ops/delta.py). Eager forwards and larger
 # inputs add the delta in place after the base layer (no float32 buffer of T x out). 0 turns it off.
 OVERLAP_MAX_TOKENS = 256
+# Eager forwards (the engine's default decode graphs) may take the same path, joined by ops.add_lora_delta: one
+# add kernel per group. Off until measured: an add kernel per output cost as much as the overlap saved.
+OVERLAP_EAGER = False
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -63,9 +66,13 @@ class _LinearSlots(LoraSlots):
         in place where dtypes allow. Small compiled inputs launch the delta first, so it runs beside the base layers."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         A, B, ranks, scales, widths = self._weights(index)
-        if x2.shape[0] <= OVERLAP_MAX_TOKENS and torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if x2.shape[0] <= OVERLAP_MAX_TOKENS and (compiling or OVERLAP_EAGER):
             delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
             ys = base()
+            if not compiling:
+                add_lora_delta([y.view(-1, y.shape[-1]) for y in ys], delta, x2)
+                return ys
             wait_lora_delta(delta, x2, ys)
             return [(y.float() + d.view(y.shape)).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
         ys = base()

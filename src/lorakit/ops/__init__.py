@@ -30,7 +30,7 @@ from lorakit.ops.expand import _check_expand_args, _launch_expand
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, shrink_split_k
 
 __all__ = [
-    "MAX_SLICES", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
+    "MAX_SLICES", "LoraMeta", "add_lora", "add_lora_delta", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
     "lora_expand", "lora_shrink", "num_sms", "paged_attention", "round_up", "split_columns", "wait_lora_delta", "write_kv",
 ]
 
@@ -120,6 +120,12 @@ def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.T
     _check_slot_count(meta, B, "B")
     return torch.ops.lorakit.delta(x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles,
                                    meta.block_m, list(widths))
+
+
+def add_lora_delta(ys: Sequence[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
+    """``torch.ops.lorakit.add_delta``: wait for ``delta = lora_delta(x, ...)``, then ys[i] += its slice i, in place,
+    one launch for every slice (the join of eager forwards)."""
+    torch.ops.lorakit.add_delta(list(ys), delta, x)
 
 
 def wait_lora_delta(delta: torch.Tensor, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> None:

@@ -26,6 +26,8 @@ memory by the current stream alone could otherwise reuse x's buffer after the ba
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from lorakit.ops._checks import MAX_SLICES, check_shape, check_tensor, num_sms
 from lorakit.ops.expand import _expand_torch, _launch_expand
@@ -130,4 +132,87 @@ def wait_delta(delta: torch.Tensor, x: torch.Tensor, ys: list[torch.Tensor]) -> 
 
 @wait_delta.register_fake
 def _(delta, x, ys):
+    return None
+
+
+@triton.jit
+def _add_delta_kernel(Y0, Y1, Y2, Y3, d_ptr, T, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, stride_dt,
+                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (row block, column block, slice): ys[slice][rows, cols] += delta[rows, lo + cols], float32, rounded once.
+    pid_t, pid_n, slice_id = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    y_ptr = Y0
+    stride_yt = SYT0
+    lo = 0
+    size = N0
+    if slice_id >= 1:
+        y_ptr = Y1
+        stride_yt = SYT1
+        lo += N0
+        size = N1
+    if slice_id >= 2:
+        y_ptr = Y2
+        stride_yt = SYT2
+        lo += N1
+        size = N2
+    if slice_id >= 3:
+        y_ptr = Y3
+        stride_yt = SYT3
+        lo += N2
+        size = N3
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < T)[:, None] & (cols < size)[None, :]
+    rows = rows.to(tl.int64)
+    d = tl.load(d_ptr + rows[:, None] * stride_dt + lo + cols[None, :], mask=mask, other=0.0)
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + cols[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + d).to(y.dtype), mask=mask)
+
+
+def _launch_add_delta(ys: list[torch.Tensor], delta: torch.Tensor) -> None:
+    num_tokens = delta.shape[0]
+    if num_tokens == 0:
+        return
+    pad = MAX_SLICES - len(ys)
+    widths = [y.shape[1] for y in ys]
+    block_t, block_n = 16, 256
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max(widths), block_n), len(ys))
+    _add_delta_kernel[grid](*ys, *[ys[0]] * pad, delta, num_tokens, *widths, *[0] * pad,
+                            *[y.stride(0) for y in ys], *[0] * pad, delta.stride(0), BLOCK_T=block_t, BLOCK_N=block_n,
+                            num_warps=4)
+
+
+def _check_add_args(ys, delta, x) -> None:
+    if not isinstance(ys, (list, tuple)) or not 1 <= len(ys) <= MAX_SLICES:
+        raise ValueError(f"ys must be a list of 1 to {MAX_SLICES} outputs (one per slice), got {ys!r:.100}")
+    check_tensor("delta", delta, dim=2, dtypes=(torch.float32,), device=x.device, unit_stride_dim=1)
+    for i, y in enumerate(ys):
+        check_tensor(f"ys[{i}]", y, dim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16), device=x.device,
+                     unit_stride_dim=1)
+        if y.shape[0] != delta.shape[0]:
+            raise ValueError(f"ys[{i}] must have the delta's {delta.shape[0]} rows, got shape {tuple(y.shape)}")
+    if sum(y.shape[1] for y in ys) != delta.shape[1]:
+        raise ValueError(f"the outputs' widths {[y.shape[1] for y in ys]} must add up to the delta's "
+                         f"{delta.shape[1]} columns")
+
+
+@torch.library.custom_op("lorakit::add_delta", mutates_args=("ys",))
+def add_delta(ys: list[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
+    """Eager forwards' join: wait for the side stream's ``delta = lorakit::delta(x, ...)``, then ys[i] += its slice
+    i (float32, rounded once), every slice in one launch on CUDA. Compiled forwards use ``wait_delta`` and let the
+    add ride in the next kernel instead."""
+    _check_add_args(ys, delta, x)
+    for y, d in zip(ys, _columns(delta, [y.shape[1] for y in ys])):
+        y.add_(d)
+
+
+@add_delta.register_kernel("cuda")
+def _(ys, delta, x):
+    _check_add_args(ys, delta, x)
+    torch.cuda.current_stream(delta.device).wait_stream(side_stream(delta.device))
+    _launch_add_delta(list(ys), delta)
+
+
+@add_delta.register_fake
+def _(ys, delta, x):
     return None
