@@ -60,6 +60,19 @@ def test_real_sizes(tokens, in_features, sizes, r_max, num_slots, mapping, min_r
     assert torch.equal(y[base], case.y[base])
 
 
+def capture(fn):
+    """(a CUDA graph of fn, its output), after one warm-up call on a side stream (kernels compiled before capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def test_cuda_graph_builds_metadata_inside():
     """One capture, many mappings: the metadata build itself is captured (no host sync, fixed shapes), so a replay
     after the slots change in place groups the new mapping."""
@@ -71,14 +84,7 @@ def test_cuda_graph_builds_metadata_inside():
     def step():
         add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, build_lora_meta(slots, num_slots))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step)
     gen = torch.Generator().manual_seed(1)
     for mapping in ("zipf", "some-base", "distinct", "identical", "all-base", "uniform"):
         slots.copy_(make_slots(mapping, num_tokens, num_slots, gen))
@@ -149,14 +155,7 @@ def test_delta_beside_survives_freed_inputs_and_graphs():
         h = layer_beside(type(case)(x_in, *rest), W, meta)[:, :4096].contiguous()
         return layer_beside(type(case)(h, *rest), W, meta)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        two_layers()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = two_layers()
+    graph, out = capture(two_layers)
     for seed in range(3):
         x_in.copy_(torch.randn(64, 4096, generator=torch.Generator().manual_seed(seed)).to(x_in))
         graph.replay()

@@ -59,6 +59,32 @@ def dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a.to(b.dtype), b, acc)
 
 
+@triton.jit
+def slice_output(slice_id, Y0, Y1, Y2, Y3, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3):
+    """Slice ``slice_id``'s output: (pointer, row stride, its first column among the slices, its width). At most
+    four slices, passed as scalars (no device tensor of pointers)."""
+    y_ptr = Y0
+    stride_yt = SYT0
+    lo = 0
+    size = N0
+    if slice_id >= 1:
+        y_ptr = Y1
+        stride_yt = SYT1
+        lo += N0
+        size = N1
+    if slice_id >= 2:
+        y_ptr = Y2
+        stride_yt = SYT2
+        lo += N1
+        size = N2
+    if slice_id >= 3:
+        y_ptr = Y3
+        stride_yt = SYT3
+        lo += N2
+        size = N3
+    return y_ptr, stride_yt, lo, size
+
+
 def check_tensor(
     name: str,
     t: torch.Tensor,

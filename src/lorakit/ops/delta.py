@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import MAX_SLICES, check_shape, check_tensor, num_sms
+from lorakit.ops._checks import MAX_SLICES, check_shape, check_tensor, num_sms, slice_output
 from lorakit.ops.expand import _expand_torch, _launch_expand
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, _shrink_torch, shrink_split_k
 
@@ -140,25 +140,7 @@ def _add_delta_kernel(Y0, Y1, Y2, Y3, d_ptr, T, N0, N1, N2, N3, SYT0, SYT1, SYT2
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (row block, column block, slice): ys[slice][rows, cols] += delta[rows, lo + cols], float32, rounded once.
     pid_t, pid_n, slice_id = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    y_ptr = Y0
-    stride_yt = SYT0
-    lo = 0
-    size = N0
-    if slice_id >= 1:
-        y_ptr = Y1
-        stride_yt = SYT1
-        lo += N0
-        size = N1
-    if slice_id >= 2:
-        y_ptr = Y2
-        stride_yt = SYT2
-        lo += N1
-        size = N2
-    if slice_id >= 3:
-        y_ptr = Y3
-        stride_yt = SYT3
-        lo += N2
-        size = N3
+    y_ptr, stride_yt, lo, size = slice_output(slice_id, Y0, Y1, Y2, Y3, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < T)[:, None] & (cols < size)[None, :]

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from lorakit.ops._checks import (
     FLOAT_DTYPES, MAX_SLICES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot, num_sms,
+    slice_output,
 )
 
 
@@ -86,27 +87,8 @@ def _expand_kernel(
     pid_g = tl.program_id(0)
     pid_tile = tl.program_id(1)
     slice_id = tl.program_id(2)
-    # Slice i writes its own output Y_i (row stride SYT_i, N_i columns) from columns lo.. of B; at most
-    # four slices, passed as scalars (no device tensor of pointers).
-    y_ptr = Y0
-    stride_yt = SYT0
-    lo = 0
-    size = N0
-    if slice_id >= 1:
-        y_ptr = Y1
-        stride_yt = SYT1
-        lo += N0
-        size = N1
-    if slice_id >= 2:
-        y_ptr = Y2
-        stride_yt = SYT2
-        lo += N1
-        size = N2
-    if slice_id >= 3:
-        y_ptr = Y3
-        stride_yt = SYT3
-        lo += N2
-        size = N3
+    # Slice i writes its own output Y_i (row stride SYT_i, N_i columns) from columns lo.. of B.
+    y_ptr, stride_yt, lo, size = slice_output(slice_id, Y0, Y1, Y2, Y3, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3)
     n_lo = pid_g * COLS
     n_hi = tl.minimum(n_lo + COLS, size)
 
