@@ -213,3 +213,28 @@ def test_a_killed_replica_costs_only_its_own_requests(fleet, single):
         for name in NAMES:  # the fleet serves on
             reply = complete(client, fleet, name, **long)
             assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected[name], name
+
+
+def test_an_adapter_asked_for_right_after_its_eviction_stays_registered(world):
+    """Ray calls an evicted adapter's __del__ on a worker thread and the unregister runs later on the replica's loop;
+    a load of the same adapter in between waits for it, then registers the adapter again."""
+    import asyncio
+
+    from lorakit.ray import Replica
+
+    model, root = world
+    replica = Replica(FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,
+                                  lora_roots=[str(root)]))
+
+    async def scenario():
+        held = await replica.acquire("sql")
+        assert "sql" in replica.state.adapters
+        await asyncio.get_running_loop().run_in_executor(None, held.__del__)  # as Ray Serve evicts
+        again = await replica.acquire("sql")  # asked for again before the unregister ran (Ray keeps what it gets)
+        await asyncio.sleep(0.2)
+        return again.name in replica.state.adapters
+
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        replica.state.stop()

@@ -27,6 +27,7 @@ Metrics: every replica's lorakit series go to one prometheus_client multiprocess
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -122,6 +123,8 @@ class Replica:
     """One engine and lorakit's FastAPI app; ``handle`` runs one HTTP request through the app (see the module)."""
 
     def __init__(self, config: FleetConfig):
+        from prometheus_client import Counter
+
         from lorakit.engine.config import EngineConfig
         from lorakit.serve import metrics
         from lorakit.serve.app import create_app
@@ -142,9 +145,6 @@ class Replica:
         self.fixed = set(config.adapters)  # registered at start: never evicted
         resolver = LocalRoots([Path(r) for r in config.lora_roots]) if config.lora_roots else None
         self.resolver = SharedCache(resolver, Path(config.cache)) if resolver and config.cache else resolver
-        self.loads = 0
-        from prometheus_client import Counter
-
         # In no registry: its value goes to the node's multiprocess folder, which any replica's /metrics adds up.
         self._loads_metric = Counter("lorakit_ray_adapter_loads", "Adapters the fleet's replicas loaded by name",
                                      registry=None)
@@ -152,19 +152,22 @@ class Replica:
                                        "Ray Serve evicted them (least recently used past adapters_per_replica)",
                                        registry=None)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._unloading: dict[str, concurrent.futures.Future] = {}  # evicted, unregister not yet done
 
     async def acquire(self, name: str) -> _Held:
         """Resolve and register ``name`` (Ray Serve's multiplexed loader calls this; see ``build_app``)."""
         from lorakit.layers.adapter import AdapterError
 
         self._loop = asyncio.get_running_loop()
+        unloading = self._unloading.pop(name, None)
+        if unloading is not None:  # evicted a moment ago and asked for again: let the unregister finish first
+            await asyncio.wrap_future(unloading)
         if name in self.fixed or name in self.state.adapters:
             return _Held(self, name, self.state.adapters.get(name, 0))
         if self.resolver is None:
             raise AdapterError(f"adapter {name!r} is not registered and the fleet has no --lora-root to find it in")
         path = await asyncio.get_running_loop().run_in_executor(None, self.resolver.resolve, name)
         version = await self.state.register_adapter(name, path)
-        self.loads += 1
         self._loads_metric.inc()
         logger.info("replica %d loaded adapter %r (version %d)", os.getpid(), name, version)
         return _Held(self, name, version)
@@ -174,7 +177,7 @@ class Replica:
         object's ``__del__`` on a worker thread, so the unregister is handed to the replica's event loop."""
         if name in self.fixed or self._loop is None or self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self._unregister(name), self._loop)
+        self._unloading[name] = asyncio.run_coroutine_threadsafe(self._unregister(name), self._loop)
 
     async def _unregister(self, name: str) -> None:
         from lorakit.layers.adapter import AdapterError
@@ -185,9 +188,6 @@ class Replica:
             return
         self._unloads_metric.inc()
         logger.info("replica %d unloaded adapter %r", os.getpid(), name)
-
-    def stats(self) -> dict:
-        return {"pid": os.getpid(), "loads": self.loads, "adapters": sorted(self.state.adapters)}
 
     async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes,
                      name: str) -> AsyncIterator[dict | bytes]:
