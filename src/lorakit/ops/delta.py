@@ -14,11 +14,13 @@ base GEMM runs meanwhile; wait_delta makes the current stream wait for the side 
 this is a fork and a join. Measured on an H200 (bench/results/profile_step_*): the side stream's kernels finish
 within the base GEMMs of a Llama-3-8B layer at batch 64, but adding the delta in kernels of its own (seven per
 layer) costs as much as it saves; compiled, the add rides in the kernels that already read the base outputs (the
-rotary embedding, silu * up, the residual add), so LoraLinear takes this path only inside torch.compile.
+rotary embedding, silu * up, the residual add), so LoraLinear takes this path inside torch.compile, and in eager
+forwards only when asked (``linear.OVERLAP_EAGER``: joined by ``lorakit::add_delta``, one add launch per group).
 
 The delta is float32 [T, sum(widths)], written (not added) by the expand kernel, zeros on base tokens, so
-``y + delta`` is rounded once, as in ``add_lora``'s in-place expand (on the CPU the two paths give the same
-bits; on CUDA they may differ in the last bit where the in-place kernel fuses the multiply-add).
+``y + delta`` is rounded once, as in ``add_lora``'s in-place expand: on the CPU the two paths give the same bits;
+on CUDA they agree to the dtype's tolerance (the delta's shrink splits K for a quarter of the SMs, and the in-place
+kernel may fuse the multiply-add).
 wait_delta takes x only to keep it alive until the join (the side stream reads it; a compiler that planned
 memory by the current stream alone could otherwise reuse x's buffer after the base GEMM).
 """
