@@ -7,6 +7,7 @@ failed with a clean error) and the fleet serves on. Skipped where Ray Serve is n
 
 import dataclasses
 import json
+import queue
 import socket
 import threading
 import time
@@ -103,8 +104,9 @@ def test_every_request_answers_as_the_single_server_does(fleet, single):
         got = client.post(f"{fleet}/v1/chat/completions", json=chat).text
         assert _content(got) == _content(expected)
         missing = complete(client, fleet, "no-such-adapter")
-        error = missing.json()["error"]  # the replica's own 404 (its list of models is the replica's)
-        assert missing.status_code == 404 and error["type"] == "not_found_error" and "no-such-adapter" in error["message"]
+        assert missing.status_code == 404 and missing.json() == complete(single, "", "no-such-adapter").json()
+        listed = [m["id"] for m in client.get(f"{fleet}/v1/models").json()["data"]]  # every adapter it can serve
+        assert listed == [m["id"] for m in single.get("/v1/models").json()["data"]]
         refused = client.post(f"{fleet}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
         assert refused.status_code == 403 and "by name" in refused.json()["error"]["message"]
 
@@ -167,7 +169,7 @@ def test_a_killed_replica_costs_only_its_own_requests(fleet, single):
     long = dict(max_tokens=120, ignore_eos=True)
     expected = {name: complete(single, "", name, **long).json()["choices"][0]["text"] for name in NAMES}
     results: dict[tuple[str, bool], object] = {}
-    started = threading.Semaphore(0)
+    first = queue.Queue()  # the replica of each stream, as its first tokens arrive
 
     def run(name, stream):
         body = {"model": name, "prompt": PROMPT, "temperature": 0, "stream": stream} | long
@@ -176,7 +178,7 @@ def test_a_killed_replica_costs_only_its_own_requests(fleet, single):
                 chunks = []
                 for chunk in r.iter_text():
                     if stream and not chunks:
-                        started.release()  # this stream is decoding
+                        first.put(r.headers["x-lorakit-replica"])  # this stream is decoding there
                     chunks.append(chunk)
                 results[name, stream] = (r.status_code, "".join(chunks))
         except httpx.HTTPError as e:
@@ -187,9 +189,9 @@ def test_a_killed_replica_costs_only_its_own_requests(fleet, single):
         threads = [threading.Thread(target=run, args=(name, stream)) for name in NAMES for stream in (False, True)]
         for t in threads:
             t.start()
-        for _ in NAMES:  # every stream has its first tokens: the requests are decoding on both replicas
-            assert started.acquire(timeout=120)
-        victim = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "LorakitReplica" in a["name"])
+        replica = first.get(timeout=120)  # kill the replica of the first stream to start: it is mid-answer
+        victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                      if "LorakitReplica" in a["name"] and a["name"].endswith(replica))
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
         for t in threads:
             t.join(240)
@@ -238,3 +240,35 @@ def test_an_adapter_asked_for_right_after_its_eviction_stays_registered(world):
         assert asyncio.run(scenario())
     finally:
         replica.state.stop()
+
+
+def test_an_evicted_adapter_stays_registered_until_its_last_request_ends(world):
+    """Ray's LRU evicts without knowing what runs: the replica unregisters an evicted adapter only once the requests
+    using it have ended, and they end with their whole answer."""
+    import asyncio
+
+    from lorakit.ray import Replica
+
+    model, root = world
+    replica = Replica(FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,
+                                  lora_roots=[str(root)]))
+    body = json.dumps({"model": "chat", "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0,
+                       "stream": True}).encode()
+
+    async def scenario():
+        stream = replica.handle("POST", "/v1/completions", b"", [("content-type", "application/json")], body, "chat")
+        head = await stream.__anext__()
+        held = await replica.load("chat")  # what Ray keeps, then evicts while the stream runs
+        await asyncio.get_running_loop().run_in_executor(None, held.__del__)
+        await asyncio.sleep(0.1)
+        during = "chat" in replica.state.adapters
+        text = b"".join([chunk async for chunk in stream]).decode()
+        await asyncio.sleep(0.2)
+        return head["status"], during, text, "chat" in replica.state.adapters
+
+    try:
+        status, during, text, after = asyncio.run(scenario())
+    finally:
+        replica.state.stop()
+    assert status == 200 and during and not after
+    assert '"error"' not in text and text.rstrip().endswith("data: [DONE]")

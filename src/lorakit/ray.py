@@ -27,6 +27,7 @@ Metrics: every replica's lorakit series go to one prometheus_client multiprocess
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -51,6 +52,7 @@ logger = logging.getLogger("lorakit.ray")
 __all__ = ["FleetConfig", "build_app", "run_fleet"]
 
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+REPLICA_HEADER = "x-lorakit-replica"  # on every response: the Ray Serve replica that answered
 
 
 @dataclass
@@ -145,6 +147,8 @@ class Replica:
         self.fixed = set(config.adapters)  # registered at start: never evicted
         resolver = LocalRoots([Path(r) for r in config.lora_roots]) if config.lora_roots else None
         self.resolver = SharedCache(resolver, Path(config.cache)) if resolver and config.cache else resolver
+        if self.resolver is not None:  # /v1/models and 404s list every adapter the fleet can serve
+            self.state.on_request = self.resolver.names
         # In no registry: its value goes to the node's multiprocess folder, which any replica's /metrics adds up.
         self._loads_metric = Counter("lorakit_ray_adapter_loads", "Adapters the fleet's replicas loaded by name",
                                      registry=None)
@@ -152,7 +156,14 @@ class Replica:
                                        "Ray Serve evicted them (least recently used past adapters_per_replica)",
                                        registry=None)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._unloading: dict[str, concurrent.futures.Future] = {}  # evicted, unregister not yet done
+        self._unloading: dict[str, concurrent.futures.Future] = {}  # evicted by Ray, not yet handled on the loop
+        # Ray's LRU evicts without knowing what runs: an evicted adapter stays registered while requests use it.
+        self._in_use: collections.Counter[str] = collections.Counter()
+        self._evicted: set[str] = set()  # unregister when its last request ends
+
+    async def load(self, name: str) -> _Held:
+        """Hold ``name`` for a request (``build_app``'s replicas wrap this in Ray Serve's multiplexing)."""
+        return await self.acquire(name)
 
     async def acquire(self, name: str) -> _Held:
         """Resolve and register ``name`` (Ray Serve's multiplexed loader calls this; see ``build_app``)."""
@@ -160,8 +171,9 @@ class Replica:
 
         self._loop = asyncio.get_running_loop()
         unloading = self._unloading.pop(name, None)
-        if unloading is not None:  # evicted a moment ago and asked for again: let the unregister finish first
+        if unloading is not None:  # evicted a moment ago and asked for again: let the eviction finish first
             await asyncio.wrap_future(unloading)
+        self._evicted.discard(name)  # held again: keep it
         if name in self.fixed or name in self.state.adapters:
             return _Held(self, name, self.state.adapters.get(name, 0))
         if self.resolver is None:
@@ -173,11 +185,17 @@ class Replica:
         return _Held(self, name, version)
 
     def release(self, name: str) -> None:
-        """Ray evicted ``name``: unregister it (requests still running keep their version). Ray Serve calls the held
-        object's ``__del__`` on a worker thread, so the unregister is handed to the replica's event loop."""
+        """Ray evicted ``name``: unregister it once no request of this replica uses it. Ray Serve calls the held
+        object's ``__del__`` on a worker thread, so this is handed to the replica's event loop."""
         if name in self.fixed or self._loop is None or self._loop.is_closed():
             return
-        self._unloading[name] = asyncio.run_coroutine_threadsafe(self._unregister(name), self._loop)
+        self._unloading[name] = asyncio.run_coroutine_threadsafe(self._evict(name), self._loop)
+
+    async def _evict(self, name: str) -> None:
+        if self._in_use[name]:
+            self._evicted.add(name)  # handle() unregisters it when its last request ends
+        else:
+            await self._unregister(name)
 
     async def _unregister(self, name: str) -> None:
         from lorakit.layers.adapter import AdapterError
@@ -192,13 +210,29 @@ class Replica:
     async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes,
                      name: str) -> AsyncIterator[dict | bytes]:
         """Run one request through the app: yields {"status", "headers"} first, then the body's chunks."""
-        if name:
-            try:
-                await self.load(name)
-            except Exception as e:  # noqa: BLE001 - the app answers for an adapter it does not have (404)
-                logger.info("adapter %r not loaded: %s", name, e)
-        async for item in _asgi(self.app, method, path, query, headers, body):
-            yield item
+        self._in_use[name] += 1  # before the load: an eviction from here on waits for this request
+        try:
+            if name:
+                try:
+                    await self.load(name)
+                except Exception as e:  # noqa: BLE001 - the app answers for an adapter it does not have (404)
+                    logger.info("adapter %r not loaded: %s", name, e)
+            async for item in _asgi(self.app, method, path, query, headers, body):
+                if isinstance(item, dict):  # the response's start: say which replica answers (logs, operators)
+                    item["headers"].append((REPLICA_HEADER, _replica_id()))
+                yield item
+        finally:
+            self._in_use[name] -= 1
+            if not self._in_use[name] and name in self._evicted:
+                self._evicted.discard(name)
+                asyncio.get_running_loop().create_task(self._unregister(name))
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a Serve replica (tests call Replica directly)
+        return str(os.getpid())
 
 
 async def _asgi(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator[dict | bytes]:

@@ -24,15 +24,17 @@ __all__ = ["chat", "completions", "model", "models"]
 
 
 def models(state: ServerState) -> dict:
-    """GET /v1/models: the base model, then every adapter by name, with its version and sha256 under "lorakit"."""
+    """GET /v1/models: the base model, then every adapter by name, with its version and sha256 under "lorakit"
+    once registered (a fleet's replica lists the adapters it registers on request too)."""
     created, versions = int(time.time()), state.adapter_versions
     return {"object": "list", "data": [_model(name, state, created, versions)
-                                       for name in (state.config.model_name, *sorted(versions))]}
+                                       for name in (state.config.model_name, *state.servable())]}
 
 
 def model(model_id: str, state: ServerState) -> dict:
     """GET /v1/models/{model_id}."""
-    state.adapter_of(model_id)
+    if model_id not in state.servable():
+        state.adapter_of(model_id)
     return _model(model_id, state, int(time.time()), state.adapter_versions)
 
 

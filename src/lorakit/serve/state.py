@@ -88,6 +88,9 @@ class ServerState:
         self.metrics = Metrics(self.engine)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
         self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
+        # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.ray): listed
+        # by /v1/models and in 404s beside the registered ones.
+        self.on_request: Callable[[], Sequence[str]] | None = None
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
 
@@ -114,14 +117,17 @@ class ServerState:
     def eos_token_id(self) -> int | list[int] | None:
         return self.engine.eos_token_id
 
+    def servable(self) -> list[str]:
+        """Every adapter this server answers for: the registered ones and those it registers on request."""
+        return sorted(set(self.adapters) | set(self.on_request() if self.on_request else ()))
+
     def adapter_of(self, model: str) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a name nobody serves."""
         if model == self.config.model_name:
             return None
-        adapters = self.adapters
-        if model not in adapters:
+        if model not in self.adapters:
             raise ApiError(404, f"the model {model!r} does not exist; available: "
-                                f"{[self.config.model_name, *sorted(adapters)]}", "model")
+                                f"{[self.config.model_name, *self.servable()]}", "model")
         return model
 
     async def prompt_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
