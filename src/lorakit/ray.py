@@ -156,7 +156,7 @@ class Replica:
                                        "Ray Serve evicted them (least recently used past adapters_per_replica)",
                                        registry=None)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._unloading: dict[str, concurrent.futures.Future] = {}  # evicted by Ray, not yet handled on the loop
+        self._unloading: dict[str, concurrent.futures.Future] = {}  # evictions and unregisters under way
         # Ray's LRU evicts without knowing what runs: an evicted adapter stays registered while requests use it.
         self._in_use: collections.Counter[str] = collections.Counter()
         self._evicted: set[str] = set()  # unregister when its last request ends
@@ -223,9 +223,9 @@ class Replica:
                 yield item
         finally:
             self._in_use[name] -= 1
-            if not self._in_use[name] and name in self._evicted:
+            if not self._in_use[name] and name in self._evicted:  # acquire() waits for it, as for an eviction
                 self._evicted.discard(name)
-                asyncio.get_running_loop().create_task(self._unregister(name))
+                self._unloading[name] = asyncio.run_coroutine_threadsafe(self._unregister(name), self._loop)
 
 
 def _replica_id() -> str:
