@@ -4,8 +4,8 @@ A Llama-3-8B-shaped model (``--layers`` of its 32; per-layer times do not depend
 weights, ``--batch`` requests decoding, each case its own engine: the base model alone, then N distinct rank-16
 adapters on all 7 projections. For every case: wall time per decode step (no profiler), then a profile of a few
 steps: per kernel group (GEMM, LoRA shrink, LoRA expand, attention, fused elementwise, other) the count and
-microseconds per step, the device's busy time per step (kernel intervals merged) and its span (first kernel start
-to last kernel end). One layer's kernels (start, duration, stream) go to the JSON for ``plot_step_timeline.py``.
+microseconds per step, and the device's busy time per step (kernel intervals merged, streams overlapping). One
+layer's kernels (start, duration, stream) go to the JSON for ``plot_step_timeline.py``.
 
     PYTHONPATH=src python bench/profile_step.py --out DIR [--layers 4] [--batch 64] [--adapters 0 8 32] [--compile]
         [--compare-overlap]   # each case also with the LoRA delta after the base GEMM, not beside it
@@ -84,7 +84,6 @@ def profile_case(engine: Engine, steps: int, layers: int) -> dict:
     for name, s, e, _ in kernels:
         per_group.setdefault(group_of(name), []).append(e - s)
     busy = merged_us([(s, e) for _, s, e, _ in kernels]) / steps
-    span = (kernels[-1][2] - kernels[0][1]) / steps if kernels else float("nan")
     # One layer of the middle step: the kernels between the 2nd and 3rd attention kernels of that step.
     step_len = len(kernels) // steps
     mid = kernels[step_len * (steps // 2): step_len * (steps // 2 + 1)]
@@ -92,7 +91,7 @@ def profile_case(engine: Engine, steps: int, layers: int) -> dict:
     layer = mid[attn[1]: attn[2]] if len(attn) > 2 else []
     t0 = layer[0][1] if layer else 0.0
     return dict(
-        wall_ms=1e3 * statistics.median(walls), busy_ms=busy / 1e3, span_ms=span / 1e3,
+        wall_ms=1e3 * statistics.median(walls), busy_ms=busy / 1e3,
         groups={g: dict(count=len(v) / steps, us=sum(v) / steps) for g, v in sorted(per_group.items())},
         layer_kernels=[dict(name=n[:80], group=group_of(n), start_us=s - t0, dur_us=e - s, stream=str(r))
                        for n, s, e, r in layer],
@@ -136,10 +135,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = beside, False
     groups = sorted({g for c in cases for g in c["groups"]})
-    head = "| adapters | LoRA delta | wall (ms) | GPU busy (ms) | GPU span (ms) | " + " | ".join(
+    head = "| adapters | LoRA delta | wall (ms) | GPU busy (ms) | " + " | ".join(
         f"{g} (us/layer)" for g in groups) + " |"
     rows = ([c["adapters"], c["delta"], fmt(c["wall_ms"], ".3f"), fmt(c["busy_ms"], ".3f"),
-             fmt(c["span_ms"], ".3f"), *(fmt(c["per_layer_us"].get(g, 0.0), ".1f") for g in groups)] for c in cases)
+             *(fmt(c["per_layer_us"].get(g, 0.0), ".1f") for g in groups)] for c in cases)
     s = setup("device", "torch", "triton", "transformers", "commit", "date_utc", layers=args.layers, batch=args.batch,
               compile=args.compile)
     report = (f"# One decode step, profiled: Llama-3-8B shape ({args.layers} layers), batch {args.batch}\n\n"

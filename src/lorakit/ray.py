@@ -47,12 +47,16 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from lorakit.serve.protocol import ApiError
+from lorakit.serve.streaming import DONE, event
+
 logger = logging.getLogger("lorakit.ray")
 
 __all__ = ["FleetConfig", "build_app", "run_fleet"]
 
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 REPLICA_HEADER = "x-lorakit-replica"  # on every response: the Ray Serve replica that answered
+REPLICA_FAILED = "the replica serving this request failed; retry"
 
 
 @dataclass
@@ -111,8 +115,8 @@ def adapter_of(method: str, path: str, body: bytes, base_name: str) -> str:
 class _Held:
     """An adapter a replica holds for Ray Serve's multiplexing; unregistered when Ray evicts it (``__del__``)."""
 
-    def __init__(self, replica: "Replica", name: str, version: int):
-        self.replica, self.name, self.version = replica, name, version
+    def __init__(self, replica: "Replica", name: str):
+        self.replica, self.name = replica, name
         self._released = False
 
     def __del__(self):
@@ -139,9 +143,7 @@ class Replica:
             metrics.share_across_processes(config.metrics_dir)
         folder, name = model_folder(config.model)
         engine = load_engine(str(folder), config.device, config.dtype, EngineConfig(**config.engine), config.adapters)
-        serve_config = ServeConfig(**({"model_name": name} | config.serve))
-        self.base_name = serve_config.model_name
-        self.app = create_app(engine, serve_config)
+        self.app = create_app(engine, ServeConfig(**({"model_name": name} | config.serve)))
         self.state = self.app.state.server
         self.state.start()
         self.fixed = set(config.adapters)  # registered at start: never evicted
@@ -175,14 +177,14 @@ class Replica:
             await asyncio.wrap_future(unloading)
         self._evicted.discard(name)  # held again: keep it
         if name in self.fixed or name in self.state.adapters:
-            return _Held(self, name, self.state.adapters.get(name, 0))
+            return _Held(self, name)
         if self.resolver is None:
             raise AdapterError(f"adapter {name!r} is not registered and the fleet has no --lora-root to find it in")
         path = await asyncio.get_running_loop().run_in_executor(None, self.resolver.resolve, name)
         version = await self.state.register_adapter(name, path)
         self._loads_metric.inc()
         logger.info("replica %d loaded adapter %r (version %d)", os.getpid(), name, version)
-        return _Held(self, name, version)
+        return _Held(self, name)
 
     def release(self, name: str) -> None:
         """Ray evicted ``name``: unregister it once no request of this replica uses it. Ray Serve calls the held
@@ -323,7 +325,7 @@ class Router:
                 logger.warning("replica failed before answering %s %s (attempt %d): %r", request.method, path,
                                attempt, e)
                 if attempt == 2:
-                    return _error(503, "the replica serving this request failed; retry")
+                    return _error(503, REPLICA_FAILED)
         status = head["status"]
         out_headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
         streaming = "text/event-stream" in out_headers.get("content-type", "")
@@ -335,17 +337,14 @@ class Router:
             except Exception as e:  # noqa: BLE001 - the replica died mid-answer
                 self.failures.labels("mid_answer").inc()
                 logger.warning("replica failed mid-answer: %r", e)
-                if streaming:
-                    error = {"error": {"message": "the replica serving this request failed; retry", "code": 503,
-                                       "type": "ServiceUnavailableError", "param": None}}
-                    yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                if streaming:  # as lorakit serve ends a stream whose engine died
+                    yield (event(ApiError(503, REPLICA_FAILED).body()) + DONE).encode()
 
         return StreamingResponse(rest(), status_code=status, headers=out_headers)
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                   "ServiceUnavailableError", "param": None, "code": status}}, status_code=status)
+    return JSONResponse(ApiError(status, message).body(), status_code=status)
 
 
 def build_app(args: dict | FleetConfig):
@@ -365,15 +364,15 @@ def build_app(args: dict | FleetConfig):
                                max_ongoing_requests=1024)
     router = serve.deployment(Router, name="LorakitRouter", ray_actor_options={"num_cpus": 0},
                               max_ongoing_requests=4096)
-    base_name = config.serve.get("model_name") or _base_name(config.model)
+    base_name = config.serve.get("model_name") or _model_name(config.model)
     return router.bind(replica.bind(config), base_name, sorted(config.adapters), config.serve.get("api_key"),
                        config.metrics_dir)
 
 
-def _base_name(model: str | None) -> str:
+def _model_name(model: str | None) -> str:
     from lorakit.serve.model import model_folder
 
-    return model_folder(model)[1] if model else model_folder(None)[1]
+    return model_folder(model)[1]
 
 
 def run_fleet(config: FleetConfig, host: str = "127.0.0.1", port: int = 8000, *, num_cpus: int | None = None,

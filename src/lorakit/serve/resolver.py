@@ -45,7 +45,7 @@ def _checked_name(name: str) -> str:
     return name
 
 
-def _adapter_folder(folder: Path, name: str) -> bool:
+def _adapter_folder(folder: Path) -> bool:
     return (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS_NAME).is_file()
 
 
@@ -67,7 +67,7 @@ class LocalRoots:
             if not folder.is_relative_to(root):
                 raise AdapterError(f"adapter {name!r} resolves outside its root {str(root)!r} (a link?)")
             if folder.is_dir():
-                if not _adapter_folder(folder, name):
+                if not _adapter_folder(folder):
                     raise AdapterError(f"{str(folder)!r} holds no {CONFIG_NAME} and {WEIGHTS_NAME}: not a PEFT "
                                        f"adapter saved with safetensors")
                 for file in folder.rglob("*"):
@@ -77,7 +77,7 @@ class LocalRoots:
         raise AdapterError(f"no adapter {name!r} under {', '.join(repr(str(r)) for r in self.roots)}")
 
     def names(self) -> list[str]:
-        return sorted({p.name for root in self.roots for p in root.iterdir() if _adapter_folder(p, p.name)})
+        return sorted({p.name for root in self.roots for p in root.iterdir() if _adapter_folder(p)})
 
 
 class SharedCache:
@@ -93,11 +93,11 @@ class SharedCache:
 
     def resolve(self, name: str) -> Path:
         target = self.folder / _checked_name(name)
-        if _adapter_folder(target, name):
+        if _adapter_folder(target):
             return target
         with open(self.folder / f".{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if _adapter_folder(target, name):  # another replica copied it while this one waited
+            if _adapter_folder(target):  # another replica copied it while this one waited
                 return target
             source = self.source.resolve(name)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.folder))
