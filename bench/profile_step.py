@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         folders = {f"u{i}": write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_max)}
         for n, (mode, overlap) in ((n, m) for n in args.adapters for m in modes):
             linear.OVERLAP_MAX_TOKENS = overlap
-            linear.OVERLAP_EAGER = bool(overlap)  # eager forwards (no --compile): joined by add_lora_delta
+            linear.OVERLAP_EAGER = "graphs" if overlap else "never"  # eager graphs (no --compile): add_lora_delta
             if model is None:
                 torch.manual_seed(0)
                 model = make_model(args.layers, False, "cuda")
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             engine = model = None
             gc.collect()
             torch.cuda.empty_cache()
-    linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = beside, False
+    linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = beside, "graphs"
     groups = sorted({g for c in cases for g in c["groups"]})
     head = "| adapters | LoRA delta | wall (ms) | GPU busy (ms) | " + " | ".join(
         f"{g} (us/layer)" for g in groups) + " |"

@@ -24,9 +24,11 @@ from lorakit.ops import add_lora, add_lora_delta, lora_delta, wait_lora_delta
 # rides in the compiled kernel that reads the base output next (see ops/delta.py). Eager forwards and larger
 # inputs add the delta in place after the base layer (no float32 buffer of T x out). 0 turns it off.
 OVERLAP_MAX_TOKENS = 256
-# Eager forwards (the engine's default decode graphs) may take the same path, joined by ops.add_lora_delta: one
-# add kernel per group. Off until measured: an add kernel per output cost as much as the overlap saved.
-OVERLAP_EAGER = False
+# Eager forwards take the same path, joined by ops.add_lora_delta (one add kernel per group): "graphs" while a CUDA
+# graph is being captured (the engine's default decode graphs: 8 adapters at batch 64, step -9 %,
+# bench/results/profile_step_eager_6a9a337.md), "always", or "never". Outside a capture the delta is added after:
+# fewer launches, and the cheapest host path (add_lora launches its kernels itself; lora_delta is a dispatched op).
+OVERLAP_EAGER = "graphs"
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -36,6 +38,11 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
         return module.weight.shape[0], module.weight.shape[1]
     return None
+
+
+def _overlap_eager(x: torch.Tensor) -> bool:
+    return OVERLAP_EAGER == "always" or (OVERLAP_EAGER == "graphs" and x.is_cuda
+                                         and torch.cuda.is_current_stream_capturing())
 
 
 class _LinearSlots(LoraSlots):
@@ -67,7 +74,7 @@ class _LinearSlots(LoraSlots):
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         A, B, ranks, scales, widths = self._weights(index)
         compiling = torch.compiler.is_compiling()
-        if x2.shape[0] <= OVERLAP_MAX_TOKENS and (compiling or OVERLAP_EAGER):
+        if x2.shape[0] <= OVERLAP_MAX_TOKENS and (compiling or _overlap_eager(x2)):
             delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
             ys = base()
             if not compiling:
@@ -78,10 +85,10 @@ class _LinearSlots(LoraSlots):
         ys = base()
         flat = [y.view(-1, y.shape[-1]) for y in ys]
         if all(y.dtype == self.dtype for y in ys):
-            add_lora(flat, x2, A, B, ranks, scales, meta)
+            add_lora(flat, x2, A, B, ranks, scales, meta, check=False)  # the slots' buffers, the batch's meta
             return ys
         deltas = [torch.zeros(y.shape, dtype=self.dtype, device=y.device) for y in flat]
-        add_lora(deltas, x2, A, B, ranks, scales, meta)
+        add_lora(deltas, x2, A, B, ranks, scales, meta, check=False)
         return [y + d.view(y.shape).to(y.dtype) for y, d in zip(ys, deltas)]
 
 

@@ -58,14 +58,19 @@ def _direct(*tensors: torch.Tensor) -> bool:
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: LoraMeta,
-                split_k: int | None = None) -> torch.Tensor:
-    """``torch.ops.lorakit.shrink`` over a LoraMeta: float32 partials [split_k, n_slices, T, R_max]."""
-    _check_slot_count(meta, A, "A")
+                split_k: int | None = None, check: bool = True) -> torch.Tensor:
+    """``torch.ops.lorakit.shrink`` over a LoraMeta: float32 partials [split_k, n_slices, T, R_max].
+
+    check=False skips the argument checks of an eager call on CUDA (about 10 us of host time): for callers whose
+    tensors lorakit itself built and checked (the LoRA layers' buffers, a LoraMeta, x in A's dtype, contiguous)."""
+    if check:
+        _check_slot_count(meta, A, "A")
     if split_k is None:
         split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], meta.tiles.shape[1], meta.block_m,
                                  num_sms(x.device))
     if _direct(x, A):
-        _check_shrink_args(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
+        if check:
+            _check_shrink_args(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
         return _launch_shrink(x, A, ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
     return torch.ops.lorakit.shrink(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
                                     split_k)
@@ -81,14 +86,17 @@ def split_columns(y: torch.Tensor, slice_sizes: Sequence[int] | None) -> list[to
 
 
 def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
-                scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None) -> None:
+                scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None,
+                check: bool = True) -> None:
     """``torch.ops.lorakit.expand`` over a LoraMeta: ys[i] += scale * h[i] @ B[slice i].T, in place.
 
-    ys: one output per slice, or one tensor y split into slices of widths slice_sizes."""
-    _check_slot_count(meta, B, "B")
+    ys: one output per slice, or one tensor y split into slices of widths slice_sizes; check: as for lora_shrink."""
+    if check:
+        _check_slot_count(meta, B, "B")
     outs = split_columns(ys, slice_sizes) if isinstance(ys, torch.Tensor) else list(ys)
     if _direct(h, B, *outs):
-        _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
+        if check:
+            _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
         _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m)
         return
     torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
@@ -96,7 +104,7 @@ def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: t
 
 def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              ranks: torch.Tensor, scales: torch.Tensor, meta: LoraMeta,
-             slice_sizes: Sequence[int] | None = None) -> None:
+             slice_sizes: Sequence[int] | None = None, check: bool = True) -> None:
     """The whole LoRA delta of one (possibly fused) layer, added in place.
 
     Semantics:
@@ -107,8 +115,9 @@ def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch
     outputs y_i [T, out_i] (q, k and v of one input); A: [S, n_slices, R_max, in]; B: [S, out, R_max]
     (store it as [S, R_max, out] and pass ``.transpose(1, 2)``: the expand then reads only the first r
     rows, fully coalesced); ranks int32 and scales float32 [S, n_slices]. The meta must be built for S slots.
+    check=False: see lora_shrink (the layers' eager calls).
     """
-    lora_expand(y, lora_shrink(x, A, ranks, meta), B, ranks, scales, meta, slice_sizes)
+    lora_expand(y, lora_shrink(x, A, ranks, meta, check=check), B, ranks, scales, meta, slice_sizes, check=check)
 
 
 def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,

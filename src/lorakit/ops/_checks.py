@@ -38,6 +38,11 @@ def cdiv(n: int, d: int) -> int:
     return -(-n // d)
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two that is >= n (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def round_up(n: int, multiple: int) -> int:
     """The least multiple of ``multiple`` that is >= n."""
     return cdiv(n, multiple) * multiple

@@ -30,7 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import CPU_SMS, FLOAT_DTYPES, cdiv, num_sms, check_shape, check_tensor, dot, host_checks_allowed
+from lorakit.ops._checks import (
+    CPU_SMS, FLOAT_DTYPES, cdiv, check_shape, check_tensor, dot, host_checks_allowed, next_power_of_2, num_sms,
+)
+from lorakit.ops._launch import Launcher
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -62,17 +65,20 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d, v, mask=mask)
 
 
+_WRITE_KV = Launcher(_write_kv_kernel)
+
+
 def _launch_write_kv(k_cache, v_cache, key, value, kv_index) -> None:
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _write_kv_kernel[(num_tokens,)](
+    _WRITE_KV[(num_tokens,)](
         key, value, k_cache, v_cache, kv_index,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_heads), BLOCK_D=next_power_of_2(head_dim),
     )
 
 
@@ -324,12 +330,16 @@ def num_kv_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: 
                     tile: int, sms: int = CPU_SMS) -> int:
     """How many ways to split each query block's keys, from shapes only: only small grids are split."""
     busy = min(num_tokens, num_tokens // block_q + num_seqs) * num_kv_heads  # programs that can hold rows
-    max_tiles = triton.cdiv(max_context, tile)
+    max_tiles = cdiv(max_context, tile)
     segments = 1
     while (segments < MAX_SEGMENTS and busy * segments * 2 <= PROGRAMS_PER_SM * sms
            and segments * 2 <= max_tiles):
         segments *= 2
     return segments
+
+
+_PAGED_ATTENTION = Launcher(_paged_attention_kernel)
+_REDUCE_SEGMENTS = Launcher(_reduce_segments_kernel)
 
 
 def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale: float,
@@ -343,7 +353,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
         return out
     group = num_heads // num_kv_heads
     config = dict(config or attention_config(num_tokens, num_seqs, query.dtype, head_dim))
-    block_m = max(config.pop("BLOCK_M"), triton.next_power_of_2(group))
+    block_m = max(config.pop("BLOCK_M"), next_power_of_2(group))
     block_q = block_m // group
     tile = config.pop("TILE")
     if num_segments is None:
@@ -351,7 +361,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
                                        num_sms(query.device))
     if num_segments < 1 or num_segments & (num_segments - 1):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, next_power_of_2(head_dim))
     if num_segments > 1:
         part_acc = torch.empty((num_tokens, num_heads, num_segments, head_dim), dtype=torch.float32,
                                device=query.device)
@@ -359,7 +369,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     else:
         part_acc = part_ml = out  # never touched
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_segments)
-    _paged_attention_kernel[grid](
+    _PAGED_ATTENTION[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start, part_acc, part_ml,
         float(scale), float(softcap), int(sliding_window), num_seqs, num_tokens, max_blocks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -369,11 +379,11 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile, NUM_SEGMENTS=num_segments,
-        SEARCH=min(SEARCH_CHUNK, triton.next_power_of_2(num_seqs + 1)),
+        SEARCH=min(SEARCH_CHUNK, next_power_of_2(num_seqs + 1)),
         USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window > 0, IEEE=query.dtype == torch.float32, **config,
     )
     if num_segments > 1:
-        _reduce_segments_kernel[(num_tokens, num_heads)](
+        _REDUCE_SEGMENTS[(num_tokens, num_heads)](
             out, part_acc, part_ml, query_start, num_seqs,
             out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),

@@ -15,7 +15,8 @@ this is a fork and a join. Measured on an H200 (bench/results/profile_step_*): t
 within the base GEMMs of a Llama-3-8B layer at batch 64, but adding the delta in kernels of its own (seven per
 layer) costs as much as it saves; compiled, the add rides in the kernels that already read the base outputs (the
 rotary embedding, silu * up, the residual add), so LoraLinear takes this path inside torch.compile, and in eager
-forwards only when asked (``linear.OVERLAP_EAGER``: joined by ``lorakit::add_delta``, one add launch per group).
+forwards captured into CUDA graphs (``linear.OVERLAP_EAGER``), joined by ``lorakit::add_delta``: one add launch per
+group, 9 % off a decode step with 8 adapters at batch 64 (bench/results/profile_step_eager_6a9a337.md).
 
 The delta is float32 [T, sum(widths)], written (not added) by the expand kernel, zeros on base tokens, so
 ``y + delta`` is rounded once, as in ``add_lora``'s in-place expand: on the CPU the two paths give the same bits;
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import MAX_SLICES, check_shape, check_tensor, num_sms, slice_output
+from lorakit.ops._checks import MAX_SLICES, cdiv, check_shape, check_tensor, num_sms, slice_output
+from lorakit.ops._launch import Launcher
 from lorakit.ops.expand import _expand_torch, _launch_expand
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, _shrink_torch, shrink_split_k
 
@@ -153,6 +155,9 @@ def _add_delta_kernel(Y0, Y1, Y2, Y3, d_ptr, T, N0, N1, N2, N3, SYT0, SYT1, SYT2
     tl.store(y_ptrs, (y.to(tl.float32) + d).to(y.dtype), mask=mask)
 
 
+_ADD_DELTA = Launcher(_add_delta_kernel)
+
+
 def _launch_add_delta(ys: list[torch.Tensor], delta: torch.Tensor) -> None:
     num_tokens = delta.shape[0]
     if num_tokens == 0:
@@ -160,8 +165,8 @@ def _launch_add_delta(ys: list[torch.Tensor], delta: torch.Tensor) -> None:
     pad = MAX_SLICES - len(ys)
     widths = [y.shape[1] for y in ys]
     block_t, block_n = 16, 256
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max(widths), block_n), len(ys))
-    _add_delta_kernel[grid](*ys, *[ys[0]] * pad, delta, num_tokens, *widths, *[0] * pad,
+    grid = (cdiv(num_tokens, block_t), cdiv(max(widths), block_n), len(ys))
+    _ADD_DELTA[grid](*ys, *[ys[0]] * pad, delta, num_tokens, *widths, *[0] * pad,
                             *[y.stride(0) for y in ys], *[0] * pad, delta.stride(0), BLOCK_T=block_t, BLOCK_N=block_n,
                             num_warps=4)
 

@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import (
-    FLOAT_DTYPES, MAX_SLICES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot, num_sms,
-    slice_output,
+    FLOAT_DTYPES, MAX_SLICES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+    num_sms, slice_output,
 )
+from lorakit.ops._launch import Launcher
 
 
 @triton.jit
@@ -139,6 +140,9 @@ EXPAND_CONFIGS = {
 }
 
 
+_EXPAND = Launcher(_expand_kernel)
+
+
 def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False,
                    sms: int | None = None) -> None:
     """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i; the grid is sized for
@@ -152,11 +156,11 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     config = dict(EXPAND_CONFIGS[16 if block_m <= 16 else 64])
     per_sm = config.pop("programs_per_sm")
     n_tiles = tiles.shape[1]
-    col_blocks = triton.cdiv(max(widths), config["BLOCK_N"])
-    groups = max(1, min(col_blocks, triton.cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
-    cols = triton.cdiv(col_blocks, groups) * config["BLOCK_N"]
-    grid = (triton.cdiv(max(widths), cols), n_tiles, n_slices)
-    _expand_kernel[grid](
+    col_blocks = cdiv(max(widths), config["BLOCK_N"])
+    groups = max(1, min(col_blocks, cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
+    cols = cdiv(col_blocks, groups) * config["BLOCK_N"]
+    grid = (cdiv(max(widths), cols), n_tiles, n_slices)
+    _EXPAND[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
         h.stride(0), h.stride(1), h.stride(2),

@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import (
-    CPU_SMS, FLOAT_DTYPES, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+    CPU_SMS, FLOAT_DTYPES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
+    next_power_of_2,
 )
+from lorakit.ops._launch import Launcher
 
 
 @triton.jit
@@ -69,8 +71,11 @@ def _shrink_kernel(
     tl.store(h_ptrs, acc, mask=m_mask[:, None] & (offs_r < R_MAX)[None, :])
 
 
+_SHRINK = Launcher(_shrink_kernel)
+
+
 def _block_r(r_max: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(r_max)))
+    return min(64, max(16, next_power_of_2(r_max)))
 
 
 # Launch configuration by the metadata's block_m: rows per program (a tile of 64 prefill tokens is
@@ -90,7 +95,7 @@ def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, bl
                    sms: int = CPU_SMS) -> int:
     """How many ways to split K (each split writes a partial of h that the expand sums once per program)."""
     config = _shrink_config(block_m)
-    programs = n_slices * triton.cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
+    programs = n_slices * cdiv(r_max, _block_r(r_max)) * n_tiles * (block_m // config["BLOCK_M"])
     split = 1
     while (split < config["max_split"] and programs * split * 2 <= config["programs_per_sm"] * sms
            and in_features // (split * 2) >= 256):
@@ -107,8 +112,8 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     block_r = _block_r(r_max)
     config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
-    grid = (n_slices * triton.cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
-    _shrink_kernel[grid](
+    grid = (n_slices * cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
+    _SHRINK[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
         x.stride(0),
