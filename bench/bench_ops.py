@@ -28,7 +28,6 @@ from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotat
                     setup_line, table, write_report)
 
 from lorakit.ops import add_lora, build_lora_meta, lora_delta, wait_lora_delta
-from lorakit.ops import expand as _expand_mod
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 
@@ -199,13 +198,9 @@ def host_time() -> list[dict]:
     for what, fn in (("add_lora (kernels launched directly)", lambda: run_lorakit(c)),
                      ("add_lora(check=False), as the LoRA layers call it", lambda: run_lorakit(c, check=False)),
                      ("torch.ops.lorakit.shrink + expand (the dispatcher)", via_ops),
-                     ("one expand launch (lorakit's Launcher: the compiled kernel, called directly)",
-                      lambda: _launch_expand([c["y"]], h, B, c["ranks"], c["scales"], meta.token_order, meta.tiles,
-                                             meta.block_m)),
-                     ("one expand launch through Triton's kernel[grid](...)",
+                     ("one expand launch (Triton's kernel[grid](...))",
                       lambda: _launch_expand([c["y"]], h, B, c["ranks"], c["scales"], meta.token_order, meta.tiles,
                                              meta.block_m))):
-        _expand_mod._EXPAND.fast = "Triton's" not in what
         for _ in range(50):
             fn()
         torch.cuda.synchronize()
@@ -217,7 +212,6 @@ def host_time() -> list[dict]:
             torch.cuda.synchronize()
             best = min(best, (time.perf_counter() - start) / 1000 * 1e6)
         rows.append({"what": what, "host_us": best})
-    _expand_mod._EXPAND.fast = True
     return rows
 
 

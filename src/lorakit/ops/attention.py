@@ -33,7 +33,6 @@ import triton.language as tl
 from lorakit.ops._checks import (
     CPU_SMS, FLOAT_DTYPES, cdiv, check_shape, check_tensor, dot, host_checks_allowed, next_power_of_2, num_sms,
 )
-from lorakit.ops._launch import Launcher
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -65,14 +64,11 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d, v, mask=mask)
 
 
-_WRITE_KV = Launcher(_write_kv_kernel)
-
-
 def _launch_write_kv(k_cache, v_cache, key, value, kv_index) -> None:
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _WRITE_KV[(num_tokens,)](
+    _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, kv_index,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -338,10 +334,6 @@ def num_kv_segments(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: 
     return segments
 
 
-_PAGED_ATTENTION = Launcher(_paged_attention_kernel)
-_REDUCE_SEGMENTS = Launcher(_reduce_segments_kernel)
-
-
 def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale: float,
                             softcap: float, sliding_window: int, config: dict | None = None,
                             num_segments: int | None = None) -> torch.Tensor:
@@ -369,7 +361,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
     else:
         part_acc = part_ml = out  # never touched
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads, num_segments)
-    _PAGED_ATTENTION[grid](
+    _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start, part_acc, part_ml,
         float(scale), float(softcap), int(sliding_window), num_seqs, num_tokens, max_blocks,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -383,7 +375,7 @@ def _launch_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, que
         USE_SOFTCAP=softcap > 0, USE_WINDOW=sliding_window > 0, IEEE=query.dtype == torch.float32, **config,
     )
     if num_segments > 1:
-        _REDUCE_SEGMENTS[(num_tokens, num_heads)](
+        _reduce_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, query_start, num_seqs,
             out.stride(0), out.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
             part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),

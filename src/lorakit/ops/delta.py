@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import MAX_SLICES, cdiv, check_shape, check_tensor, num_sms, slice_output
-from lorakit.ops._launch import Launcher
 from lorakit.ops.expand import _expand_torch, _launch_expand
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, _shrink_torch, shrink_split_k
 
@@ -155,9 +154,6 @@ def _add_delta_kernel(Y0, Y1, Y2, Y3, d_ptr, T, N0, N1, N2, N3, SYT0, SYT1, SYT2
     tl.store(y_ptrs, (y.to(tl.float32) + d).to(y.dtype), mask=mask)
 
 
-_ADD_DELTA = Launcher(_add_delta_kernel)
-
-
 def _launch_add_delta(ys: list[torch.Tensor], delta: torch.Tensor) -> None:
     num_tokens = delta.shape[0]
     if num_tokens == 0:
@@ -166,7 +162,7 @@ def _launch_add_delta(ys: list[torch.Tensor], delta: torch.Tensor) -> None:
     widths = [y.shape[1] for y in ys]
     block_t, block_n = 16, 256
     grid = (cdiv(num_tokens, block_t), cdiv(max(widths), block_n), len(ys))
-    _ADD_DELTA[grid](*ys, *[ys[0]] * pad, delta, num_tokens, *widths, *[0] * pad,
+    _add_delta_kernel[grid](*ys, *[ys[0]] * pad, delta, num_tokens, *widths, *[0] * pad,
                             *[y.stride(0) for y in ys], *[0] * pad, delta.stride(0), BLOCK_T=block_t, BLOCK_N=block_n,
                             num_warps=4)
 

@@ -18,7 +18,6 @@ from lorakit.ops._checks import (
     FLOAT_DTYPES, MAX_SLICES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
     num_sms, slice_output,
 )
-from lorakit.ops._launch import Launcher
 
 
 @triton.jit
@@ -140,9 +139,6 @@ EXPAND_CONFIGS = {
 }
 
 
-_EXPAND = Launcher(_expand_kernel)
-
-
 def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False,
                    sms: int | None = None) -> None:
     """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i; the grid is sized for
@@ -160,7 +156,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     groups = max(1, min(col_blocks, cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
     cols = cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (cdiv(max(widths), cols), n_tiles, n_slices)
-    _EXPAND[grid](
+    _expand_kernel[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
         h.stride(0), h.stride(1), h.stride(2),

@@ -16,7 +16,6 @@ from lorakit.ops._checks import (
     CPU_SMS, FLOAT_DTYPES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
     next_power_of_2,
 )
-from lorakit.ops._launch import Launcher
 
 
 @triton.jit
@@ -71,9 +70,6 @@ def _shrink_kernel(
     tl.store(h_ptrs, acc, mask=m_mask[:, None] & (offs_r < R_MAX)[None, :])
 
 
-_SHRINK = Launcher(_shrink_kernel)
-
-
 def _block_r(r_max: int) -> int:
     return min(64, max(16, next_power_of_2(r_max)))
 
@@ -113,7 +109,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
     grid = (n_slices * cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
-    _SHRINK[grid](
+    _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
         x.stride(0),
