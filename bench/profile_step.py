@@ -110,6 +110,7 @@ def main(argv=None) -> int:
                    help="each case also with the delta added after the base GEMM (linear.OVERLAP_MAX_TOKENS = 0)")
     args = parse_args(p, argv)
     beside = linear.OVERLAP_MAX_TOKENS or 256
+    defaults = linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER
     modes = [("beside", beside)] + ([("after", 0)] if args.compare_overlap else [])
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
             engine = model = None
             gc.collect()
             torch.cuda.empty_cache()
-    linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = beside, "graphs"
+    linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = defaults
     groups = sorted({g for c in cases for g in c["groups"]})
     head = "| adapters | LoRA delta | wall (ms) | GPU busy (ms) | " + " | ".join(
         f"{g} (us/layer)" for g in groups) + " |"

@@ -19,16 +19,18 @@ from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
 from lorakit.ops import add_lora, add_lora_delta, lora_delta, wait_lora_delta
 
-# Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens compute the
+# Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens may compute the
 # LoRA delta beside the base layer: ops.lora_delta runs on a side stream while the base GEMM runs, and the add
-# rides in the compiled kernel that reads the base output next (see ops/delta.py). Eager forwards and larger
-# inputs add the delta in place after the base layer (no float32 buffer of T x out). 0 turns it off.
-OVERLAP_MAX_TOKENS = 256
-# Eager forwards take the same path, joined by ops.add_lora_delta (one add kernel per group): "graphs" while a CUDA
-# graph is being captured (the engine's default decode graphs: 8 adapters at batch 64, step -9 %,
-# bench/results/profile_step_eager_6a9a337.md), "always", or "never". Outside a capture the delta is added after:
+# rides in the compiled kernel that reads the base output next (see ops/delta.py). Off (0) by default: profiles of
+# 4 layers gain 5 % (bench/results/profile_step_overlap_8e0cb6b.md), but the whole 32-layer model's decode step is
+# 4 % slower beside than after (8.72 vs 8.39 ms, bench/results/bench_engine_compiled_b64_f5d9fe7.md). 256 turns it on.
+OVERLAP_MAX_TOKENS = 0
+# Eager forwards may take the same path, joined by ops.add_lora_delta (one add kernel per group): "graphs" while a
+# CUDA graph is being captured (the engine's default decode graphs: 4 layers at batch 64 with 8 adapters, step
+# -6 to -9 %, bench/results/profile_step_eager_1bf6d88.md; not yet measured on the whole model), "always", or
+# "never" (the default, until the whole model is measured). Outside a capture the delta is always added after:
 # fewer launches, and the cheapest host path (add_lora launches its kernels itself; lora_delta is a dispatched op).
-OVERLAP_EAGER = "graphs"
+OVERLAP_EAGER = "never"
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
