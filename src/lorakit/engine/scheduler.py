@@ -96,6 +96,7 @@ class Request:
     num_computed: int = 0  # tokens whose keys and values are in the KV cache
     blocks: list[int] = field(default_factory=list)
     slot: int = -1  # its adapter slot while running, -1 for the base model
+    lora_start: int = 0  # positions before it run as the base model (an activated LoRA's invocation; 0: none)
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
     finish_reason: str | None = None
