@@ -97,7 +97,8 @@ def test_every_request_answers_as_the_single_server_does(fleet, single):
             expected = complete(single, "", model).json()
             got = complete(client, fleet, model).json()
             assert got["choices"][0]["text"] == expected["choices"][0]["text"], model
-            assert got["usage"] == expected["usage"], model
+            same = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: each replica's own cache
+            assert {k: got["usage"][k] for k in same} == {k: expected["usage"][k] for k in same}, model
         chat = {"model": "a4", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0,
                 "stream": True}
         expected = single.post("/v1/chat/completions", json=chat).text

@@ -55,6 +55,9 @@ class FakePool:
             out.append(slot)
         return out
 
+    def digest(self, slot):
+        return f"sha-of-{self.slots[slot]}"
+
     def release(self, slots):
         for slot in slots:
             assert self.refs[slot] > 0

@@ -66,8 +66,11 @@ def test_handlers_are_plain_functions_equal_to_llm_generate(world):
     (plain, chunks, chat, loaded, listed, generated, after), calls = served(world, run, allow_runtime_lora=True)
     ref = reference(world, PROMPT, "sql", max_tokens=8, temperature=0.0)
     assert [c["text"] for c in plain["choices"]] == [ref.text] * 2 and plain["object"] == "text_completion"
+    cached = plain["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert plain["usage"] == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": 2 * len(ref.token_ids),
-                              "total_tokens": len(ref.prompt_token_ids) + 2 * len(ref.token_ids)}
+                              "total_tokens": len(ref.prompt_token_ids) + 2 * len(ref.token_ids),
+                              "prompt_tokens_details": {"cached_tokens": cached}}
+    assert 0 <= cached < len(ref.prompt_token_ids)
     assert "".join(plain["choices"][0]["logprobs"]["tokens"]) == ref.text
     for i, prompt in enumerate((PROMPT, "hello")):
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)

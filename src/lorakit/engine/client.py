@@ -40,6 +40,11 @@ class EngineStats:
     loads_by_adapter: dict[str, int] = field(default_factory=dict)
     evictions_by_adapter: dict[str, int] = field(default_factory=dict)
     residency: dict[str, str] = field(default_factory=dict)  # adapter -> "gpu", "cpu" or "disk"
+    # the prefix cache, by adapter ("" for the base model): prompt tokens admitted, of them served from the cache
+    prefix_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    prefix_cached_tokens: dict[str, int] = field(default_factory=dict)
+    prefix_cached_blocks: int = 0  # KV blocks registered in the prefix cache (held or not)
+    prefix_evictions: int = 0  # cached blocks evicted to make room
 
 
 class EngineClient(Protocol):
@@ -128,6 +133,9 @@ def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps:
     if async_engine is not None:
         steps, step_seconds = async_engine.steps, async_engine.step_seconds
     pool = engine.pool
+    prefix = {name or "": list(counts) for name, counts in engine.scheduler.prefix_stats.copy().items()}
     return EngineStats(os.getpid(), len(engine.scheduler.running), len(engine.scheduler.waiting), steps,
                        step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)),
-                       dict(pool.stats.loads_by_adapter), dict(pool.stats.evictions_by_adapter), pool.residency())
+                       dict(pool.stats.loads_by_adapter), dict(pool.stats.evictions_by_adapter), pool.residency(),
+                       {k: v[0] for k, v in prefix.items()}, {k: v[1] for k, v in prefix.items()},
+                       engine.blocks.num_cached, engine.blocks.evictions)

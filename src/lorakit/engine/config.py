@@ -38,6 +38,9 @@ class EngineConfig:
     block_size: int = _opt(16, "tokens per KV-cache block", "--block-size", "N")
     num_blocks: int | None = _opt(None, "KV-cache blocks (default: room for max_num_seqs full-length requests, or "
                                   "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
+    prefix_cache: bool = _opt(True, "reuse the KV-cache blocks of earlier requests with the same prompt prefix under "
+                              "the same weights (keyed by the adapter's content hash, never its name)",
+                              "--no-prefix-cache")
     patience: int = _opt(16, "steps the oldest waiting request may be bypassed by requests whose adapters are "
                          "resident", "--patience", "STEPS", min=0)
     cuda_graphs: bool = _opt(True, "replay steps from CUDA graphs captured at startup (on a GPU)",
@@ -68,7 +71,7 @@ class EngineConfig:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_int("patience", self.patience, 0)
         _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
-        for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling"):
+        for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):

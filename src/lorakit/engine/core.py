@@ -108,6 +108,7 @@ class Out(msgspec.Struct, array_like=True):
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):
@@ -316,7 +317,7 @@ class _Core:
             self.steps += 1
             self.step_seconds += time.perf_counter() - start
         outputs += [Out(o.request_id, o.token_ids, o.finish_reason, o.num_prompt_tokens, o.num_output_tokens,
-                        o.logprobs, o.error) for o in results]
+                        o.logprobs, o.error, o.num_cached_tokens) for o in results]
         now = time.monotonic()
         stats = None
         if now - self.stats_at > STATS_SECONDS:
@@ -668,7 +669,8 @@ class CoreClient:
         reason = reason or out.finish_reason
         logprobs = out.logprobs[:taken] if out.logprobs is not None else None
         output = RequestOutput(out.request_id, text, out.token_ids[:taken], reason is not None, reason, logprobs,
-                               out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken, out.error)
+                               out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken, out.error,
+                               out.num_cached_tokens)
         if output.finished:
             del self._streams[out.request_id]
         stream.queue.put_nowait(output)

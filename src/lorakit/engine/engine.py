@@ -66,6 +66,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one, as one."""
@@ -73,7 +74,7 @@ class RequestOutput:
             (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
                              later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
-                             later.error)
+                             later.error, later.num_cached_tokens)
 
 
 @dataclass
@@ -189,7 +190,7 @@ class Engine:
         for name, path in (adapters or {}).items():
             self.register_adapter(name, path)
         self.pool.reserve(self.pool.adapters)  # slot buffers at these adapters' ranks before the graphs are captured
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, prefix_cache=config.prefix_cache)
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience,
                                    max_prefill_tokens=config.max_prefill_tokens)
@@ -316,7 +317,7 @@ class Engine:
                 plan, result = self._isolate(plan, e, outputs)
                 outputs += self._resolve()
                 return outputs + self._commit(plan, result)
-            self.scheduler.postprocess(plan, {r: PLACEHOLDER for r in flight.requests}, {})
+            self.scheduler.postprocess(plan, {r: PLACEHOLDER for r in flight.requests}, {}, pending=True)
             flight.rows = {r: (row, len(r.output_ids) - 1) for row, r in enumerate(flight.requests)}
             outputs += self._resolve()
             self._flight = flight
@@ -402,6 +403,7 @@ class Engine:
                 continue
             token, index = result.token_ids[row], flight.rows[request][1]
             request.output_ids[index] = token
+            request.num_pending -= 1
             try:
                 out = self._advance(request, token, row, result, index + 1)
             except Exception as e:  # noqa: BLE001 - this request alone ends
@@ -470,7 +472,8 @@ class Engine:
             logprobs = [TokenLogprob(token, result.logprobs[row], top)]
             state.logprobs += logprobs
         return RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
-                             len(request.prompt_ids), count or len(request.output_ids) + 1)
+                             len(request.prompt_ids), count or len(request.output_ids) + 1,
+                             num_cached_tokens=request.num_cached or 0)
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
         """The last output of a request that ends with an error (it alone)."""

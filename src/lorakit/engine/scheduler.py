@@ -19,6 +19,11 @@ slot and KV blocks free up, and it starts. With one slot and arrivals A, B, A, A
 Preemption: when a running request needs a KV block and none is free, the most recently admitted running
 request is preempted: its blocks and slot are released and it goes back to the queue in arrival order; it
 later recomputes its prompt and the tokens it had generated (kept), then continues.
+
+Prefix cache (``BlockManager(prefix_cache=True)``, see kv_blocks.py): each full block a request computes is
+registered under its key once its tokens are known on the host; an admitted request takes the cached blocks of
+its longest cached prefix and starts after them. At least one token is always computed (its logits sample the
+next token), in a block of its own: a cached block is never written again.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
 from lorakit.engine.pool import PoolFull
 from lorakit.layers.adapter import AdapterError
-from lorakit.ops import cdiv
+
+__all__ = ["AdapterSlots", "BlockManager", "Request", "Scheduled", "Scheduler", "StepPlan"]
 
 
 class AdapterSlots(Protocol):
@@ -47,38 +54,9 @@ class AdapterSlots(Protocol):
 
     def release(self, slots: Iterable[int]) -> None: ...
 
-
-class BlockManager:
-    """The KV cache's blocks: a free list, and each request's blocks in order."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
-    def can_grow(self, blocks: list[int], num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(blocks) <= len(self._free)
-
-    def grow(self, blocks: list[int], num_tokens: int) -> None:
-        """Extend ``blocks`` in place to hold ``num_tokens`` tokens (call ``can_grow`` first)."""
-        need = self.blocks_for(num_tokens) - len(blocks)
-        if need > len(self._free):
-            raise RuntimeError(f"KV cache: {need} blocks needed, {len(self._free)} free")
-        for _ in range(need):
-            blocks.append(self._free.pop())
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-        blocks.clear()
+    def digest(self, slot: int) -> str:
+        """The content hash of the adapter version in ``slot`` (the prefix cache's key)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -97,6 +75,10 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slot: int = -1  # its adapter slot while running, -1 for the base model
     lora_start: int = 0  # positions before it run as the base model (an activated LoRA's invocation; 0: none)
+    adapter_key: bytes | None = None  # its adapter version's content hash while running (None: the base model)
+    block_keys: list[bytes] = field(default_factory=list)  # the prefix-cache keys of its first full blocks
+    num_cached: int | None = None  # prompt tokens its first admission found in the prefix cache
+    num_pending: int = 0  # trailing output tokens still on the device (async scheduling): not hashed yet
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
     finish_reason: str | None = None
@@ -152,6 +134,8 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.failed: list[tuple[Request, str]] = []  # requests whose adapter could not be loaded, and why
+        # the prefix cache, by adapter name (None: the base model): [prompt tokens admitted, of them found cached]
+        self.prefix_stats: dict[str | None, list[int]] = {}
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -215,23 +199,77 @@ class Scheduler:
                 break
             if request is not head and head.waited > self.patience:
                 break  # the oldest has waited long enough: nobody bypasses it any more
-            n = min(request.num_tokens, budget, prefill)
-            if n <= 0:
+            if min(request.num_tokens, budget, prefill) <= 0:
                 break
-            if not self._adapter_ready(request) or not self.blocks.can_grow(request.blocks, n):
+            if not self._adapter_ready(request):
                 continue
             if request.adapter is not None:
                 try:
                     (request.slot,) = self.pool.acquire([request.adapter])
                 except PoolFull:  # every slot held; keep waiting
                     continue
+                request.adapter_key = self.pool.digest(request.slot).encode()
+            keys, cached = self._cached_prefix(request)
+            start = len(cached) * self.blocks.block_size
+            n = min(request.num_tokens - start, budget, prefill)
+            if self.blocks.blocks_for(start + n) - len(cached) > self.blocks.num_free - self.blocks.idle_among(cached):
+                if request.slot != -1:
+                    self.pool.release([request.slot])
+                    request.slot = -1
+                continue
             self.waiting.remove(request)
             self.running.append(request)
             request.waited = 0
-            self.blocks.grow(request.blocks, n)
+            self.blocks.hold(cached)
+            request.blocks, request.block_keys, request.num_computed = list(cached), keys, start
+            if request.num_cached is None:  # its first admission: what the prefix cache served
+                request.num_cached = min(start, len(request.prompt_ids))
+                stats = self.prefix_stats.setdefault(request.adapter, [0, 0])
+                stats[0] += len(request.prompt_ids)
+                stats[1] += request.num_cached
+            self.blocks.grow(request.blocks, start + n)
             items.append(self._item(request, n))
             budget -= n
             prefill -= n
+
+    def _who(self, request: Request, block: int) -> bytes:
+        """Whose weights compute the keys and values of ``request``'s ``block``: its adapter's, or the base model's
+        (the base's requests, and the blocks wholly before an activated LoRA's invocation)."""
+        if request.adapter_key is None or (block + 1) * self.blocks.block_size <= request.lora_start:
+            return BASE
+        return request.adapter_key
+
+    def _cached_prefix(self, request: Request) -> tuple[list[bytes], list[int]]:
+        """The keys and cached blocks of the longest cached prefix of ``request``'s known tokens, leaving at least
+        one token to compute in a block of its own."""
+        if not self.blocks.prefix_cache:
+            return [], []
+        size = self.blocks.block_size
+        limit = min(request.num_tokens - 1, request.num_tokens - request.num_pending) // size
+        ids = request.all_ids if limit else ()
+        keys, parent = [], b""
+        for i in range(limit):
+            key = block_key(parent, self._who(request, i), ids[i * size: (i + 1) * size])
+            if not self.blocks.lookup([key]):
+                break
+            keys.append(key)
+            parent = key
+        return keys, self.blocks.lookup(keys)
+
+    def _register(self, request: Request) -> None:
+        """Register ``request``'s full blocks whose tokens are known and computed, in order."""
+        if not self.blocks.prefix_cache:
+            return
+        size = self.blocks.block_size
+        known = min(request.num_computed, request.num_tokens - request.num_pending) // size
+        done = len(request.block_keys)
+        if done >= known:
+            return
+        ids = request.all_ids
+        for i in range(done, known):
+            key = block_key(request.block_keys[-1] if i else b"", self._who(request, i), ids[i * size: (i + 1) * size])
+            request.block_keys.append(key)
+            self.blocks.register(request.blocks[i], key)
 
     def _adapter_ready(self, request: Request) -> bool:
         if request.adapter is None:
@@ -260,19 +298,26 @@ class Scheduler:
         self.add(request)
 
     def _release(self, request: Request) -> None:
+        self._register(request)
         self.blocks.free(request.blocks)
+        request.block_keys = []
         if request.slot != -1:
             self.pool.release([request.slot])
             request.slot = -1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str]) -> None:
+    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str],
+                    pending: bool = False) -> None:
         """After the step ran: count the fed tokens as computed, append sampled tokens, retire finished ones
-        (``finished`` maps a request to its finish reason, decided by the engine from the new token)."""
+        (``finished`` maps a request to its finish reason, decided by the engine from the new token). ``pending``:
+        the sampled tokens are placeholders for tokens still on the device (the engine resolves them later and
+        lowers ``num_pending``)."""
         for item in plan.items:
             request = item.request
             request.num_computed = item.start + len(item.tokens)
             if request in sampled:
                 request.output_ids.append(sampled[request])
+                request.num_pending += pending
+            self._register(request)
         for request, reason in finished.items():
             request.finish_reason = reason
             if request in self.running:

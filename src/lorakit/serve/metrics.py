@@ -33,7 +33,7 @@ class Metrics:
     """The series (see docs/serve.md): HTTP responses and failed streams by endpoint; per adapter, generation
     requests by finish reason, tokens, time to first token and per output token, loads, evictions, residency."""
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, base_label: str = ""):
         r = self.registry = prom.CollectorRegistry()
         self.responses = prom.Counter("lorakit_requests", "HTTP responses by endpoint (route template) and status",
                                       ["endpoint", "status"], registry=r)
@@ -50,7 +50,7 @@ class Metrics:
         self.tpot = prom.Histogram("lorakit_time_per_output_token_seconds", "Time between output tokens",
                                    ["adapter"], registry=r,
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
-        self._engine = _EngineCollector(engine)
+        self._engine = _EngineCollector(engine, base_label)
         r.register(self._engine)
 
     def request(self, adapter: str) -> RequestMetrics:
@@ -106,8 +106,9 @@ class RequestMetrics:
 class _EngineCollector:
     """Read at scrape time from the engine client's stats (as of the engine's last step), no lock taken."""
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, base_label: str = ""):
         self.engine = engine
+        self.base_label = base_label  # the adapter label of the base model's requests (the served model's name)
 
     def collect(self):
         stats = self.engine.stats()
@@ -128,6 +129,7 @@ class _EngineCollector:
             for adapter, n in sorted(dict(counts).items()):
                 family.add_metric([adapter], n)
             yield family
+        yield from self._prefix(stats)
         resident = GaugeMetricFamily("lorakit_adapter_resident", "1 for the tier that holds each registered adapter "
                                      "(gpu: a slot, cpu: the CPU cache, disk: neither), else 0",
                                      labels=["adapter", "tier"])
@@ -136,6 +138,32 @@ class _EngineCollector:
                 resident.add_metric([adapter, t], float(t == tier))
         yield resident
 
+
+    def _prefix(self, stats):
+        """The prefix cache: prompt tokens and those served from the cache, by adapter; hit rates; blocks; evictions."""
+        label = {k: k or self.base_label for k in stats.prefix_prompt_tokens}
+        for name, counts, help_ in (
+            ("lorakit_prefix_cache_prompt_tokens", stats.prefix_prompt_tokens, "Prompt tokens of admitted requests"),
+            ("lorakit_prefix_cache_hit_tokens", stats.prefix_cached_tokens,
+             "Prompt tokens served from the prefix cache (computed by an earlier request with the same weights)"),
+        ):
+            family = CounterMetricFamily(name, help_, labels=["adapter"])
+            for key, n in sorted(counts.items()):
+                family.add_metric([label.get(key, key)], n)
+            yield family
+        rate = GaugeMetricFamily("lorakit_prefix_cache_adapter_hit_rate", "Share of an adapter's prompt tokens served "
+                                 "from the prefix cache since start", labels=["adapter"])
+        for key, n in sorted(stats.prefix_prompt_tokens.items()):
+            rate.add_metric([label[key]], stats.prefix_cached_tokens.get(key, 0) / n if n else 0.0)
+        yield rate
+        total = sum(stats.prefix_prompt_tokens.values())
+        yield GaugeMetricFamily("lorakit_prefix_cache_hit_rate", "Share of all prompt tokens served from the prefix "
+                                "cache since start", value=sum(stats.prefix_cached_tokens.values()) / total if total
+                                else 0.0)
+        yield GaugeMetricFamily("lorakit_prefix_cache_blocks", "KV-cache blocks held in the prefix cache",
+                                value=stats.prefix_cached_blocks)
+        yield CounterMetricFamily("lorakit_prefix_cache_evictions", "Cached KV blocks evicted to make room",
+                                  value=stats.prefix_evictions)
 
 class CountResponses:
     """Counts every HTTP response by endpoint and status, and streams that end in an error (an SSE error event,

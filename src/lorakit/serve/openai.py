@@ -103,11 +103,15 @@ def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model}
 
 
-def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
-    """The usage block: each prompt's tokens once (not once per choice), and every generated token."""
+def _usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) -> dict:
+    """The usage block: each prompt's tokens once (not once per choice), and every generated token; of the prompt
+    tokens, those served from the prefix cache (``cached``: per job, the prompts' jobs in order, n per prompt;
+    each prompt's first job counts)."""
     prompt_tokens = sum(map(len, prompts))
+    n = max(len(cached) // max(len(prompts), 1), 1)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached[::n])}}
 
 
 def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
@@ -119,19 +123,20 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
     async def complete() -> dict:
         results = await state.results(jobs)
         return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
-                "usage": _usage(prompts, sum(len(r.token_ids) for r in results))}
+                "usage": _usage(prompts, sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results])}
 
     async def chunks() -> AsyncIterator[dict]:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         extra = {"usage": None} if with_usage else {}
         for c in first:
             yield {**head, "choices": [c], **extra}
-        generated = 0
+        generated, cached = 0, [0] * len(jobs)
         async for i, out in state.stream(jobs):
             generated += len(out.token_ids)
+            cached[i] = out.num_cached_tokens
             yield {**head, "choices": [chunk(i, out)], **extra}
         if with_usage:
-            yield {**head, "choices": [], "usage": _usage(prompts, generated)}
+            yield {**head, "choices": [], "usage": _usage(prompts, generated, cached)}
     return Reply(chunks() if body.stream else complete(), sequences=len(jobs))
 
 

@@ -236,7 +236,7 @@ class Output(Result):
     def as_dict(self, index: int | None = None) -> dict:
         """SGLang's response (``index``: the job's place in a streamed batch)."""
         meta = {"id": self.job.id, "finish_reason": self._finish(), "prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.token_ids), "cached_tokens": 0}
+                "completion_tokens": len(self.token_ids), "cached_tokens": self.cached_tokens}
         if self.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - self._start
         out = {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}

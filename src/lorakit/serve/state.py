@@ -69,8 +69,10 @@ class Result:
     def __init__(self):
         self.text, self.token_ids, self.logprobs = "", [], []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
 
     def add(self, out: RequestOutput) -> None:
+        self.cached_tokens = out.num_cached_tokens
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
@@ -85,7 +87,7 @@ class ServerState:
     def __init__(self, engine: Engine | EngineClient, config: ServeConfig):
         self.engine = InProcessClient(engine) if isinstance(engine, Engine) else engine
         self.config = config
-        self.metrics = Metrics(self.engine)
+        self.metrics = Metrics(self.engine, self.config.model_name)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
         self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
         # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.ray): listed
