@@ -136,6 +136,7 @@ class Scheduler:
         self.failed: list[tuple[Request, str]] = []  # requests whose adapter could not be loaded, and why
         # the prefix cache, by adapter name (None: the base model): [prompt tokens admitted, of them found cached]
         self.prefix_stats: dict[str | None, list[int]] = {}
+        self.computed_prompt_tokens = 0  # prompt positions run through the model (recomputations included)
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -314,6 +315,7 @@ class Scheduler:
         for item in plan.items:
             request = item.request
             request.num_computed = item.start + len(item.tokens)
+            self.computed_prompt_tokens += max(0, min(request.num_computed, len(request.prompt_ids)) - item.start)
             if request in sampled:
                 request.output_ids.append(sampled[request])
                 request.num_pending += pending
