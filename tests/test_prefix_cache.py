@@ -127,6 +127,18 @@ def test_cached_tokens_skip_the_prefill_and_are_reported(setup):
     assert list(outs.values()) == [(0, n), (5 * BLOCK, 1), (0, n), (5 * BLOCK, 1)]
 
 
+def test_a_prefix_arriving_many_times_at_once_is_computed_once(setup):
+    """Four requests with one 6-block prompt prefix arrive together: the first computes it, the others wait for its
+    blocks and compute only their own last tokens, and each gets what it gets alone."""
+    system = list(range(9, 9 + 6 * BLOCK))
+    work = [(0, system + [50 + i], adapter, 4) for i, adapter in enumerate(["a", "a", "a", "a"])]
+    engine = engine_for(setup, True)
+    got = run(engine, work, {})
+    assert engine.scheduler.computed_prompt_tokens == len(system) + 4
+    off = engine_for(setup, False)
+    assert run(off, work, {}) == got and off.scheduler.computed_prompt_tokens == 4 * (len(system) + 1)
+
+
 def test_the_last_prompt_token_is_always_computed(setup):
     """A prompt of whole blocks, all cached: its last block is computed again (into a block of its own), since its
     last position's logits give the first token."""

@@ -23,7 +23,10 @@ later recomputes its prompt and the tokens it had generated (kept), then continu
 Prefix cache (``BlockManager(prefix_cache=True)``, see kv_blocks.py): each full block a request computes is
 registered under its key once its tokens are known on the host; an admitted request takes the cached blocks of
 its longest cached prefix and starts after them. At least one token is always computed (its logits sample the
-next token), in a block of its own: a cached block is never written again.
+next token), in a block of its own: a cached block is never written again. A waiting request whose next blocks a
+running request is computing right now (the same tokens under the same weights: N adapters reading one
+conversation, a burst on one system prompt) waits until they are registered, then takes them: a shared prefix
+arriving N times at once is computed once.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # the prefix-cache keys of its first full blocks
     num_cached: int | None = None  # prompt tokens its first admission found in the prefix cache
     num_pending: int = 0  # trailing output tokens still on the device (async scheduling): not hashed yet
+    prefix_keys: tuple = ()  # (adapter_key, number of tokens, keys of its full blocks): computed once per admission
+    computing: list[bytes] = field(default_factory=list)  # keys of the blocks it computes, not registered yet
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
     finish_reason: str | None = None
@@ -137,6 +142,7 @@ class Scheduler:
         # the prefix cache, by adapter name (None: the base model): [prompt tokens admitted, of them found cached]
         self.prefix_stats: dict[str | None, list[int]] = {}
         self.computed_prompt_tokens = 0  # prompt positions run through the model (recomputations included)
+        self._computing: dict[bytes, int] = {}  # keys of blocks running requests are computing -> how many
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -210,10 +216,13 @@ class Scheduler:
                 except PoolFull:  # every slot held; keep waiting
                     continue
                 request.adapter_key = self.pool.digest(request.slot).encode()
-            keys, cached = self._cached_prefix(request)
+            keys = self._prefix_keys(request)
+            cached = self.blocks.lookup(keys)
             start = len(cached) * self.blocks.block_size
             n = min(request.num_tokens - start, budget, prefill)
-            if self.blocks.blocks_for(start + n) - len(cached) > self.blocks.num_free - self.blocks.idle_among(cached):
+            if (any(k in self._computing for k in keys[len(cached):])  # being computed: take it once registered
+                    or self.blocks.blocks_for(start + n) - len(cached)
+                    > self.blocks.num_free - self.blocks.idle_among(cached)):
                 if request.slot != -1:
                     self.pool.release([request.slot])
                     request.slot = -1
@@ -222,7 +231,10 @@ class Scheduler:
             self.running.append(request)
             request.waited = 0
             self.blocks.hold(cached)
-            request.blocks, request.block_keys, request.num_computed = list(cached), keys, start
+            request.blocks, request.block_keys, request.num_computed = list(cached), keys[: len(cached)], start
+            request.computing = keys[len(cached):]
+            for key in request.computing:
+                self._computing[key] = self._computing.get(key, 0) + 1
             if request.num_cached is None:  # its first admission: what the prefix cache served
                 request.num_cached = min(start, len(request.prompt_ids))
                 stats = self.prefix_stats.setdefault(request.adapter, [0, 0])
@@ -240,22 +252,31 @@ class Scheduler:
             return BASE
         return request.adapter_key
 
-    def _cached_prefix(self, request: Request) -> tuple[list[bytes], list[int]]:
-        """The keys and cached blocks of the longest cached prefix of ``request``'s known tokens, leaving at least
-        one token to compute in a block of its own."""
+    def _prefix_keys(self, request: Request) -> list[bytes]:
+        """The keys of ``request``'s full blocks of known tokens, leaving at least one token to compute in a block
+        of its own (computed once for its adapter version and length, however long it waits)."""
         if not self.blocks.prefix_cache:
-            return [], []
+            return []
         size = self.blocks.block_size
         limit = min(request.num_tokens - 1, request.num_tokens - request.num_pending) // size
-        ids = request.all_ids if limit else ()
-        keys, parent = [], b""
-        for i in range(limit):
-            key = block_key(parent, self._who(request, i), ids[i * size: (i + 1) * size])
-            if not self.blocks.lookup([key]):
-                break
-            keys.append(key)
-            parent = key
-        return keys, self.blocks.lookup(keys)
+        if request.prefix_keys[:2] != (request.adapter_key, limit):
+            ids = request.all_ids if limit else ()
+            keys, parent = [], b""
+            for i in range(limit):
+                parent = block_key(parent, self._who(request, i), ids[i * size: (i + 1) * size])
+                keys.append(parent)
+            request.prefix_keys = (request.adapter_key, limit, keys)
+        return request.prefix_keys[2]
+
+    def _done_computing(self, request: Request, keys) -> None:
+        for key in keys:
+            if key in request.computing:
+                request.computing.remove(key)
+                left = self._computing[key] - 1
+                if left:
+                    self._computing[key] = left
+                else:
+                    del self._computing[key]
 
     def _register(self, request: Request) -> None:
         """Register ``request``'s full blocks whose tokens are known and computed, in order."""
@@ -271,6 +292,8 @@ class Scheduler:
             key = block_key(request.block_keys[-1] if i else b"", self._who(request, i), ids[i * size: (i + 1) * size])
             request.block_keys.append(key)
             self.blocks.register(request.blocks[i], key)
+        if request.computing:
+            self._done_computing(request, request.block_keys[done:])
 
     def _adapter_ready(self, request: Request) -> bool:
         if request.adapter is None:
@@ -300,6 +323,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._register(request)
+        self._done_computing(request, list(request.computing))
         self.blocks.free(request.blocks)
         request.block_keys = []
         if request.slot != -1:
