@@ -211,18 +211,18 @@ def activation_start(token_ids: Sequence[int], invocation: Sequence[int]) -> int
 
 def _check_alora(config: dict, pairs: Mapping, token_parts: Mapping, base_modules: Mapping[str, BaseModule],
                  where: str) -> None:
-    """PEFT applies an activated LoRA to Linear layers only: refuse one with embedding, output-head or token-row
-    weights rather than guess where they apply."""
+    """An activated LoRA is served on the model's inner linear layers only: PEFT's aLoRA variant does not cover
+    embeddings, and aLoRA on the output head (a Linear to PEFT) or on token rows is not held against PEFT here;
+    such an adapter is refused rather than served in a way not known to match PEFT."""
     if not config.get("alora_invocation_tokens"):
         return
     odd = sorted({m for m, (kind, _, _) in pairs.items() if kind == "embedding" or base_modules[m].tokens}
                  | set(token_parts))
     if odd:
-        raise AdapterError(f"{where}: alora_invocation_tokens is set (activated LoRA), which PEFT applies to "
-                           f"linear layers only, but the adapter also adapts {_some(odd)} (input embedding, output "
-                           f"head or token rows); lorakit does not serve that: retrain with target_modules naming "
-                           f"linear layers only (no embed_tokens, lm_head, trainable_token_indices or "
-                           f"modules_to_save)")
+        raise AdapterError(f"{where}: alora_invocation_tokens is set (activated LoRA), which lorakit serves on "
+                           f"linear layers only (not the input embedding, the output head or token rows), but the "
+                           f"adapter also adapts {_some(odd)}; retrain with target_modules naming the inner linear "
+                           f"layers only (no embed_tokens, lm_head, trainable_token_indices or modules_to_save)")
 
 
 def weights_file(path: Path, where: str) -> Path:
