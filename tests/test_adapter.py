@@ -275,7 +275,7 @@ def test_pickle_weights_are_refused_never_unpickled(folder, base, monkeypatch):
     ("use_dora", True, "use_dora=True is not supported yet"),
     ("use_qalora", True, "use_qalora"),
     ("lora_bias", True, "lora_bias"),
-    ("alora_invocation_tokens", [5, 6], "alora_invocation_tokens"),
+    ("alora_invocation_tokens", [5, -6], "alora_invocation_tokens must be null or a list"),  # accepted: test_alora
     ("use_bdlora", {"nblocks": 2}, "use_bdlora"),
     ("arrow_config", {"top_k": 2}, "arrow_config"),
     ("kasa_config", {"beta": 1.0}, "kasa_config"),

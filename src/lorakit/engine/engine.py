@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,12 +37,15 @@ from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.engine.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammars
-from lorakit.layers.adapter import AdapterError
+from lorakit.layers.adapter import AdapterError, activation_start
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch
 from lorakit.ops import cdiv
 
 logger = logging.getLogger("lorakit.engine")
+# Request.lora_start of an activated LoRA's request whose prompt lacks the invocation: past every position, so the
+# adapter never applies (its slot is held all the same).
+NOT_INVOKED = sys.maxsize
 
 __all__ = ["AsyncEngine", "CompletionOutput", "Engine", "LLM", "RequestOutput"]
 
@@ -234,7 +238,7 @@ class Engine:
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed)
+                          params=limited, seed=seed, lora_start=self._lora_start(prompt_ids, adapter))
         tokenizer = self.tokenizer_for(adapter) if self.detokenize else None
         detok = IncrementalDetokenizer(tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
         request.state = _State(detok, [] if params.logprobs is not None else None, constraint,
@@ -242,6 +246,15 @@ class Engine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _lora_start(self, prompt_ids: list[int], adapter: str | None) -> int:
+        """The first position an activated LoRA applies to: where its invocation last starts in the prompt, or
+        ``NOT_INVOKED`` (never: PEFT runs the base model throughout) when the prompt lacks it; 0 for other adapters."""
+        invocation = self.pool.info(adapter).invocation_tokens if adapter is not None else None
+        if invocation is None:
+            return 0
+        start = activation_start(prompt_ids, invocation)
+        return NOT_INVOKED if start is None else start
 
     def _check_logits_params(self, params: SamplingParams, adapter: str | None) -> Constraint | None:
         """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint."""

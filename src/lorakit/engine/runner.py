@@ -299,6 +299,7 @@ class ModelRunner:
         lens = np.array([len(i.tokens) for i in items], np.int64)
         starts = np.array([i.start for i in items], np.int64)
         slots = np.array([r.slot for r in requests], np.int64)
+        lora_starts = np.array([r.lora_start for r in requests], np.int64)  # activated LoRA: base model before it
         sample = np.array([i.sample for i in items], bool)
         t = int(lens.sum())
         if n > rows or t > tokens:
@@ -317,12 +318,12 @@ class ModelRunner:
             np.take(self._tables, table_rows, axis=0, out=tables[:n], mode="clip")
         tables[n:] = 0
         if t == n:  # one token each: the items' values are the tokens'
-            seq, pos, lora = np.arange(n), starts, slots
+            seq, pos, lora = np.arange(n), starts, np.where(starts >= lora_starts, slots, -1)
             h["input_ids"][:t] = [i.tokens[0] for i in items]
         else:
             seq = np.repeat(np.arange(n), lens)
             pos = np.arange(t) + np.repeat(starts - qs[:n], lens)
-            lora = np.repeat(slots, lens)
+            lora = np.where(pos >= np.repeat(lora_starts, lens), np.repeat(slots, lens), -1)
             h["input_ids"][:t] = np.fromiter(chain.from_iterable(i.tokens for i in items), np.int64, t)
         h["positions"][:t] = pos
         h["lora_ids"][:t] = lora

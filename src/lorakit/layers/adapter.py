@@ -16,7 +16,7 @@ import difflib
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,8 +43,8 @@ from lorakit.layers.adapter_tokens import (
     token_key,
 )
 
-__all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "inspect_peft_adapter",
-           "load_peft_adapter", "read_adapter_config"]
+__all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "activation_start",
+           "inspect_peft_adapter", "load_peft_adapter", "read_adapter_config"]
 
 logger = logging.getLogger("lorakit.adapter")
 
@@ -150,6 +150,7 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     tokens = {m: module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
               for m, t in token_parts.items()}
     _check_token_modules(modules, tokens, where)
+    _check_alora(config, pairs, tokens, base_modules, where)
     return PeftAdapter(name, path, config, modules, tokens)
 
 
@@ -157,13 +158,15 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
 class AdapterInfo:
     """What the config and the weights file's header say about an adapter, with no weights read:
     ``modules`` maps each targeted module to its (rank, scale); ``added_tokens``, the token ids past the base
-    vocabulary the adapter defines (its requests may use them)."""
+    vocabulary the adapter defines (its requests may use them); ``invocation_tokens``, an activated LoRA's
+    invocation sequence (None for a plain LoRA): see ``activation_start``."""
 
     name: str
     path: Path
     config: dict
     modules: dict[str, tuple[int, float]]
     added_tokens: frozenset[int] = frozenset()
+    invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def max_rank(self) -> int:
@@ -187,7 +190,39 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
         if base.tokens == "input":
             added |= added_ids(t, base)
     _check_token_modules(modules, token_parts, where)
-    return AdapterInfo(name, path, config, modules, frozenset(added))
+    _check_alora(config, pairs, token_parts, base_modules, where)
+    invocation = tuple(config.get("alora_invocation_tokens") or ()) or None
+    return AdapterInfo(name, path, config, modules, frozenset(added), invocation)
+
+
+def activation_start(token_ids: Sequence[int], invocation: Sequence[int]) -> int | None:
+    """Where an activated LoRA starts in ``token_ids``: the index of the last occurrence of ``invocation``
+    (non-empty), None if it does not occur (PEFT's calculate_alora_offsets: start = len(token_ids) - offset)."""
+    inv = list(invocation)
+    if not inv:
+        raise ValueError("activation_start needs a non-empty invocation sequence")
+    ids, k = list(token_ids), len(inv)
+    first = inv[0]
+    for i in range(len(ids) - k, -1, -1):
+        if ids[i] == first and ids[i: i + k] == inv:
+            return i
+    return None
+
+
+def _check_alora(config: dict, pairs: Mapping, token_parts: Mapping, base_modules: Mapping[str, BaseModule],
+                 where: str) -> None:
+    """An activated LoRA is served on the model's inner linear layers only: PEFT's aLoRA variant does not cover
+    embeddings, and aLoRA on the output head (a Linear to PEFT) or on token rows is not held against PEFT here;
+    such an adapter is refused rather than served in a way not known to match PEFT."""
+    if not config.get("alora_invocation_tokens"):
+        return
+    odd = sorted({m for m, (kind, _, _) in pairs.items() if kind == "embedding" or base_modules[m].tokens}
+                 | set(token_parts))
+    if odd:
+        raise AdapterError(f"{where}: alora_invocation_tokens is set (activated LoRA), which lorakit serves on "
+                           f"linear layers only (not the input embedding, the output head or token rows), but the "
+                           f"adapter also adapts {_some(odd)}; retrain with target_modules naming the inner linear "
+                           f"layers only (no embed_tokens, lm_head, trainable_token_indices or modules_to_save)")
 
 
 def weights_file(path: Path, where: str) -> Path:

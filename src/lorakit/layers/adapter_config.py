@@ -15,6 +15,7 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes about 1 KiB
 MAX_JSON_DEPTH = 64  # arrays and objects inside one another; PEFT's configs nest 3 deep
+MAX_INVOCATION_TOKENS = 256  # an activated LoRA's invocation sequence; trained ones are a few tokens
 
 
 class AdapterError(ValueError):
@@ -26,7 +27,6 @@ _UNSUPPORTED = {
     "use_dora": "DoRA rescales the adapted weight by a learned magnitude; merge it with PEFT's merge_and_unload()",
     "use_qalora": "QA-LoRA pools the input in groups before lora_A",
     "lora_bias": "lora_B carries a bias",
-    "alora_invocation_tokens": "Activated LoRA applies the adapter only after the invocation tokens",
     "use_bdlora": "BD-LoRA stores block-diagonal lora_A/lora_B",
     "arrow_config": "Arrow routes each token among several adapters",
     "kasa_config": "KaSA adds a singular-value diagonal and truncates the base weight",
@@ -47,6 +47,7 @@ _KNOWN = {
     "inference_mode", "lora_dropout", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
     "trainable_token_indices", "modules_to_save",  # checked against the model in adapter.py
+    "alora_invocation_tokens",  # activated LoRA: the engine applies the adapter from the invocation on
 } | _UNSUPPORTED.keys() | _TRAINING_ONLY_KEYS.keys()
 _INIT_OK = {"gaussian", "eva", "orthogonal", "mica"}  # inits that leave the base weights alone
 _INIT_MUTATES_BASE = ("pissa", "olora", "corda", "lora_ga")  # subtract scale * B0 @ A0 from the base weight
@@ -133,6 +134,12 @@ def _check_config(cfg: dict, where: str) -> None:
     for field, what in _UNSUPPORTED.items():
         if cfg.get(field):
             bad(f"{field}={cfg[field]!r} is not supported yet ({what}); retrain or convert to plain LoRA")
+    invocation = cfg.get("alora_invocation_tokens")
+    if invocation and not (isinstance(invocation, list) and len(invocation) <= MAX_INVOCATION_TOKENS
+                           and all(_is_int(t) and 0 <= t < 2**31 for t in invocation)):
+        bad(f"alora_invocation_tokens must be null or a list of at most {MAX_INVOCATION_TOKENS} token ids (ints "
+            f"in [0, 2**31)), got {invocation!r:.120}; set it to the ids of the invocation string the activated "
+            f"LoRA was trained with")
     unknown = sorted(k for k in cfg.keys() - _KNOWN if cfg[k] not in (None, False, 0, "", [], {}))
     if unknown:
         by = f" (written by peft {cfg['peft_version']})" if cfg.get("peft_version") else ""
