@@ -244,8 +244,9 @@ def make_model(layers: int, tiny: bool, device: str) -> torch.nn.Module:
     return model.eval()
 
 
-def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int) -> Path:
-    """A PEFT-format adapter folder with random weights on every projection (no PEFT needed)."""
+def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int, **config_fields) -> Path:
+    """A PEFT-format adapter folder with random weights on every projection (no PEFT needed); ``config_fields``
+    go into its adapter_config.json (e.g. alora_invocation_tokens)."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, module in model.named_modules():
@@ -254,7 +255,8 @@ def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int) ->
             weights[f"base_model.model.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.01
     folder.mkdir(parents=True)
     save_file(weights, folder / "adapter_model.safetensors")
-    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), bias="none")
+    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), bias="none",
+                  **config_fields)
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 

@@ -232,3 +232,27 @@ def test_alora_on_token_modules_is_refused(setup, tmp_path, extra):
             load("t", saved.path)
         msg = str(info.value)
         assert "activated LoRA" in msg and "linear layers only" in msg and "retrain with target_modules" in msg, msg
+
+
+def test_one_conversation_is_prefilled_once_for_the_base_and_every_alora(setup):
+    """The prefix cache keys the blocks before an invocation as the base model's: a conversation sent to the base
+    model and to both aLoRA adapters at once is computed once, and each adapter computes only its invocation
+    (against the same requests with the cache off: the same tokens, three times the prefill)."""
+    base, saved = setup
+    conversation = prompt(24, seed=11)  # 6 blocks of 4
+    work = [(conversation, None)] + [(conversation + INVOCATIONS[name], name) for name in INVOCATIONS]
+    got, computed = {}, {}
+    for cache in (True, False):
+        engine = Engine(copy.deepcopy(base), max_loras=2, max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                        num_blocks=64, max_seq_len=48, prefix_cache=cache,
+                        adapters={n: saved[n].path for n in INVOCATIONS})
+        ids = [engine.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), a)
+               for p, a in work]
+        tokens = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+        got[cache], computed[cache] = [tokens[i] for i in ids], engine.scheduler.computed_prompt_tokens
+    assert got[True] == got[False]
+    assert computed[True] == len(conversation) + sum(map(len, INVOCATIONS.values()))
+    assert computed[False] == 3 * len(conversation) + sum(map(len, INVOCATIONS.values()))

@@ -1,0 +1,128 @@
+"""Prefix caching: time to first token and prompt tokens computed, the cache on vs off (Llama-3-8B shape).
+
+Two workloads, each run by an engine with the prefix cache on and by one with it off (same model, same arrivals):
+
+- shared prompt: one 1,024-token system prompt and a 64-token user turn per request, over 16 rank-16 adapters
+  (request i on adapter i mod 16), arriving at ``--rate`` requests/s (fixed gaps), 16 output tokens each;
+- aLoRA: one 2,048-token conversation sent at once to the base model and to 8 activated-LoRA adapters (the
+  conversation + each adapter's 4 invocation tokens), 4 output tokens each.
+
+Greedy outputs with the cache on are compared with the same run's outputs with it off ("same tokens").
+
+TTFT: wall clock from ``add_request`` to the step output carrying the request's first token (in-process engine,
+CUDA graphs, async scheduling). Prompt tokens computed: ``scheduler.computed_prompt_tokens``.
+
+    PYTHONPATH=src python bench/bench_prefix.py --out DIR [--rate 24] [--requests 160]
+    PYTHONPATH=src python bench/bench_prefix.py --out DIR --device cpu --tiny   # a smoke run, no timing value
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import arg_parser, fmt, make_model, parse_args, setup, setup_line, table, write_adapter, write_report
+
+from lorakit.engine import Engine, SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
+
+
+def drive(engine: Engine, arrivals: list[tuple[float, list[int], str | None, int]]) -> dict:
+    """Feed ``arrivals`` (seconds after start, prompt, adapter, max_tokens) and step until all finish: TTFTs."""
+    pending, added, first, tokens = list(arrivals), {}, {}, {}
+    computed = engine.scheduler.computed_prompt_tokens
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            _, prompt, adapter, max_tokens = pending.pop(0)
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                     adapter)
+            added[rid], tokens[rid] = time.perf_counter(), []
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(pending[0][0] - now, 0.001)))
+            continue
+        for out in engine.step():
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter()
+            tokens[out.request_id] += out.token_ids
+    ttft = [1e3 * (first[r] - added[r]) for r in added]
+    return dict(requests=len(added), ttft_p50_ms=percentile(ttft, 0.5), ttft_p99_ms=percentile(ttft, 0.99),
+                ttft_mean_ms=statistics.fmean(ttft), prompt_tokens=sum(len(a[1]) for a in arrivals),
+                computed_prompt_tokens=engine.scheduler.computed_prompt_tokens - computed,
+                seconds=time.perf_counter() - start, tokens=[tokens[r] for r in added])
+
+
+def main(argv=None) -> int:
+    p = arg_parser(__doc__, smoke=True)
+    p.add_argument("--rate", type=float, default=24.0, help="arrivals per second of the shared-prompt workload")
+    p.add_argument("--requests", type=int, default=160, help="requests of the shared-prompt workload")
+    args = parse_args(p, argv)
+    tiny, device = args.tiny, args.device
+    layers = 2 if tiny else 32
+    system_len, turn_len, conv_len = (64, 8, 128) if tiny else (1024, 64, 2048)
+    n_adapters, n_alora, invocation_len = 16, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    vocab = 256 if tiny else 128256
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1000 if not tiny else 20, vocab, (n,), generator=gen).tolist()
+
+    system = tokens(system_len)
+    gap = 1.0 / args.rate
+    shared = [(i * gap, system + tokens(turn_len), f"u{i % n_adapters}", 16) for i in range(args.requests)]
+    conversation = tokens(conv_len)
+    invocations = [[10 + 4 * k + j for j in range(invocation_len)] for k in range(n_alora)]  # ids < 1000: unique
+    alora = [(0.0, conversation, None, 4)] + [(0.0, conversation + invocations[k], f"al{k}", 4) for k in range(n_alora)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        model = make_model(layers, tiny, device)
+        folders = {f"u{i}": write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_adapters)}
+        folders |= {f"al{k}": write_adapter(model, Path(tmp) / f"al{k}", 16, seed=100 + k, task_type="CAUSAL_LM",
+                                            alora_invocation_tokens=invocations[k]) for k in range(n_alora)}
+        for cache in (True, False):
+            if model is None:
+                torch.manual_seed(0)
+                model = make_model(layers, tiny, device)
+            engine = Engine(model, max_loras=24, max_rank=16, max_num_seqs=64, max_seq_len=conv_len + 64,
+                            max_num_batched_tokens=2048, prefix_cache=cache, adapters=folders, graph_token_sizes=())
+            for workload, arrivals in (("shared 1,024-token prompt, 16 adapters", shared),
+                                       ("2,048-token conversation, base + 8 aLoRA", alora)):
+                result = drive(engine, arrivals)
+                rows.append(dict(workload=workload, prefix_cache="on" if cache else "off", **result))
+                print({k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
+            engine = model = None
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    for r in rows:
+        off = next(o for o in rows if o["workload"] == r["workload"] and o["prefix_cache"] == "off")
+        r["ttft_p50_off_over_on"] = off["ttft_p50_ms"] / r["ttft_p50_ms"]
+        r["computed_off_over_on"] = off["computed_prompt_tokens"] / r["computed_prompt_tokens"]
+        r["same_tokens"] = sum(a == b for a, b in zip(r["tokens"], off["tokens"]))
+    for r in rows:
+        r.pop("tokens")
+    s = setup("device", "torch", "commit", "date_utc", device=device, layers=layers, rate=args.rate,
+              requests=args.requests)
+    head = ("| workload | prefix cache | requests | TTFT p50 (ms) | TTFT p99 (ms) | prompt tokens | computed | "
+            "TTFT p50 off / on | computed off / on | same tokens as off |")
+    body = table(head, ([r["workload"], r["prefix_cache"], r["requests"], fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]),
+                         r["prompt_tokens"], r["computed_prompt_tokens"], fmt(r["ttft_p50_off_over_on"], ".2f"),
+                         fmt(r["computed_off_over_on"], ".2f"), f"{r['same_tokens']}/{r['requests']}"] for r in rows))
+    report = (f"# Prefix caching: Llama-3-8B shape ({layers} layers), random bf16 weights\n\n{setup_line(s)}; "
+              f"{args.requests} shared-prompt requests at {args.rate:g}/s, in-process engine, CUDA graphs.\n\n{body}")
+    write_report(args.out, "bench_prefix", report, dict(setup=s, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
