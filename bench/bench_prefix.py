@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         model = make_model(layers, tiny, device)
+        model.config.max_position_embeddings = 4096  # LlamaConfig's default (2048) is below the conversation + reply
         folders = {f"u{i}": write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_adapters)}
         folders |= {f"al{k}": write_adapter(model, Path(tmp) / f"al{k}", 16, seed=100 + k, task_type="CAUSAL_LM",
                                             alora_invocation_tokens=invocations[k]) for k in range(n_alora)}
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
             if model is None:
                 torch.manual_seed(0)
                 model = make_model(layers, tiny, device)
+                model.config.max_position_embeddings = 4096
             engine = Engine(model, max_loras=24, max_rank=16, max_num_seqs=64, max_seq_len=conv_len + 64,
                             max_num_batched_tokens=2048, prefix_cache=cache, adapters=folders, graph_token_sizes=())
             for workload, arrivals in (("shared 1,024-token prompt, 16 adapters", shared),
