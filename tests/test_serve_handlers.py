@@ -44,6 +44,33 @@ def served(world, body_of, **config):
     return asyncio.run(main()), calls
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(world):
+    """A prompt sent again is served from the prefix cache: usage.prompt_tokens_details.cached_tokens says how much
+    (whole blocks of 4, at least one token computed), in a reply and in the final streamed usage chunk; /metrics counts
+    it per adapter."""
+    _, tokenizer, _, _ = world
+    prompt = " ".join([PROMPT] * 4)
+    n = len(tokenizer.encode(prompt))
+
+    async def run(state):
+        body = dict(model="sql", prompt=prompt, max_tokens=3, temperature=0)
+        first = await (await openai.completions(CompletionBody(**body), state)).body
+        again = await (await openai.completions(CompletionBody(**body), state)).body
+        streamed = await openai.completions(CompletionBody(**body, stream=True, stream_options={"include_usage": True}),
+                                            state)
+        chunks = [c async for c in streamed.body]
+        return first, again, chunks, state.metrics.render().decode()
+
+    (first, again, chunks, metrics), _ = served(world, run)
+    cached = (n - 1) // 4 * 4
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": cached} and cached > 0
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert f'lorakit_prefix_cache_hit_tokens_total{{adapter="sql"}} {2 * cached}.0' in metrics
+    assert f'lorakit_prefix_cache_prompt_tokens_total{{adapter="sql"}} {3 * n}.0' in metrics
+
+
 def test_handlers_are_plain_functions_equal_to_llm_generate(world):
     _, tokenizer, root, paths = world
 
