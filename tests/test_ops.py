@@ -25,7 +25,8 @@ triton_on_cpu = pytest.mark.skipif(
 def check_h(h: torch.Tensor, case: Case) -> None:
     """h sums to the reference; every partial is exactly zero on base rows and rank padding."""
     ref = shrink_ref(case.x, case.A, case.ranks, case.slots)
-    assert rel_err(h.sum(0), ref) <= H_TOLERANCE
+    magnitude = shrink_ref(case.x.abs(), case.A.abs(), case.ranks, case.slots)  # bounds rounding where sums cancel
+    assert rel_err(h.sum(0), ref, magnitude) <= H_TOLERANCE
     assert (h.cpu()[:, ref == 0] == 0).all(), "base rows and rank padding must be written as zeros"
 
 
