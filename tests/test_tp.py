@@ -38,15 +38,19 @@ CASES = {
 
 def _model(case: str, seed: int = 0):
     arch, overrides = CASES[case]
-    if not overrides:
-        return tiny_model(arch, seed)
     overrides = dict(overrides)
     attn = overrides.pop("attn_implementation", "eager")
     cfg = _cfg(arch)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # transformers initializes biases to zero, which would hide a bias added per rank
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
