@@ -30,9 +30,6 @@ TP_PLAN: dict[str, str] = {
 # hand a rank all of q and none of v. They need a per-part split, not done yet.
 FUSED = ("qkv_proj", "gate_up_proj", "c_attn", "W_pack", "query_key_value", "wqkv")
 
-# Attention modules store these per-module counts in some transformers versions; each rank sees 1/tp of them.
-_LOCAL_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
-
 
 def _group_size(group) -> int:
     return 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
@@ -181,8 +178,9 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> nn.
     """Keep only this rank's slice of every ``TP_PLAN`` module of ``model`` (full weights in, shards out), in place.
 
     Every rank calls this on the same full model. Tied weights (the head sharing the embedding's table) stay
-    tied: both modules hold the same shard. Per-module head counts are divided by ``world_size``; the shared
-    ``model.config`` keeps the full model's numbers.
+    tied: both modules hold the same shard. Attention needs no patching in transformers 5.x: it reshapes with
+    ``(*input_shape, -1, head_dim)``, and ``num_key_value_groups`` (heads per kv head) is the same on every
+    rank because both head counts are divided by ``world_size``. ``model.config`` keeps the full model's numbers.
     """
     plan = plan_model(model, world_size)
     if not 0 <= rank < world_size:
@@ -206,17 +204,4 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> nn.
         if style == "vocab":
             shards[id(base.weight)] = new.weight
         setattr(parent, leaf, new)
-        if style == "column":
-            _localize_counts(parent, world_size)
     return model
-
-
-def _localize_counts(module: nn.Module, world_size: int) -> None:
-    """Divide the per-module head counts an attention module may read at forward time (once per module)."""
-    if getattr(module, "_tp_localized", False):
-        return
-    for attr in _LOCAL_COUNTS:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(module, attr, value // world_size)
-    module._tp_localized = True
