@@ -95,7 +95,8 @@ class VocabParallelEmbedding(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"vocab=[{self.vocab_start}, {self.vocab_start + self.num_embeddings}), embedding_dim={self.embedding_dim}"
+        end = self.vocab_start + self.num_embeddings
+        return f"vocab=[{self.vocab_start}, {end}), embedding_dim={self.embedding_dim}"
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -168,8 +169,9 @@ def plan_model(model: nn.Module, world_size: int) -> dict[str, str]:
                 heads = getattr(parent, child).out_features // head_dim if style == "column" else 0
                 if heads % world_size:
                     count = "num_key_value_heads" if child in ("k_proj", "v_proj") else "num_attention_heads"
-                    raise ValueError(f"{parent_name}.{child}: {heads} heads ({count}) do not split over tensor-parallel "
-                                     f"size {world_size}; use a tensor-parallel size that divides {heads}")
+                    raise ValueError(f"{parent_name}.{child}: {heads} heads ({count}) do not split over "
+                                     f"tensor-parallel size {world_size}; use a tensor-parallel size that divides "
+                                     f"{heads}")
     return plan
 
 
