@@ -1,8 +1,8 @@
 """Tensor parallelism of the base model: logits at tp=2 (two gloo processes on the CPU) equal the unsharded model's.
 
 Each rank builds the same full model (same seed), shards a deep copy, and compares its logits with the full
-model's on the same ids. Ranks report through files; the parent fails on a missing report, a child's
-traceback, or a child still running after the deadline (which it then kills).
+model's on the same ids: one forward, and greedy decoding with the KV cache. Ranks report through files; the
+parent fails on a missing report, a child's traceback, or a child still running after the deadline (then killed).
 """
 
 from __future__ import annotations
@@ -57,6 +57,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+@torch.no_grad()
+def _decode(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    """Greedy decoding with the KV cache (which holds only this rank's KV heads): every step's logits."""
+    out = model(ids, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        out = model(logits[-1].argmax(-1, keepdim=True), past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     report: dict = {}
     try:
@@ -71,6 +82,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             with torch.no_grad():
                 ref, out = full(ids).logits, sharded(ids).logits
             report[case] = {"rel_err": _rel_err(out, ref), "shape_ok": out.shape == ref.shape,
+                            "decode_rel_err": _rel_err(_decode(sharded, ids), _decode(full, ids)),
                             "tied": sharded.lm_head.weight is sharded.model.embed_tokens.weight,
                             "full_tied": full.lm_head.weight is full.model.embed_tokens.weight}
         torch.distributed.destroy_process_group()
@@ -115,6 +127,8 @@ def test_tp2_logits_match_unsharded(reports, case):
         result = report[case]
         assert result["shape_ok"], f"rank {rank}: logits shape differs from the full model's"
         assert result["rel_err"] < TOL[torch.float32], f"rank {rank}: relative error {result['rel_err']:.2e}"
+        assert result["decode_rel_err"] < TOL[torch.float32], f"rank {rank}: decoding with the KV cache: " \
+                                                              f"relative error {result['decode_rel_err']:.2e}"
         assert result["tied"] == result["full_tied"], f"rank {rank}: tying changed by sharding"
     if case == "llama-tied":
         assert reports[0][case]["full_tied"], "the tied case's model is not tied: the test would prove nothing"
