@@ -191,3 +191,17 @@ def test_row_layer_without_column_sibling_is_refused():
     model = torch.nn.ModuleDict({"attn": Attn(), "mlp": Mlp()})
     with pytest.raises(ValueError, match="mlp has a row-parallel layer but no column-parallel sibling"):
         plan_model(model, 2)
+
+
+def test_subclass_whose_forward_would_be_dropped_is_refused():
+    model = tiny_model("gemma2", 0)  # its embed_tokens scales by sqrt(hidden) in its own forward
+    with pytest.raises(ValueError, match=r"model\.embed_tokens is a \w+ScaledWordEmbedding, whose own forward"):
+        plan_model(model, 2)
+
+
+def test_world_size_without_a_matching_process_group_is_refused():
+    model = tiny_model("llama", 0)
+    with pytest.raises(ValueError, match="world_size=2 but the process group has 1 ranks"):
+        shard_model(model, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        shard_model(model, rank=2, world_size=2)
