@@ -55,8 +55,8 @@ class FakePool:
             out.append(slot)
         return out
 
-    def digest(self, slot):
-        return f"sha-of-{self.slots[slot]}"
+    def digest(self, name):
+        return f"sha-of-{name}"
 
     def release(self, slots):
         for slot in slots:

@@ -262,10 +262,12 @@ class AdapterPool:
                 self._wait_ready(v)
             return [-1 if v is None else v.slot for v in versions]
 
-    def digest(self, slot: int) -> str:
-        """The content hash (sha256 of its files as registered) of the adapter version ``acquire`` gave ``slot`` to:
-        what the prefix cache keys that adapter's KV blocks by."""
-        return self.slots[slot].snapshot.sha256
+    def digest(self, name: str) -> str:
+        """The content hash (sha256 of its files as registered) of ``name``'s current version, the one ``acquire``
+        hands out: what the prefix cache keys that adapter's KV blocks by."""
+        with self._lock:
+            (v,) = self._lookup([name])
+            return v.snapshot.sha256
 
     def release(self, slots: Iterable[int]) -> None:
         """Give back slots that ``acquire`` returned (one holder each; -1 is ignored)."""

@@ -57,8 +57,8 @@ class AdapterSlots(Protocol):
 
     def release(self, slots: Iterable[int]) -> None: ...
 
-    def digest(self, slot: int) -> str:
-        """The content hash of the adapter version in ``slot`` (the prefix cache's key)."""
+    def digest(self, name: str) -> str:
+        """The content hash of ``name``'s current version, the one ``acquire`` hands out (the prefix cache's key)."""
         ...
 
 
@@ -210,12 +210,8 @@ class Scheduler:
                 break
             if not self._adapter_ready(request):
                 continue
-            if request.adapter is not None:
-                try:
-                    (request.slot,) = self.pool.acquire([request.adapter])
-                except PoolFull:  # every slot held; keep waiting
-                    continue
-                request.adapter_key = self.pool.digest(request.slot).encode()
+            if request.adapter is not None and self.blocks.prefix_cache:
+                request.adapter_key = self.pool.digest(request.adapter).encode()
             keys = self._prefix_keys(request)
             cached = self.blocks.lookup(keys)
             start = len(cached) * self.blocks.block_size
@@ -223,10 +219,12 @@ class Scheduler:
             if (any(k in self._computing for k in keys[len(cached):])  # being computed: take it once registered
                     or self.blocks.blocks_for(start + n) - len(cached)
                     > self.blocks.num_free - self.blocks.idle_among(cached)):
-                if request.slot != -1:
-                    self.pool.release([request.slot])
-                    request.slot = -1
                 continue
+            if request.adapter is not None:
+                try:
+                    (request.slot,) = self.pool.acquire([request.adapter])  # the version digest() named
+                except PoolFull:  # every slot held; keep waiting
+                    continue
             self.waiting.remove(request)
             self.running.append(request)
             request.waited = 0
