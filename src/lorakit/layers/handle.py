@@ -30,20 +30,22 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
+from lorakit.layers.tp import check_vocab_parallel, full_features
 from lorakit.ops import round_up
 
 
 class LoraHandle:
     """A patched model's LoRA slots: read adapters for them; load, unload, and turn names into ``lora_ids``."""
 
-    def __init__(self, model: nn.Module, ctx: LoraContext, layers: dict[str, nn.Module], config):
+    def __init__(self, model: nn.Module, ctx: LoraContext, layers: dict[str, nn.Module], config,
+                 vocab_parallel: dict[str, BaseModule] | None = None):
         self.model = model
         self.config = config  # the PatchConfig: max_loras (the slot count), max_rank, ...
         self.layers = layers
         self._ctx = ctx
         self.base_modules: dict[str, BaseModule] = {
             name: BaseModule("embedding" if isinstance(layer, LoraEmbedding) else "linear",
-                             layer.in_features, layer.out_features,
+                             *full_features(layer),  # a tensor-parallel shard: the unsharded layer's shape
                              ("input" if isinstance(layer, LoraEmbedding) else "output")
                              if getattr(layer, "tokens", None) is not None else None)
             for name, layer in layers.items()
@@ -56,6 +58,8 @@ class LoraHandle:
                      and layers[self._input_name].weight is layers[self._output_name].weight)
         self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
         self.slots = SlotTable(config.max_loras)
+        # A tensor-parallel model's vocab-parallel embedding / head (no LoRA there): adapters targeting them are refused.
+        self.vocab_parallel = dict(vocab_parallel or {})
 
     @property
     def num_slots(self) -> int:
@@ -74,6 +78,7 @@ class LoraHandle:
     def inspect_adapter(self, name: str, path: str | Path, strict: bool = True) -> AdapterInfo:
         """What the config and the weights' header say, checked against this model; reads no weights.
         ``strict=False``: accept a file that disagrees with its config as PEFT loads it (see load_peft_adapter)."""
+        check_vocab_parallel(name, path, self.base_modules, self.vocab_parallel, self.tied)
         info = inspect_peft_adapter(name, path, self.base_modules, strict=strict, tied=self.tied)
         self._check_rank(info.max_rank, f"adapter {name!r} at {path}")
         return info
@@ -81,6 +86,7 @@ class LoraHandle:
     def read_adapter(self, name: str, path: str | Path, strict: bool = True) -> PeftAdapter:
         """Read and validate a PEFT adapter folder for this model (on the CPU); raises AdapterError.
         ``strict=False``: load a file that disagrees with its config as PEFT does (see load_peft_adapter)."""
+        check_vocab_parallel(name, path, self.base_modules, self.vocab_parallel, self.tied)
         base_weights = {n: self.layers[n].weight for n in self._token_stores}
         adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights, strict=strict,
                                     tied=self.tied)

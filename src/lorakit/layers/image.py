@@ -27,6 +27,7 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
+from lorakit.layers.tp import shard_lora
 from lorakit.ops import round_up
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
@@ -112,7 +113,7 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
     by_store: dict[LoraSlots, dict[int, tuple]] = {}
     for module, layer in layers.items():  # the model's order, so equal targets and ranks give equal layouts
         if module in adapter.modules:
-            lora = adapter.modules[module]
+            lora = shard_lora(layer, adapter.modules[module])  # a tensor-parallel layer keeps its shard
             store, index = store_of(layer)
             scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
             by_store.setdefault(store, {})[index] = (lora, scale)

@@ -18,6 +18,7 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
 from lorakit.ops import add_lora, add_lora_delta, lora_delta, wait_lora_delta
+from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 
 # Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens may compute the
 # LoRA delta beside the base layer: ops.lora_delta runs on a side stream while the base GEMM runs, and the add
@@ -34,7 +35,10 @@ OVERLAP_EAGER = "never"
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
-    """(in_features, out_features) of a linear-like module, None for anything else."""
+    """(in_features, out_features) of a linear-like module, None for anything else. For a tensor-parallel
+    column or row layer (lorakit.parallel), the shape of this rank's shard: what its slots hold."""
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(module, VocabParallelHead):
+        return module.in_features, module.out_features
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D

@@ -20,8 +20,11 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
+from lorakit.layers.adapter import BaseModule
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
+from lorakit.layers.tp import LoraRowParallelLinear, is_vocab_parallel
 from lorakit.ops import MAX_SLICES
+from lorakit.parallel.tensor import RowParallelLinear
 
 logger = logging.getLogger("lorakit.patch")
 
@@ -58,13 +61,17 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
 
     After patching, ``model(..., lora_ids=handle.ids(["sql", None]))`` serves each sequence (or token)
     with its adapter; without ``lora_ids`` the model computes exactly what it did before.
+
+    A tensor-parallel model (``lorakit.parallel.shard_model`` first, on every rank) gets LoRA on its column and
+    row layers, each rank's slots holding its shard (see ``lorakit.layers.tp``); its vocab-parallel embedding and
+    head get none, and the handle refuses adapters that target them.
     """
     config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows)
     if getattr(model, "_lorakit_handle", None) is not None:
         raise ValueError("this model is already patched by lorakit; use the handle patch() returned")
     ctx = LoraContext(config.max_loras)
     token_modules = _token_modules(model)
-    linears, embeddings = {}, {}
+    linears, embeddings, vocab_parallel = {}, {}, {}
     for name, module in model.named_modules():
         if not name or (config.filter_fn is not None and not config.filter_fn(module, name)):
             continue
@@ -72,12 +79,16 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             linears[name] = module
         elif isinstance(module, nn.Embedding):
             embeddings[name] = module
+        elif is_vocab_parallel(module):
+            vocab_parallel[name] = module
     if not linears and not embeddings:
         raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
 
     layers: dict[str, nn.Module] = {}
     grouped = set()
-    for k, names in enumerate(_siblings(model, linears)):
+    # A row-parallel layer is never grouped: its LoRA needs an all-reduce of its own (LoraRowParallelLinear).
+    groupable = {n: m for n, m in linears.items() if not isinstance(m, RowParallelLinear)}
+    for k, names in enumerate(_siblings(model, groupable)):
         group = LoraLinearGroup([linears[n] for n in names], ctx, config.max_loras, config.rank_multiple)
         model.get_submodule(names[0].rpartition(".")[0]).add_module(f"lorakit_group_{k}", group)
         for index, name in enumerate(names):
@@ -85,7 +96,8 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             grouped.add(name)
     for name, module in linears.items():
         if name not in grouped:
-            layers[name] = LoraLinear(module, ctx, config.max_loras, config.rank_multiple)
+            wrapper = LoraRowParallelLinear if isinstance(module, RowParallelLinear) else LoraLinear
+            layers[name] = wrapper(module, ctx, config.max_loras, config.rank_multiple)
     for name, module in embeddings.items():
         layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
     for name, role in token_modules.items():
@@ -99,11 +111,19 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
 
-    handle = LoraHandle(model, ctx, layers, config)
+    unserved = {name: _vocab_base_module(module, token_modules.get(name)) for name, module in vocab_parallel.items()}
+    handle = LoraHandle(model, ctx, layers, config, vocab_parallel=unserved)
     model._lorakit_handle = handle
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
+
+
+def _vocab_base_module(module: nn.Module, role: str | None) -> BaseModule:
+    """The unsharded shape of a vocab-parallel embedding or head, for naming it in adapter refusals."""
+    if is_vocab_parallel(module) and hasattr(module, "embedding_dim"):
+        return BaseModule("embedding", module.num_embeddings * module.world_size, module.embedding_dim, role)
+    return BaseModule("linear", *module.full_features, role)
 
 
 def _token_modules(model: nn.Module) -> dict[str, str]:

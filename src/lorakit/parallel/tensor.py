@@ -41,12 +41,23 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, world_size: int, weight: nn.Parameter | None = None):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features // world_size
+        self.rank, self.world_size = rank, world_size
         start = rank * self.out_features
         self.weight = weight if weight is not None else _shard(base.weight, 0, start, self.out_features)
         self.bias = None if base.bias is None else _shard(base.bias, 0, start, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def full_features(self) -> tuple[int, int]:
+        """(in_features, out_features) of the unsharded layer: what an adapter's A and B are shaped for."""
+        return self.in_features, self.out_features * self.world_size
+
+    def lora_shard(self, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA (A [r, in], B [out, r]): A whole (the shrink reads the full input), the
+        rows of B that give this rank's output slice. No collective: the delta lands on the local output."""
+        return A, B.narrow(0, self.rank * self.out_features, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (local), bias={self.bias is not None}"
@@ -61,7 +72,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, world_size: int, group=None):
         super().__init__()
         self.in_features, self.out_features = base.in_features // world_size, base.out_features
-        self.world_size, self.group = world_size, group
+        self.rank, self.world_size, self.group = rank, world_size, group
         self.weight = _shard(base.weight, 1, rank * self.in_features, self.in_features)
         self.bias = None if base.bias is None else _shard(base.bias, 0, 0, self.out_features)
 
@@ -70,6 +81,16 @@ class RowParallelLinear(nn.Module):
         if self.world_size > 1:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def full_features(self) -> tuple[int, int]:
+        """(in_features, out_features) of the unsharded layer: what an adapter's A and B are shaped for."""
+        return self.in_features * self.world_size, self.out_features
+
+    def lora_shard(self, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA (A [r, in], B [out, r]): the columns of A matching this rank's input slice,
+        B whole. The shrink's T x r partials are then summed over the ranks (see lorakit.layers.tp)."""
+        return A.narrow(1, self.rank * self.in_features, self.in_features), B
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"

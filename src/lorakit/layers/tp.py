@@ -1,0 +1,103 @@
+"""LoRA on tensor-parallel layers (``lorakit.parallel.shard_model``), the S-LoRA way.
+
+Column-parallel layers (q/k/v, gate/up) need nothing special: their slots hold A whole and this rank's rows of B,
+so the ordinary ``LoraLinear`` / ``LoraLinearGroup`` adds the delta of this rank's output slice, no collective.
+Row-parallel layers (o, down) get ``LoraRowParallelLinear``: their slots hold this rank's columns of A and all of
+B. The embedding and the head (vocab-parallel) get no LoRA: an adapter targeting them is refused when it is read
+(``check_vocab_parallel``).
+
+Every rank must load the same adapters into the same slots and run the same batches (same ``lora_ids``): the row
+layers' extra all-reduce runs only when a LoRA is active, and the ranks must agree on when that is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lorakit.layers.adapter import AdapterError, ModuleLora
+from lorakit.layers.adapter_targets import lora_targets, token_targets
+from lorakit.layers.adapter_config import read_adapter_config
+from lorakit.layers.linear import LoraLinear
+from lorakit.ops import lora_expand, lora_shrink
+from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+
+
+def is_vocab_parallel(module: nn.Module) -> bool:
+    return isinstance(module, (VocabParallelEmbedding, VocabParallelHead))
+
+
+def _sharded(module: nn.Module | None) -> bool:
+    """A column- or row-parallel layer that carries LoRA (the vocab-parallel head, a column subclass, never does)."""
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not is_vocab_parallel(module)
+
+
+def full_features(layer: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) an adapter's A and B are shaped for: the unsharded layer's for a parallel one."""
+    base = getattr(layer, "base_layer", None)
+    return base.full_features if _sharded(base) else (layer.in_features, layer.out_features)
+
+
+def shard_lora(layer: nn.Module, lora: ModuleLora) -> ModuleLora:
+    """The part of a module's LoRA that this rank's slots hold (``lora`` itself for an unsharded layer)."""
+    base = getattr(layer, "base_layer", None)
+    if not _sharded(base):
+        return lora
+    A, B = base.lora_shard(lora.A, lora.B)
+    return ModuleLora(A.contiguous(), B.contiguous(), lora.rank, lora.scale)
+
+
+class LoraRowParallelLinear(LoraLinear):
+    """LoRA on a ``RowParallelLinear`` (o_proj, down_proj): A_local = A[:, this rank's input columns], B whole.
+
+    y = base(x_local) + scale * all_reduce(x_local @ A_local.T) @ B.T
+
+    The base layer's forward already all-reduces its partial output and adds the bias, so every rank holds the
+    full y. The shrink's partial h_k = x_local @ A_local.T (T x R_max, float32) is summed over the ranks, which
+    gives h = x @ A.T exactly; every rank then runs the same expand with the full h and adds it to its own copy of
+    y. So the delta is added once to each rank's (identical) output, never summed over ranks. Cost: one extra
+    all-reduce of n_tokens x R_max floats per row layer, and only in a forward where a LoRA is active.
+
+    (Folding the delta into the partial output before the base all-reduce instead would need a hook inside the
+    base layer's forward; adding each rank's expand of its own partial h there would even save the extra
+    all-reduce, by linearity, at the same FLOPs. Not done: this wrapper leaves the base layer untouched.)
+    """
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        meta = self.ctx.meta_for(x.shape[:-1]) if self.r_max else None
+        y = self.base_layer(x, *args, **kwargs)
+        if meta is None:
+            return y
+        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        h = lora_shrink(x2, self.lora_A, self.ranks, meta, check=False).sum(0, keepdim=True)  # split_k partials
+        base = self.base_layer
+        if base.world_size > 1:
+            dist.all_reduce(h, group=base.group)
+        flat = y.view(-1, y.shape[-1])
+        if y.dtype == self.dtype:
+            lora_expand(flat, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, check=False)
+            return y
+        delta = torch.zeros(flat.shape, dtype=self.dtype, device=y.device)
+        lora_expand(delta, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, check=False)
+        return y + delta.view(y.shape).to(y.dtype)
+
+
+def check_vocab_parallel(name: str, path, base_modules: Mapping, vocab_parallel: Mapping, tied: bool) -> None:
+    """Refuse an adapter that would put LoRA or token rows on a vocab-parallel embedding or head, from its config
+    alone. ``vocab_parallel``: {module name: BaseModule of the unsharded layer}."""
+    if not vocab_parallel:
+        return
+    where = f"adapter {name!r} at {path}"
+    config = read_adapter_config(name, path)
+    everything = {**base_modules, **vocab_parallel}
+    targets = lora_targets(config, everything, tied, where) or set()
+    tokens = token_targets(config, everything, tied, where)
+    hit = sorted((targets | tokens.trainable.keys() | tokens.full) & vocab_parallel.keys())
+    if hit:
+        raise AdapterError(f"{where}: it adapts {hit} (LoRA, trainable tokens or modules_to_save), which tensor "
+                           f"parallelism splits by vocabulary; lorakit does not serve LoRA or token rows on a "
+                           f"vocab-parallel embedding or head yet: serve this adapter on an unsharded model, or "
+                           f"retrain it without those modules")

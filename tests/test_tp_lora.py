@@ -1,0 +1,177 @@
+"""LoRA on a tensor-parallel model: at tp=2 (two gloo processes on the CPU) a mixed batch's logits equal the
+unsharded lorakit-patched model's and PEFT's.
+
+The parent builds a tiny Llama (biases on, random, so a bias added per rank would show) and saves PEFT adapters
+of different ranks and targets; each rank loads the base weights, shards a copy, patches it, loads the adapters
+and writes its logits to a file; the parent compares them. Ranks report through files, as in test_tp.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+from _peft_models import VOCAB, _cfg, save_adapter
+from peft import LoraConfig
+
+import lorakit
+from lorakit.layers.adapter import AdapterError
+
+WORLD_SIZE = 2
+DEADLINE_S = 120
+TOL = 1e-5  # float32, relative: ||out - ref|| / ||ref||
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name -> LoraConfig arguments: ranks, targets and scalings differ
+    "all7": dict(r=8, lora_alpha=16, target_modules=ALL7),
+    "qvdown": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                   rank_pattern={"down_proj": 12}, use_rslora=True),
+    "mlp1": dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
+                 layers_to_transform=[1]),
+}
+REFUSED = {  # name -> LoraConfig arguments of adapters a tensor-parallel model must refuse
+    "head": dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
+    "embed": dict(r=4, lora_alpha=8, target_modules=["v_proj", "embed_tokens"]),
+}
+NAMES = [None, "all7", "qvdown", "mlp1", "all7"]
+
+
+def _base_model(state: dict | None = None):
+    cfg = _cfg("llama")
+    cfg.attention_bias = cfg.mlp_bias = True
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        if state is None:  # transformers initializes biases to zero, which would hide a bias added per rank
+            gen = torch.Generator().manual_seed(0)
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        else:
+            model.load_state_dict(state)
+    return model
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(3))
+
+
+def _worker(rank: int, tmp: str) -> None:
+    report: dict = {}
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                                             world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+        from lorakit.layers.tp import LoraRowParallelLinear
+        from lorakit.parallel import shard_model
+
+        full = _base_model(torch.load(f"{tmp}/base.pt"))
+        model = shard_model(copy.deepcopy(full), rank, WORLD_SIZE)
+        handle = lorakit.patch(model, max_loras=4)
+        for name in ADAPTERS:
+            handle.load_adapter(name, f"{tmp}/{name}")
+        layer = model.model.layers[0]
+        report["row_wrapped"] = all(isinstance(m, LoraRowParallelLinear) for m in (layer.self_attn.o_proj,
+                                                                                   layer.mlp.down_proj))
+        report["q_grouped"] = type(layer.self_attn.q_proj).__name__ == "LoraLinearMember"
+        report["refusals"] = {}
+        for name in REFUSED:
+            try:
+                handle.load_adapter(name, f"{tmp}/{name}")
+                report["refusals"][name] = None
+            except AdapterError as e:
+                report["refusals"][name] = str(e)
+        ids = _input_ids()
+        with torch.no_grad():
+            logits = model(ids, lora_ids=handle.ids(NAMES), use_cache=False).logits
+            plain = model(ids, use_cache=False).logits  # no lora_ids: the sharded base model
+        torch.save({"logits": logits, "plain": plain}, f"{tmp}/rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - anything a rank raises is reported to the parent as a failure
+        report["traceback"] = traceback.format_exc()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Save the base weights and adapters, run both ranks once; returns (reports, rank logits, saved adapters)."""
+    tmp = tmp_path_factory.mktemp("tp_lora")
+    base = _base_model()
+    torch.save(base.state_dict(), tmp / "base.pt")
+    saved = {name: save_adapter(base, name, LoraConfig(init_lora_weights=False, **kw), tmp, seed=i, std=0.1)
+             for i, (name, kw) in enumerate({**ADAPTERS, **REFUSED}.items())}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, str(tmp))) for rank in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    hung, deadline = [], time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            hung.append(p.pid)
+    reports, outs = [], []
+    for rank in range(WORLD_SIZE):
+        path = tmp / f"rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no report (exit code {procs[rank].exitcode}, hung pids {hung})")
+        report = json.loads(path.read_text())
+        if "traceback" in report:
+            pytest.fail(f"rank {rank} raised:\n{report['traceback']}")
+        reports.append(report)
+        outs.append(torch.load(tmp / f"rank{rank}.pt"))
+    if hung:
+        pytest.fail(f"ranks still running after {DEADLINE_S}s were killed: pids {hung}")
+    return base, reports, outs, saved
+
+
+def test_tp2_lora_matches_unsharded_lorakit_and_peft(run):
+    base, reports, outs, saved = run
+    ids = _input_ids()
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4)
+    for name in ADAPTERS:
+        handle.load_adapter(name, saved[name].path)
+    with torch.no_grad():
+        unsharded = model(ids, lora_ids=handle.ids(NAMES), use_cache=False).logits
+        peft = torch.stack([(base if n is None else saved[n].peft_model)(input_ids=ids[b: b + 1],
+                                                                         use_cache=False).logits[0]
+                            for b, n in enumerate(NAMES)])
+        plain = base(ids, use_cache=False).logits
+    for rank, out in enumerate(outs):
+        for b, name in enumerate(NAMES):
+            for ref, what in ((unsharded, "unsharded lorakit"), (peft, "PEFT")):
+                err = _rel_err(out["logits"][b], ref[b])
+                assert err < TOL, f"rank {rank}, row {b} ({name}): relative error {err:.2e} against {what}"
+        assert _rel_err(out["plain"], plain) < TOL, f"rank {rank}: the sharded base model without lora_ids"
+    assert not torch.allclose(peft[0], peft[1], rtol=1e-3), "the adapters change nothing: the test proves nothing"
+
+
+def test_tp2_row_layers_are_wrapped_and_column_layers_grouped(run):
+    _, reports, _, _ = run
+    for rank, report in enumerate(reports):
+        assert report["row_wrapped"], f"rank {rank}: o_proj / down_proj are not LoraRowParallelLinear"
+        assert report["q_grouped"], f"rank {rank}: q/k/v (column-parallel) were not grouped"
+
+
+@pytest.mark.parametrize("name, module", [("head", "lm_head"), ("embed", "model.embed_tokens")])
+def test_tp2_vocab_parallel_targets_are_refused(run, name, module):
+    _, reports, _, _ = run
+    for rank, report in enumerate(reports):
+        message = report["refusals"][name]
+        assert message is not None, f"rank {rank}: adapter {name!r} targeting {module} was loaded"
+        assert f"it adapts ['{module}']" in message and "vocab-parallel embedding or head" in message, message
