@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lorakit.layers.adapter import AdapterError, ModuleLora
-from lorakit.layers.adapter_targets import lora_targets, token_targets
 from lorakit.layers.adapter_config import read_adapter_config
+from lorakit.layers.adapter_targets import lora_targets, token_targets
 from lorakit.layers.linear import LoraLinear
 from lorakit.ops import lora_expand, lora_shrink
 from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
