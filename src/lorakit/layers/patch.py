@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lorakit.layers.adapter import BaseModule
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
-from lorakit.layers.adapter import BaseModule
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.layers.tp import LoraRowParallelLinear, is_vocab_parallel
 from lorakit.ops import MAX_SLICES
