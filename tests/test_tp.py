@@ -8,17 +8,15 @@ parent fails on a missing report, a child's traceback, or a child still running 
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 from _peft_models import _cfg, tiny_model
+from _ranks import join_gloo, run_ranks
 
 from lorakit.parallel import ColumnParallelLinear, plan_model, shard_model
 
@@ -72,10 +70,7 @@ def _decode(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     report: dict = {}
     try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                             world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+        join_gloo(rank, WORLD_SIZE, init_file)
         ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
         for case in CASES:
             full = _model(case)
@@ -97,29 +92,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def reports(tmp_path_factory):
     """Run every case on two ranks once; one report per rank."""
     tmp = tmp_path_factory.mktemp("tp")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, str(tmp / "rendezvous"), str(tmp))) for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    hung, deadline = [], time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-            hung.append(p.pid)
-    out = []
-    for rank in range(WORLD_SIZE):
-        path = tmp / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"rank {rank} wrote no report (exit code {procs[rank].exitcode}, hung pids {hung})")
-        report = json.loads(path.read_text())
-        if "traceback" in report:
-            pytest.fail(f"rank {rank} raised:\n{report['traceback']}")
-        out.append(report)
-    if hung:
-        pytest.fail(f"ranks still running after {DEADLINE_S}s were killed: pids {hung}")
-    return out
+    return run_ranks(_worker, (str(tmp / "rendezvous"), str(tmp)), tmp, WORLD_SIZE, DEADLINE_S)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -9,17 +9,15 @@ and writes its logits to a file; the parent compares them. Ranks report through 
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 from _peft_models import VOCAB, _cfg, save_adapter
+from _ranks import join_gloo, run_ranks
 from peft import LoraConfig
 
 import lorakit
@@ -66,10 +64,7 @@ def _input_ids() -> torch.Tensor:
 def _worker(rank: int, tmp: str) -> None:
     report: dict = {}
     try:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
-                                             world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=60))
+        join_gloo(rank, WORLD_SIZE, f"{tmp}/rendezvous")
         from lorakit.layers.tp import LoraRowParallelLinear
         from lorakit.parallel import shard_model
 
@@ -113,29 +108,8 @@ def run(tmp_path_factory):
     torch.save(base.state_dict(), tmp / "base.pt")
     saved = {name: save_adapter(base, name, LoraConfig(init_lora_weights=False, **kw), tmp, seed=i, std=0.1)
              for i, (name, kw) in enumerate({**ADAPTERS, **REFUSED}.items())}
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, str(tmp))) for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    hung, deadline = [], time.monotonic() + DEADLINE_S
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-            hung.append(p.pid)
-    reports, outs = [], []
-    for rank in range(WORLD_SIZE):
-        path = tmp / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"rank {rank} wrote no report (exit code {procs[rank].exitcode}, hung pids {hung})")
-        report = json.loads(path.read_text())
-        if "traceback" in report:
-            pytest.fail(f"rank {rank} raised:\n{report['traceback']}")
-        reports.append(report)
-        outs.append(torch.load(tmp / f"rank{rank}.pt"))
-    if hung:
-        pytest.fail(f"ranks still running after {DEADLINE_S}s were killed: pids {hung}")
+    reports = run_ranks(_worker, (str(tmp),), tmp, WORLD_SIZE, DEADLINE_S)
+    outs = [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
     return base, reports, outs, saved
 
 
