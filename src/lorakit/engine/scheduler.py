@@ -285,9 +285,12 @@ class Scheduler:
         done = len(request.block_keys)
         if done >= known:
             return
-        ids = request.all_ids
+        # the keys its admission computed for its prompt (same tokens, same weights), then the rest
+        computed = request.prefix_keys[2] if request.prefix_keys[:1] == (request.adapter_key,) else []
+        ids = request.all_ids if known > len(computed) else ()
         for i in range(done, known):
-            key = block_key(request.block_keys[-1] if i else b"", self._who(request, i), ids[i * size: (i + 1) * size])
+            key = computed[i] if i < len(computed) else block_key(
+                request.block_keys[-1] if i else b"", self._who(request, i), ids[i * size: (i + 1) * size])
             request.block_keys.append(key)
             self.blocks.register(request.blocks[i], key)
         if request.computing:

@@ -88,13 +88,18 @@ class _LinearSlots(LoraSlots):
                 return ys
             wait_lora_delta(delta, x2, ys)
             return [(y.float() + d.view(y.shape)).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
-        ys = base()
+        # check=False: the slots' buffers, the batch's meta, x2 made above
+        return self.added(base(), lambda outs: add_lora(outs, x2, A, B, ranks, scales, meta, check=False))
+
+    def added(self, ys: list[torch.Tensor], add: Callable[[list[torch.Tensor]], None]) -> list[torch.Tensor]:
+        """``ys`` with ``add(outs)`` (an in-place LoRA add into 2-D outputs) applied: into ys themselves when they
+        are in the slots' dtype, else into zeros of that dtype added to them."""
         flat = [y.view(-1, y.shape[-1]) for y in ys]
         if all(y.dtype == self.dtype for y in ys):
-            add_lora(flat, x2, A, B, ranks, scales, meta, check=False)  # the slots' buffers, the batch's meta
+            add(flat)
             return ys
         deltas = [torch.zeros(y.shape, dtype=self.dtype, device=y.device) for y in flat]
-        add_lora(deltas, x2, A, B, ranks, scales, meta, check=False)
+        add(deltas)
         return [y + d.view(y.shape).to(y.dtype) for y, d in zip(ys, deltas)]
 
 

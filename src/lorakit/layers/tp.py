@@ -76,13 +76,9 @@ class LoraRowParallelLinear(LoraLinear):
         base = self.base_layer
         if base.world_size > 1:
             dist.all_reduce(h, group=base.group)
-        flat = y.view(-1, y.shape[-1])
-        if y.dtype == self.dtype:
-            lora_expand(flat, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, check=False)
-            return y
-        delta = torch.zeros(flat.shape, dtype=self.dtype, device=y.device)
-        lora_expand(delta, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, check=False)
-        return y + delta.view(y.shape).to(y.dtype)
+        B = self.lora_B.transpose(1, 2)
+        (y,) = self.added([y], lambda outs: lora_expand(outs, h, B, self.ranks, self.scales, meta, check=False))
+        return y
 
 
 def check_vocab_parallel(name: str, path, base_modules: Mapping, vocab_parallel: Mapping, tied: bool) -> None:

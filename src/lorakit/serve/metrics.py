@@ -149,7 +149,7 @@ class _EngineCollector:
         ):
             family = CounterMetricFamily(name, help_, labels=["adapter"])
             for key, n in sorted(counts.items()):
-                family.add_metric([label.get(key, key)], n)
+                family.add_metric([label[key]], n)
             yield family
         rate = GaugeMetricFamily("lorakit_prefix_cache_adapter_hit_rate", "Share of an adapter's prompt tokens served "
                                  "from the prefix cache since start", labels=["adapter"])
