@@ -56,12 +56,15 @@ class EngineConfig:
                                   "are synchronous while a request with structured output, penalties or a logit "
                                   "bias runs)", "--no-async-scheduling")
     cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
+    tensor_parallel_size: int = _opt(1, "processes (one per GPU; gloo processes on the CPU) the model is split "
+                                     "over, Megatron-style; the scheduler and adapter pool run in the first",
+                                     "--tensor-parallel-size", "N")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict")
 
     def __post_init__(self):
         PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), 1)
         if self.max_seq_len is not None:
             _check_int("max_seq_len", self.max_seq_len, 2)

@@ -22,6 +22,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lorakit.engine import tp
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.pool import AdapterPool
@@ -176,14 +178,37 @@ class Engine:
     (``Engine(model, tok, max_loras=4)``; both: the keywords replace the config's fields). ``adapters``: {name:
     folder} to register at start. ``engine.config`` is the config with the values resolved from the model
     (``max_seq_len``, ``num_blocks``).
+
+    ``model`` may also be a picklable function that builds the model (e.g. ``functools.partial`` of a module-level
+    loader); with ``tensor_parallel_size`` N > 1 it must be: each of the N processes builds the full model with it,
+    keeps its shard and moves it to ``device`` ("cuda": rank r on GPU r; "cpu": gloo processes; default: CUDA when
+    there is one). See ``lorakit.engine.tp``; ``close()`` stops the other processes.
     """
 
-    def __init__(self, model: nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
-                 adapters: dict[str, str | Path] | None = None, **options):
+    def __init__(self, model: nn.Module | Callable[[], nn.Module], tokenizer=None, config: EngineConfig | None = None,
+                 *, adapters: dict[str, str | Path] | None = None, device: str | None = None, **options):
         config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
+        self._workers = None
+        if config.tensor_parallel_size > 1:
+            model, config = self._start_workers(model, config, device)
+        elif not isinstance(model, nn.Module):
+            if not callable(model):
+                raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got "
+                                f"{type(model).__name__}")
+            model = model()
+            model = model.to(device) if device is not None else model
+        try:
+            self._build(model, tokenizer, config, adapters)
+        except BaseException:
+            self.close()  # the other ranks, if any
+            raise
+
+    def _build(self, model: nn.Module, tokenizer, config: EngineConfig, adapters) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.handle = _patched(model, config)
+        if self._workers is not None:
+            tp.mirror_slots(self.handle, self._workers)
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = text_config.vocab_size
         self.config = config = _resolve(config, model, text_config, self.handle.device)
@@ -198,11 +223,15 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience,
                                    max_prefill_tokens=config.max_prefill_tokens)
-        self.runner = ModelRunner(model, self.handle, num_blocks=config.num_blocks, block_size=config.block_size,
-                                  max_num_seqs=config.max_num_seqs, max_seq_len=config.max_seq_len,
-                                  cuda_graphs=config.cuda_graphs, compile=config.compile,
-                                  graph_sizes=config.graph_sizes, graph_token_sizes=config.graph_token_sizes,
-                                  max_num_batched_tokens=config.max_num_batched_tokens)
+        settings = dict(num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                        max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, compile=config.compile,
+                        graph_sizes=config.graph_sizes, graph_token_sizes=config.graph_token_sizes,
+                        max_num_batched_tokens=config.max_num_batched_tokens)
+        mirror = None
+        if self._workers is not None:  # every rank builds its runner (and captures its graphs) at once
+            self._workers.send(("runner", settings))
+            mirror = self._workers.send
+        self.runner = ModelRunner(model, self.handle, **settings, mirror=mirror)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.grammars = Grammars(self.eos_token_id)
@@ -215,6 +244,27 @@ class Engine:
         self.detokenize = True
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
+
+    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> tuple[nn.Module, EngineConfig]:
+        n = config.tensor_parallel_size
+        if isinstance(factory, nn.Module) or not callable(factory):
+            raise ValueError(f"tensor_parallel_size={n} needs a picklable function that builds the model, not a "
+                             f"{type(factory).__name__}: each of the {n} processes builds the full model with it and "
+                             f"keeps its shard (e.g. functools.partial(AutoModelForCausalLM.from_pretrained, path))")
+        workers = tp.Workers(factory, n, tp.model_device(device))
+        self._workers = workers
+        self._finalize = weakref.finalize(self, workers.close)
+        workers.send(("config", config))
+        if config.async_scheduling:
+            logger.info("tensor_parallel_size=%d: async scheduling is off (the workers would need each step's "
+                        "sampled tokens from rank 0's device)", n)
+        return workers.model, dataclasses.replace(config, async_scheduling=False)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do at tensor_parallel_size 1). The engine cannot
+        step afterwards."""
+        if self._workers is not None:
+            self._finalize()
 
     @property
     def max_seq_len(self) -> int:

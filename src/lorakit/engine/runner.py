@@ -37,6 +37,7 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -97,12 +98,14 @@ transformers.AttentionInterface.register(ATTENTION_NAME, lorakit_attention)
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) from the model's config."""
+    """(layers, kv heads, head dim) from the model's config: of this rank's shard on a tensor-parallel model (its
+    k/v projections keep ``kv_heads / world_size`` heads, see ``lorakit.parallel.shard_model``)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    world_size = getattr(model, "_lorakit_tensor_parallel", (0, 1))[1]
+    return config.num_hidden_layers, kv_heads // world_size, head_dim
 
 
 def graph_buckets(sizes: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -187,8 +190,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
                  compile: bool = False, max_num_batched_tokens: int | None = None,
-                 graph_token_sizes: list[int] | None = None):
+                 graph_token_sizes: list[int] | None = None, mirror: Callable[[tuple], None] | None = None):
         self.model = model
+        self.mirror = mirror  # tensor parallel, on rank 0: sends each forward (and recapture) to the other ranks
         self.handle = handle
         self.device = handle.device
         self.block_size = block_size
@@ -230,7 +234,7 @@ class ModelRunner:
         self._decode_model = torch.compile(model, fullgraph=True, dynamic=False, options=PROGRAM_ORDER) \
             if compile and self.cuda_graphs else model
         if self.cuda_graphs:
-            self.capture_graphs()
+            self._capture()  # every rank's runner captures once as it is built
 
     @property
     def graph_replays(self) -> int:
@@ -387,6 +391,11 @@ class ModelRunner:
             _fill(m["input_ids"], fill)
             return self._bucket_forward(m, bucket)[m["keep"]]
         packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
+        if self.mirror is not None:
+            self.mirror(("step", packed.numpy().copy(), keep, bucket))
+        return self._replay(packed, keep, bucket, fill)
+
+    def _replay(self, packed: torch.Tensor, keep: int, bucket: Bucket, fill: Fill | None = None) -> torch.Tensor:
         self._upload(packed, self._static)
         graph, out, view = self._graphs[bucket]
         _fill(view["input_ids"], fill)
@@ -410,7 +419,14 @@ class ModelRunner:
             if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
                 self.capture_graphs()
             return self._run_bucket(plan, bucket, replay=True, fill=fill)
-        m = self._metadata(plan, n, t)
+        packed, keep = self._pack(plan, n, t, per_sequence=False)
+        if self.mirror is not None:
+            self.mirror(("step", packed.numpy().copy(), keep, (n, t)))
+        return self._eager(packed, keep, n, t, fill)
+
+    def _eager(self, packed: torch.Tensor, keep: int, rows: int, tokens: int, fill: Fill | None = None):
+        m = _split(self._upload(packed), rows, tokens, self.max_blocks, torch.int64, torch.int32)
+        m["keep"] = m["keep"][:keep]
         _fill(m["input_ids"], fill)
         start = self._record()
         logits = self._forward(m, m["keep"])
@@ -418,6 +434,16 @@ class ModelRunner:
             self._timing.append((start, self._record()))
         self.eager_steps += 1
         return logits
+
+    @torch.inference_mode()
+    def run_packed(self, packed: np.ndarray, keep: int, shape: Bucket | tuple[int, int]) -> torch.Tensor:
+        """Another rank's step, as its ``mirror`` sent it: the same packed metadata through this rank's shard, the
+        same graph bucket (a ``Bucket``) or eagerly (``(rows, tokens)``). Tensor-parallel workers call this."""
+        host = self._host_buffer(len(packed))[: len(packed)]
+        host.numpy()[:] = packed
+        if isinstance(shape, Bucket):
+            return self._replay(host, keep, shape)
+        return self._eager(host, keep, *shape)
 
     # Device time, without a sync.
 
@@ -437,8 +463,14 @@ class ModelRunner:
             self.timed_steps += 1
             self._spare_events += (start, end)
 
-    @torch.inference_mode()
     def capture_graphs(self) -> None:
+        """Capture every bucket's graph again (the slot buffers were reallocated), on every rank."""
+        if self.mirror is not None:
+            self.mirror(("capture",))
+        self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
         """Capture the graph of every bucket, decode and mixed, largest first into one memory pool (the smaller
         graphs reuse what the larger ones freed), each reading its views of one static buffer that holds an empty
         step until a replay's copy."""

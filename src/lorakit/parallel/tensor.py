@@ -227,4 +227,5 @@ def shard_model(model: nn.Module, rank: int, world_size: int, group=None) -> nn.
         if style == "vocab":
             shards[id(base.weight)] = new.weight
         setattr(parent, leaf, new)
+    model._lorakit_tensor_parallel = (rank, world_size)  # read by the engine's runner (KV heads per rank)
     return model

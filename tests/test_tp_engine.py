@@ -1,0 +1,111 @@
+"""The engine at tensor_parallel_size=2 on the CPU (rank 0 here, one gloo worker process): the same greedy tokens as
+at tensor_parallel_size=1, token for token, for a mixed batch of the base model and adapters of different ranks and
+targets, with adapters swapped through fewer slots than adapters, one registered while the engine runs (a higher
+rank: the slots grow on both ranks) and one unregistered. Float32: the all-reduce sums in another order, far below
+the gaps between the tiny model's logits."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+from _peft_models import VOCAB, _cfg, save_adapter
+from peft import LoraConfig
+
+from lorakit.engine import Engine, SamplingParams
+from lorakit.engine.tp import TensorParallelError
+
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "all7": dict(r=8, lora_alpha=16, target_modules=ALL7),
+    "qvdown": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+    "mlp": dict(r=12, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+LATE = dict(r=16, lora_alpha=16, target_modules=["k_proj", "o_proj", "down_proj"])  # registered while running
+SETTINGS = dict(max_loras=2, max_rank=16, max_num_seqs=4, max_seq_len=48, block_size=4, max_num_batched_tokens=32,
+                device="cpu")
+
+
+def load(folder: str) -> torch.nn.Module:
+    """The factory each rank calls (module level: pickled by reference into the worker)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def fail_on_worker(folder: str) -> torch.nn.Module:
+    if torch.distributed.get_rank() == 1:
+        raise RuntimeError("no such checkpoint on this rank")
+    return load(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_engine")
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(_cfg("llama")).float().eval()
+    base.save_pretrained(tmp / "base")
+    paths = {name: str(save_adapter(base, name, LoraConfig(init_lora_weights=False, **kw), tmp, seed=i,
+                                    std=0.2).path) for i, (name, kw) in enumerate(ADAPTERS.items())}
+    paths["late"] = str(save_adapter(base, "late", LoraConfig(init_lora_weights=False, **LATE), tmp, seed=9,
+                                     std=0.2).path)
+    return str(tmp / "base"), paths
+
+
+def run(engine: Engine, late: str) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    names = [None, "all7", "qvdown", "mlp", "all7", None, "mlp", "qvdown"]  # 3 adapters through 2 slots
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
+               for n in torch.randint(2, 20, (len(names) + 2,), generator=gen)]
+    out: dict[str, list[int]] = {}
+
+    def drain():
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+
+    for prompt, name in zip(prompts, names):
+        out[engine.add_request(prompt, params, name)] = []
+    drain()
+    engine.register_adapter("late", late)  # rank 16 past the slots' 12: they grow
+    engine.unregister_adapter("qvdown")
+    for prompt, name in zip(prompts[-2:], ["late", "all7"]):
+        out[engine.add_request(prompt, params, name)] = []
+    drain()
+    return list(out.values())
+
+
+def test_tp2_engine_matches_tp1_token_for_token(saved):
+    folder, paths = saved
+    adapters = {n: paths[n] for n in ADAPTERS}
+    one = Engine(functools.partial(load, folder), adapters=adapters, **SETTINGS)
+    want = run(one, paths["late"])
+    two = Engine(functools.partial(load, folder), adapters=adapters, tensor_parallel_size=2, **SETTINGS)
+    try:
+        assert type(two.model.model.layers[0].mlp.down_proj).__name__ == "LoraRowParallelLinear"
+        assert two.runner.k_caches[0].shape[2] == 1  # 2 KV heads over 2 ranks
+        assert not two.config.async_scheduling
+        got = run(two, paths["late"])
+        workers = two._workers._procs
+    finally:
+        two.close()
+    assert got == want
+    assert all(len(t) == 6 for t in got)
+    assert two.pool.stats.evictions > 0
+    assert not any(p.is_alive() for p in workers)
+
+
+def test_tp2_needs_a_model_factory(saved):
+    folder, _ = saved
+    with pytest.raises(ValueError, match="picklable function that builds the model"):
+        Engine(load(folder), tensor_parallel_size=2, **SETTINGS)
+    with pytest.raises(ValueError, match="picklable model factory"):
+        Engine(lambda: load(folder), tensor_parallel_size=2, **SETTINGS)
+
+
+def test_tp2_worker_failure_is_reported(saved):
+    folder, paths = saved
+    with pytest.raises(TensorParallelError, match="(?s)rank 1 .*no such checkpoint on this rank"):
+        Engine(functools.partial(fail_on_worker, folder), adapters={"all7": paths["all7"]}, tensor_parallel_size=2,
+               **SETTINGS)
