@@ -259,3 +259,25 @@ def test_several_api_servers_share_one_core(world):
         os.killpg(server.pid, signal.SIGINT)
         assert server.wait(90) in (0, -signal.SIGINT), "".join(log)[-3000:]
         assert "exited with code" not in "".join(log)
+
+
+def test_a_tensor_parallel_core_serves_what_the_in_process_engine_serves(world):
+    """``--tensor-parallel-size 2`` on the CPU: the core process (daemonic) starts its gloo worker, and completions
+    over the base model and adapters, and a runtime load, give the unsharded engine's greedy text."""
+    _, _, _, paths = world
+    config = EngineConfig(max_loras=2, block_size=4, patience=4, tensor_parallel_size=2)
+    client = core_client(world, config=config)
+    client.launch(timeout=180)
+    live = LiveServer(create_app(client, ServeConfig(model_name="tiny", lora_roots=[world[2]],
+                                                     allow_runtime_lora=True)))
+    try:
+        api = live.client()
+        r = httpx.post(f"{live.url}/v1/load_lora_adapter", json={"lora_name": "v2", "lora_path": str(paths["v2"])})
+        assert r.status_code == 200, r.text
+        for model, adapter in (("tiny", None), ("sql", "sql"), ("chat", "chat"), ("v2", "v2")):
+            ref = reference(world, PROMPT, adapter, max_tokens=12, temperature=0.0)
+            out = api.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+            assert out.choices[0].text == ref.text, model
+    finally:
+        live.close()
+    assert not client.process.is_alive()

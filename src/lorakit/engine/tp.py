@@ -102,14 +102,23 @@ class Workers:
         init_file = os.path.join(self._folder, "rendezvous")
         ctx = mp.get_context("spawn")
         self._pipes, self._procs = [], []
-        for rank in range(1, world_size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, init_file, factory, device, theirs),
-                               name=f"lorakit-tp-{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._procs.append(proc)
+        # The server's engine core is a daemonic process (it dies with the server), and multiprocessing refuses
+        # children to those, since a daemon is killed without stopping them. These workers cannot outlive it either:
+        # they are daemonic, and exit as soon as rank 0's end of their pipe closes.
+        config = mp.current_process()._config
+        daemonic = config.get("daemon", False)
+        config["daemon"] = False
+        try:
+            for rank in range(1, world_size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(rank, world_size, init_file, factory, device, theirs),
+                                   name=f"lorakit-tp-{rank}", daemon=True)
+                proc.start()
+                theirs.close()
+                self._pipes.append(ours)
+                self._procs.append(proc)
+        finally:
+            config["daemon"] = daemonic
         self.closed = False
         try:
             self.device = _join(0, world_size, init_file, device)

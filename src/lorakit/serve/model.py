@@ -9,6 +9,8 @@ Nothing is downloaded. Its three demo adapters (pirate, json, french) ship insid
 
 from __future__ import annotations
 
+import functools
+
 import importlib.metadata
 import logging
 import os
@@ -129,8 +131,21 @@ def load_engine(path: str | Path, device: str | None, dtype: str | None, config,
     it (pickled) and build the engine itself."""
     from lorakit.engine import Engine
 
+    if config.tensor_parallel_size > 1:  # every rank loads the weights on the CPU and moves its shard
+        folder, _ = model_folder(path)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        return Engine(functools.partial(load_weights, str(folder), dtype), load_tokenizer(folder), config,
+                      adapters=adapters, device=device)
     model, tokenizer, _ = load_model(path, device, dtype)
     return Engine(model, tokenizer, config, adapters=adapters)
+
+
+def load_weights(folder: str, dtype: str):
+    """The folder's model on the CPU: what each tensor-parallel rank builds before keeping its shard."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
 
 
 def bundled_adapters() -> dict[str, str]:
