@@ -76,16 +76,25 @@ def run(engine: Engine, late: str) -> list[list[int]]:
     return list(out.values())
 
 
-def test_tp2_engine_matches_tp1_token_for_token(saved):
+@pytest.fixture(scope="module")
+def want(saved):
     folder, paths = saved
-    adapters = {n: paths[n] for n in ADAPTERS}
-    one = Engine(functools.partial(load, folder), adapters=adapters, **SETTINGS)
-    want = run(one, paths["late"])
-    two = Engine(functools.partial(load, folder), adapters=adapters, tensor_parallel_size=2, **SETTINGS)
+    one = Engine(functools.partial(load, folder), adapters={n: paths[n] for n in ADAPTERS}, **SETTINGS)
+    return run(one, paths["late"])
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_tp2_engine_matches_tp1_token_for_token(saved, want, async_scheduling):
+    """With async scheduling each step's placeholder tokens reach the worker by a broadcast from rank 0."""
+    folder, paths = saved
+    two = Engine(functools.partial(load, folder), adapters={n: paths[n] for n in ADAPTERS}, tensor_parallel_size=2,
+                 async_scheduling=async_scheduling, **SETTINGS)
+    sent, filled = two.runner._send_step, []
+    two.runner._send_step = lambda packed, keep, shape, fill: (filled.append(fill is not None),
+                                                               sent(packed, keep, shape, fill))
     try:
         assert type(two.model.model.layers[0].mlp.down_proj).__name__ == "LoraRowParallelLinear"
         assert two.runner.k_caches[0].shape[2] == 1  # 2 KV heads over 2 ranks
-        assert not two.config.async_scheduling
         got = run(two, paths["late"])
         workers = two._workers._procs
     finally:
@@ -93,6 +102,7 @@ def test_tp2_engine_matches_tp1_token_for_token(saved):
     assert got == want
     assert all(len(t) == 6 for t in got)
     assert two.pool.stats.evictions > 0
+    assert any(filled) == async_scheduling
     assert not any(p.is_alive() for p in workers)
 
 

@@ -255,10 +255,7 @@ class Engine:
         self._workers = workers
         self._finalize = weakref.finalize(self, workers.close)
         workers.send(("config", config))
-        if config.async_scheduling:
-            logger.info("tensor_parallel_size=%d: async scheduling is off (the workers would need each step's "
-                        "sampled tokens from rank 0's device)", n)
-        return workers.model, dataclasses.replace(config, async_scheduling=False)
+        return workers.model, config
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at tensor_parallel_size 1). The engine cannot
@@ -437,7 +434,7 @@ class Engine:
         device = flight.tokens.device
         both = torch.tensor([index, rows], dtype=torch.int64, pin_memory=device.type == "cuda")
         both = both.to(device, non_blocking=True)
-        return Fill(both[0], both[1], flight.tokens)
+        return Fill(both[0], both[1], flight.tokens, (index, rows))
 
     def _collect(self, flight: _Flight) -> _Sampled | None:
         """The flight's sampled tokens on the host: the one host sync of a step."""

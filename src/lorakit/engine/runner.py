@@ -135,6 +135,7 @@ class Fill(NamedTuple):
     index: torch.Tensor
     rows: torch.Tensor
     tokens: torch.Tensor
+    host: tuple[list[int], list[int]] | None = None  # index and rows on the host (sent to tensor-parallel workers)
 
 
 def _fill(input_ids: torch.Tensor, fill: Fill | None) -> None:
@@ -392,8 +393,18 @@ class ModelRunner:
             return self._bucket_forward(m, bucket)[m["keep"]]
         packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
         if self.mirror is not None:
-            self.mirror(("step", packed.numpy().copy(), keep, bucket))
+            self._send_step(packed, keep, bucket, fill)
         return self._replay(packed, keep, bucket, fill)
+
+    def _send_step(self, packed: torch.Tensor, keep: int, shape: Bucket | tuple[int, int], fill: Fill | None) -> None:
+        """Tensor parallel, rank 0: the step to the workers, then (async scheduling) the tokens its placeholders
+        take, broadcast on the device from the step in flight (``run_packed`` receives them)."""
+        if fill is not None and fill.host is None:
+            raise RuntimeError("a tensor-parallel step's Fill needs its host index and rows")
+        spec = None if fill is None else (*fill.host, fill.tokens.numel(), fill.tokens.dtype)
+        self.mirror(("step", packed.numpy().copy(), keep, shape, spec))
+        if fill is not None:
+            torch.distributed.broadcast(fill.tokens.contiguous(), 0)
 
     def _replay(self, packed: torch.Tensor, keep: int, bucket: Bucket, fill: Fill | None = None) -> torch.Tensor:
         self._upload(packed, self._static)
@@ -421,7 +432,7 @@ class ModelRunner:
             return self._run_bucket(plan, bucket, replay=True, fill=fill)
         packed, keep = self._pack(plan, n, t, per_sequence=False)
         if self.mirror is not None:
-            self.mirror(("step", packed.numpy().copy(), keep, (n, t)))
+            self._send_step(packed, keep, (n, t), fill)
         return self._eager(packed, keep, n, t, fill)
 
     def _eager(self, packed: torch.Tensor, keep: int, rows: int, tokens: int, fill: Fill | None = None):
@@ -436,14 +447,22 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def run_packed(self, packed: np.ndarray, keep: int, shape: Bucket | tuple[int, int]) -> torch.Tensor:
-        """Another rank's step, as its ``mirror`` sent it: the same packed metadata through this rank's shard, the
-        same graph bucket (a ``Bucket``) or eagerly (``(rows, tokens)``). Tensor-parallel workers call this."""
+    def run_packed(self, packed: np.ndarray, keep: int, shape: Bucket | tuple[int, int], spec=None) -> torch.Tensor:
+        """Another rank's step, as its ``mirror`` sent it (see ``_send_step``): the same packed metadata through this
+        rank's shard, the same graph bucket (a ``Bucket``) or eagerly (``(rows, tokens)``), with the placeholder
+        tokens rank 0 broadcasts (``spec``: index, rows, count, dtype). Tensor-parallel workers call this."""
+        fill = None
+        if spec is not None:
+            index, rows, count, dtype = spec
+            tokens = torch.empty(count, dtype=dtype, device=self.device)
+            torch.distributed.broadcast(tokens, 0)
+            both = torch.tensor([index, rows], dtype=torch.int64).to(self.device)
+            fill = Fill(both[0], both[1], tokens)
         host = self._host_buffer(len(packed))[: len(packed)]
         host.numpy()[:] = packed
         if isinstance(shape, Bucket):
-            return self._replay(host, keep, shape)
-        return self._eager(host, keep, *shape)
+            return self._replay(host, keep, shape, fill)
+        return self._eager(host, keep, *shape, fill)
 
     # Device time, without a sync.
 

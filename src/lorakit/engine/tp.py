@@ -17,8 +17,9 @@ run what rank 0 tells them, in the order it tells them, through one pipe each::
     runner: ("capture",)                 ------------->  every graph again (the slots grew)
 
 The collectives inside the forward (the row-parallel layers' all-reduces, the head's all-gather) are what make the
-ranks meet; each step's metadata crosses once, as one pickled message written to every pipe. Async scheduling is
-off at N > 1: its next step reads the tokens the step before sampled on rank 0's device, which the workers lack.
+ranks meet; each step's metadata crosses once, as one pickled message written to every pipe. With async scheduling
+a step's placeholder tokens (sampled by the step before, on rank 0's device) follow on the device, by a broadcast
+(``ModelRunner._send_step`` / ``run_packed``).
 
 Failure: a worker that raises reports the traceback on its pipe and exits; rank 0 checks its workers before each
 message and raises ``TensorParallelError`` (the engine is then unusable: the server's core exits and a supervisor
