@@ -1,6 +1,6 @@
 """The engine at tensor_parallel_size=2 on the CPU (rank 0 here, one gloo worker process): the same greedy tokens as
 at tensor_parallel_size=1, token for token, for a mixed batch of the base model and adapters of different ranks and
-targets, with adapters swapped through fewer slots than adapters, one registered while the engine runs (a higher
+targets (the vocab-parallel embedding and head included), with adapters swapped through fewer slots than adapters, one registered while the engine runs (a higher
 rank: the slots grow on both ranks) and one unregistered. Float32: the all-reduce sums in another order, far below
 the gaps between the tiny model's logits."""
 
@@ -22,6 +22,7 @@ ADAPTERS = {
     "all7": dict(r=8, lora_alpha=16, target_modules=ALL7),
     "qvdown": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
     "mlp": dict(r=12, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "vocab": dict(r=8, lora_alpha=8, target_modules=["v_proj", "embed_tokens", "lm_head"]),  # vocab-parallel there
 }
 LATE = dict(r=16, lora_alpha=16, target_modules=["k_proj", "o_proj", "down_proj"])  # registered while running
 SETTINGS = dict(max_loras=2, max_rank=16, max_num_seqs=4, max_seq_len=48, block_size=4, max_num_batched_tokens=32,
@@ -54,7 +55,7 @@ def saved(tmp_path_factory):
 
 def run(engine: Engine, late: str) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
-    names = [None, "all7", "qvdown", "mlp", "all7", None, "mlp", "qvdown"]  # 3 adapters through 2 slots
+    names = [None, "all7", "qvdown", "mlp", "all7", None, "vocab", "qvdown"]  # 4 adapters through 2 slots
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
                for n in torch.randint(2, 20, (len(names) + 2,), generator=gen)]

@@ -1,5 +1,6 @@
 """LoRA on a tensor-parallel model: at tp=2 (two gloo processes on the CPU) a mixed batch's logits equal the
-unsharded lorakit-patched model's and PEFT's.
+unsharded lorakit-patched model's and PEFT's, for adapters on the sharded projections and on the vocab-parallel
+embedding and head (LoRA and trainable token rows, kept whole on every rank).
 
 The parent builds a tiny Llama (biases on, random, so a bias added per rank would show) and saves PEFT adapters
 of different ranks and targets; each rank loads the base weights, shards a copy, patches it, loads the adapters
@@ -16,7 +17,7 @@ import traceback
 import pytest
 import torch
 import transformers
-from _peft_models import VOCAB, _cfg, save_adapter
+from _peft_models import VOCAB, SavedAdapter, _cfg, save_adapter
 from _ranks import join_gloo, run_ranks
 from peft import LoraConfig
 
@@ -34,11 +35,15 @@ ADAPTERS = {  # name -> LoraConfig arguments: ranks, targets and scalings differ
     "mlp1": dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"],
                  layers_to_transform=[1]),
 }
-REFUSED = {  # name -> LoraConfig arguments of adapters a tensor-parallel model must refuse
+ADAPTERS |= {  # on the vocab-parallel head and embedding
     "head": dict(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]),
     "embed": dict(r=4, lora_alpha=8, target_modules=["v_proj", "embed_tokens"]),
+    "tokens": dict(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [3, 50, 70]}),
 }
-NAMES = [None, "all7", "qvdown", "mlp1", "all7"]
+REFUSED = {  # name -> LoraConfig arguments of adapters a tensor-parallel model must refuse
+    "saved_head": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+}
+NAMES = [None, "all7", "qvdown", "mlp1", "all7", "head", "embed", "tokens"]
 
 
 def _base_model(state: dict | None = None):
@@ -58,7 +63,9 @@ def _base_model(state: dict | None = None):
 
 
 def _input_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(3))
+    ids[NAMES.index("tokens"), 1:4] = torch.tensor([3, 50, 70])  # its trainable rows, in both ranks' halves
+    return ids
 
 
 def _worker(rank: int, tmp: str) -> None:
@@ -70,7 +77,7 @@ def _worker(rank: int, tmp: str) -> None:
 
         full = _base_model(torch.load(f"{tmp}/base.pt"))
         model = shard_model(copy.deepcopy(full), rank, WORLD_SIZE)
-        handle = lorakit.patch(model, max_loras=4)
+        handle = lorakit.patch(model, max_loras=len(ADAPTERS) + 1)  # a free slot: refusals come from the checks
         for name in ADAPTERS:
             handle.load_adapter(name, f"{tmp}/{name}")
         layer = model.model.layers[0]
@@ -96,6 +103,19 @@ def _worker(rank: int, tmp: str) -> None:
         json.dump(report, f)
 
 
+def _save(base, name: str, lora_config: LoraConfig, tmp, seed: int) -> SavedAdapter:
+    """save_adapter, with the trainable token rows random too (PEFT starts them as copies of the model's)."""
+    saved = save_adapter(base, name, lora_config, tmp, seed=seed, std=0.1)
+    model = saved.peft_model
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        touched = [p.copy_(torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()
+                   if "trainable_tokens_delta" in n]
+    if touched:
+        model.save_pretrained(saved.path)
+    return saved
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -106,7 +126,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_lora")
     base = _base_model()
     torch.save(base.state_dict(), tmp / "base.pt")
-    saved = {name: save_adapter(base, name, LoraConfig(init_lora_weights=False, **kw), tmp, seed=i, std=0.1)
+    saved = {name: _save(base, name, LoraConfig(init_lora_weights=False, **kw), tmp, seed=i)
              for i, (name, kw) in enumerate({**ADAPTERS, **REFUSED}.items())}
     reports = run_ranks(_worker, (str(tmp),), tmp, WORLD_SIZE, DEADLINE_S)
     outs = [torch.load(tmp / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
@@ -117,7 +137,7 @@ def test_tp2_lora_matches_unsharded_lorakit_and_peft(run):
     base, reports, outs, saved = run
     ids = _input_ids()
     model = copy.deepcopy(base)
-    handle = lorakit.patch(model, max_loras=4)
+    handle = lorakit.patch(model, max_loras=len(ADAPTERS))
     for name in ADAPTERS:
         handle.load_adapter(name, saved[name].path)
     with torch.no_grad():
@@ -132,7 +152,9 @@ def test_tp2_lora_matches_unsharded_lorakit_and_peft(run):
                 err = _rel_err(out["logits"][b], ref[b])
                 assert err < TOL, f"rank {rank}, row {b} ({name}): relative error {err:.2e} against {what}"
         assert _rel_err(out["plain"], plain) < TOL, f"rank {rank}: the sharded base model without lora_ids"
-    assert not torch.allclose(peft[0], peft[1], rtol=1e-3), "the adapters change nothing: the test proves nothing"
+    for b, name in enumerate(NAMES):
+        if name is not None:
+            assert not torch.allclose(peft[b], plain[b], rtol=1e-3), f"adapter {name!r} changes nothing: untested"
 
 
 def test_tp2_row_layers_are_wrapped_and_column_layers_grouped(run):
@@ -142,10 +164,9 @@ def test_tp2_row_layers_are_wrapped_and_column_layers_grouped(run):
         assert report["q_grouped"], f"rank {rank}: q/k/v (column-parallel) were not grouped"
 
 
-@pytest.mark.parametrize("name, module", [("head", "lm_head"), ("embed", "model.embed_tokens")])
-def test_tp2_vocab_parallel_targets_are_refused(run, name, module):
+def test_tp2_whole_matrices_of_vocab_parallel_modules_are_refused(run):
     _, reports, _, _ = run
     for rank, report in enumerate(reports):
-        message = report["refusals"][name]
-        assert message is not None, f"rank {rank}: adapter {name!r} targeting {module} was loaded"
-        assert f"it adapts ['{module}']" in message and "vocab-parallel embedding or head" in message, message
+        message = report["refusals"]["saved_head"]
+        assert message is not None, f"rank {rank}: an adapter saving the whole lm_head was loaded"
+        assert "saves whole matrices of ['lm_head']" in message and "trainable_token_indices" in message, message

@@ -2,7 +2,9 @@
 
 The shrink of an embedding is a lookup: h[t] = A[s][:, token t]. A is kept as [S, num_embeddings, R_max]
 so that lookup is one gather; the expand goes through ``torch.ops.lorakit.expand``. Like PEFT, the delta
-is multiplied by the base layer's ``embed_scale`` where it has one.
+is multiplied by the base layer's ``embed_scale`` where it has one. On a vocab-parallel embedding (tensor
+parallelism) the base layer returns the whole, all-reduced embedding; A and the token rows are kept whole on
+every rank, so every rank adds the same delta to the same output, with no collective of its own.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from lorakit.layers.tokens import TokenRows
 from lorakit.ops import lora_expand
 
 
+def vocab_size(embedding: nn.Module) -> int:
+    """Token ids an embedding takes: a vocab-parallel one's (lorakit.parallel) whole vocabulary, not its shard's."""
+    return getattr(embedding, "full_num_embeddings", None) or embedding.num_embeddings
+
+
 class LoraEmbedding(LoraSlots):
     def __init__(self, base_layer: nn.Embedding, ctx: LoraContext, num_slots: int, rank_multiple: int = 16):
         weight = base_layer.weight
-        super().__init__(num_slots, base_layer.num_embeddings, [base_layer.embedding_dim], weight.dtype,
-                         weight.device, rank_multiple)
+        super().__init__(num_slots, vocab_size(base_layer), [base_layer.embedding_dim], weight.dtype, weight.device,
+                         rank_multiple)
         self.base_layer = base_layer
         self.ctx = ctx
         self.tokens: TokenRows | None = None  # per-slot token rows, on the model's input embedding (see patch)
@@ -47,7 +54,7 @@ class LoraEmbedding(LoraSlots):
         rows = self.tokens if self.tokens is not None and self.tokens.k_max else None
         ids = input_ids
         if rows is not None and rows.added:  # ids past the base vocabulary have no base row: look up a stand-in
-            ids = input_ids.clamp(max=self.base_layer.num_embeddings - 1)
+            ids = input_ids.clamp(max=self.in_features - 1)
         y = self.base_layer(ids, *args, **kwargs)
         if self.r_max == 0 and rows is None:
             return y

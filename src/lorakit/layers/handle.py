@@ -38,7 +38,7 @@ class LoraHandle:
     """A patched model's LoRA slots: read adapters for them; load, unload, and turn names into ``lora_ids``."""
 
     def __init__(self, model: nn.Module, ctx: LoraContext, layers: dict[str, nn.Module], config,
-                 vocab_parallel: dict[str, BaseModule] | None = None):
+                 vocab_parallel: set[str] | None = None):
         self.model = model
         self.config = config  # the PatchConfig: max_loras (the slot count), max_rank, ...
         self.layers = layers
@@ -58,8 +58,9 @@ class LoraHandle:
                      and layers[self._input_name].weight is layers[self._output_name].weight)
         self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
         self.slots = SlotTable(config.max_loras)
-        # A tensor-parallel model's vocab-parallel embedding / head (no LoRA there): adapters targeting them are refused.
-        self.vocab_parallel = dict(vocab_parallel or {})
+        # A tensor-parallel model's vocab-parallel embedding / head: no rank holds its whole weight, which a saved whole
+        # matrix of it (modules_to_save, a resized vocabulary) is compared against, so such adapters are refused.
+        self.vocab_parallel = {name: self.base_modules[name] for name in vocab_parallel or () if name in layers}
 
     @property
     def num_slots(self) -> int:

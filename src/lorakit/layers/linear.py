@@ -36,8 +36,11 @@ OVERLAP_EAGER = "never"
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear-like module, None for anything else. For a tensor-parallel
-    column or row layer (lorakit.parallel), the shape of this rank's shard: what its slots hold."""
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(module, VocabParallelHead):
+    column or row layer (lorakit.parallel), the shape of this rank's shard: what its slots hold; for the
+    vocab-parallel head the whole vocabulary (its output is gathered, and its LoRA is kept whole on every rank)."""
+    if isinstance(module, VocabParallelHead):
+        return module.full_features
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return module.in_features, module.out_features
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features

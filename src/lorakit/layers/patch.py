@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lorakit.layers.adapter import BaseModule
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
@@ -63,8 +62,8 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     with its adapter; without ``lora_ids`` the model computes exactly what it did before.
 
     A tensor-parallel model (``lorakit.parallel.shard_model`` first, on every rank) gets LoRA on its column and
-    row layers, each rank's slots holding its shard (see ``lorakit.layers.tp``); its vocab-parallel embedding and
-    head get none, and the handle refuses adapters that target them.
+    row layers, each rank's slots holding its shard, and on its vocab-parallel embedding and head, whose slots
+    (LoRA and token rows) are whole on every rank (see ``lorakit.layers.tp``).
     """
     config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows)
     if getattr(model, "_lorakit_handle", None) is not None:
@@ -75,12 +74,12 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     for name, module in model.named_modules():
         if not name or (config.filter_fn is not None and not config.filter_fn(module, name)):
             continue
+        if is_vocab_parallel(module):
+            vocab_parallel[name] = module
         if linear_shape(module) is not None:
             linears[name] = module
-        elif isinstance(module, nn.Embedding):
+        elif isinstance(module, nn.Embedding) or is_vocab_parallel(module):
             embeddings[name] = module
-        elif is_vocab_parallel(module):
-            vocab_parallel[name] = module
     if not linears and not embeddings:
         raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
 
@@ -111,19 +110,11 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
 
-    unserved = {name: _vocab_base_module(module, token_modules.get(name)) for name, module in vocab_parallel.items()}
-    handle = LoraHandle(model, ctx, layers, config, vocab_parallel=unserved)
+    handle = LoraHandle(model, ctx, layers, config, vocab_parallel=set(vocab_parallel))
     model._lorakit_handle = handle
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
-
-
-def _vocab_base_module(module: nn.Module, role: str | None) -> BaseModule:
-    """The unsharded shape of a vocab-parallel embedding or head, for naming it in adapter refusals."""
-    if is_vocab_parallel(module) and hasattr(module, "embedding_dim"):
-        return BaseModule("embedding", module.num_embeddings * module.world_size, module.embedding_dim, role)
-    return BaseModule("linear", *module.full_features, role)
 
 
 def _token_modules(model: nn.Module) -> dict[str, str]:

@@ -3,8 +3,9 @@
 Column-parallel layers (q/k/v, gate/up) need nothing special: their slots hold A whole and this rank's rows of B,
 so the ordinary ``LoraLinear`` / ``LoraLinearGroup`` adds the delta of this rank's output slice, no collective.
 Row-parallel layers (o, down) get ``LoraRowParallelLinear``: their slots hold this rank's columns of A and all of
-B. The embedding and the head (vocab-parallel) get no LoRA: an adapter targeting them is refused when it is read
-(``check_vocab_parallel``).
+B. The vocab-parallel embedding and head keep their LoRA and token rows whole on every rank: their base layers
+return the whole (all-reduced, or gathered) output, so each rank adds the same delta to the same output, with no
+collective of its own. An adapter that saves whole matrices of them is refused (``check_vocab_parallel``).
 
 Every rank must load the same adapters into the same slots and run the same batches (same ``lora_ids``): the row
 layers' extra all-reduce runs only when a LoRA is active, and the ranks must agree on when that is.
@@ -20,7 +21,7 @@ from torch import nn
 
 from lorakit.layers.adapter import AdapterError, ModuleLora
 from lorakit.layers.adapter_config import read_adapter_config
-from lorakit.layers.adapter_targets import lora_targets, token_targets
+from lorakit.layers.adapter_targets import token_targets
 from lorakit.layers.linear import LoraLinear
 from lorakit.ops import lora_expand, lora_shrink
 from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
@@ -82,18 +83,17 @@ class LoraRowParallelLinear(LoraLinear):
 
 
 def check_vocab_parallel(name: str, path, base_modules: Mapping, vocab_parallel: Mapping, tied: bool) -> None:
-    """Refuse an adapter that would put LoRA or token rows on a vocab-parallel embedding or head, from its config
-    alone. ``vocab_parallel``: {module name: BaseModule of the unsharded layer}."""
+    """Refuse an adapter that saves a whole matrix (modules_to_save, or the resized embedding / head of a grown
+    vocabulary) of a vocab-parallel embedding or head, from its config alone: its rows are kept only where they
+    differ from the model's weight, which no rank holds whole. LoRA and trainable tokens there are served.
+    ``vocab_parallel``: {module name: BaseModule of the unsharded layer}."""
     if not vocab_parallel:
         return
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    everything = {**base_modules, **vocab_parallel}
-    targets = lora_targets(config, everything, tied, where) or set()
-    tokens = token_targets(config, everything, tied, where)
-    hit = sorted((targets | tokens.trainable.keys() | tokens.full) & vocab_parallel.keys())
+    hit = sorted(token_targets(config, base_modules, tied, where).full & vocab_parallel.keys())
     if hit:
-        raise AdapterError(f"{where}: it adapts {hit} (LoRA, trainable tokens or modules_to_save), which tensor "
-                           f"parallelism splits by vocabulary; lorakit does not serve LoRA or token rows on a "
-                           f"vocab-parallel embedding or head yet: serve this adapter on an unsharded model, or "
-                           f"retrain it without those modules")
+        raise AdapterError(f"{where}: it saves whole matrices of {hit} (modules_to_save or a resized vocabulary), "
+                           f"which tensor parallelism splits by vocabulary; lorakit serves LoRA and "
+                           f"trainable_token_indices there, not whole matrices: serve this adapter on an unsharded "
+                           f"model, or retrain it with trainable_token_indices instead")

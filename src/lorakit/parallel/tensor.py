@@ -106,6 +106,11 @@ class VocabParallelEmbedding(nn.Module):
         self.world_size, self.group = world_size, group
         self.weight = weight if weight is not None else _shard(base.weight, 0, self.vocab_start, self.num_embeddings)
 
+    @property
+    def full_num_embeddings(self) -> int:
+        """The unsharded vocabulary (ids are global: each rank looks up the ones in its range)."""
+        return self.num_embeddings * self.world_size
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return F.embedding(input_ids, self.weight)
