@@ -72,8 +72,13 @@ def _shard(factory: Callable[[], nn.Module], rank: int, world_size: int, device:
     model = factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model factory returned {type(model).__name__}, not a torch.nn.Module")
-    shard_model(model.eval(), rank, world_size)
-    return model.to(device)
+    done = getattr(model, "_lorakit_tensor_parallel", None)  # a factory may build the shard itself (load_sharded)
+    if done is None:
+        shard_model(model.eval(), rank, world_size)
+    elif done != (rank, world_size):
+        raise ValueError(f"the model factory returned the shard of rank {done[0]} of {done[1]}, on rank {rank} of "
+                         f"{world_size}")
+    return model.eval().to(device)
 
 
 def model_device(device: str | None, factory_hint: str | None = None) -> str:

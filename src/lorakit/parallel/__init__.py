@@ -9,6 +9,7 @@ from lorakit.parallel.tensor import (
     plan_model,
     shard_model,
 )
+from lorakit.parallel.load import load_sharded  # noqa: E402 - after tensor, which it builds on
 
 __all__ = ["TP_PLAN", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
-           "plan_model", "shard_model"]
+           "load_sharded", "plan_model", "shard_model"]

@@ -131,7 +131,7 @@ def load_engine(path: str | Path, device: str | None, dtype: str | None, config,
     it (pickled) and build the engine itself."""
     from lorakit.engine import Engine
 
-    if config.tensor_parallel_size > 1:  # every rank loads the weights on the CPU and moves its shard
+    if config.tensor_parallel_size > 1:  # every rank reads its own slices of the weights and moves them
         folder, _ = model_folder(path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -142,10 +142,17 @@ def load_engine(path: str | Path, device: str | None, dtype: str | None, config,
 
 
 def load_weights(folder: str, dtype: str):
-    """The folder's model on the CPU: what each tensor-parallel rank builds before keeping its shard."""
+    """A tensor-parallel rank's model on the CPU: its shard alone, read from the safetensors files
+    (``lorakit.parallel.load_sharded``), else (no safetensors) the whole model, which the engine then shards."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    from lorakit.parallel import load_sharded
+
+    try:
+        return load_sharded(folder, dtype=dtype)
+    except FileNotFoundError:
+        logger.info("%s has no safetensors checkpoint: each rank loads the whole model, then keeps its shard", folder)
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
 
 
 def bundled_adapters() -> dict[str, str]:
