@@ -15,6 +15,7 @@ from _peft_models import VOCAB, _cfg, save_adapter
 from peft import LoraConfig
 
 from lorakit.engine import Engine, SamplingParams
+from lorakit.engine.snapshot import image_bytes
 from lorakit.engine.tp import TensorParallelError
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -96,6 +97,9 @@ def test_tp2_engine_matches_tp1_token_for_token(saved, want, async_scheduling):
     try:
         assert type(two.model.model.layers[0].mlp.down_proj).__name__ == "LoraRowParallelLinear"
         assert two.runner.k_caches[0].shape[2] == 1  # 2 KV heads over 2 ranks
+        # The CPU tier counts rank 0's shard: per layer q 32+16, k and v 32+8, o 16+32, gate and up 32+24, down 24+32
+        # (in + out of the slots), x 2 layers x rank 8 x 4 bytes; the whole adapter would be 29,696.
+        assert image_bytes(two.handle, two.pool.info("all7")) == 344 * 2 * 8 * 4
         got = run(two, paths["late"])
         workers = two._workers._procs
     finally:

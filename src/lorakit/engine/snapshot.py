@@ -106,12 +106,13 @@ def digest(records: Iterable[FileRecord]) -> str:
 
 
 def image_bytes(handle: LoraHandle, info: AdapterInfo) -> int:
-    """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype."""
+    """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype, at the
+    shapes this model's slots hold (a tensor-parallel rank's: its shard of each sharded layer)."""
     itemsize = handle.dtype.itemsize
     total = 0
     for module, (rank, _) in info.modules.items():
-        base = handle.base_modules[module]
-        total += rank * (base.in_features + base.out_features) * itemsize
+        layer = handle.layers[module]
+        total += rank * (layer.in_features + layer.out_features) * itemsize
     return total
 
 
