@@ -46,7 +46,7 @@ def main(dst: str) -> None:
         "",
         "exits when rank 0's end of the pipe closes",
     ], "#dbe9f6")
-    box(ax, 0.2, 1.0, 23.6, 2.0, "inside every forward: torch.distributed (NCCL on GPUs, gloo on the CPU)", [
+    box(ax, 0.2, 1.0, 23.6, 2.0, "in every step, where the ranks meet: torch.distributed (NCCL on GPUs, gloo on the CPU)", [
         "after o and down: all-reduce of T x hidden (the base layer), and of T x R_max float32 (the LoRA shrink's h)"
         " when an adapter is active",
         "after the embedding: all-reduce; after the head: all-gather of the logits; with async scheduling: "
