@@ -1,6 +1,7 @@
 """The engine at tensor_parallel_size=2 on the CPU (rank 0 here, one gloo worker process): the same greedy tokens as
 at tensor_parallel_size=1, token for token, for a mixed batch of the base model and adapters of different ranks and
-targets (the vocab-parallel embedding and head included), with adapters swapped through fewer slots than adapters, one registered while the engine runs (a higher
+targets (the vocab-parallel embedding and head included), with adapters swapped through fewer slots than adapters,
+requests preempted (a small KV cache) and a prefix-cache hit, one registered while the engine runs (a higher
 rank: the slots grow on both ranks) and one unregistered. Float32: the all-reduce sums in another order, far below
 the gaps between the tiny model's logits."""
 
@@ -27,7 +28,7 @@ ADAPTERS = {
 }
 LATE = dict(r=16, lora_alpha=16, target_modules=["k_proj", "o_proj", "down_proj"])  # registered while running
 SETTINGS = dict(max_loras=2, max_rank=16, max_num_seqs=4, max_seq_len=48, block_size=4, max_num_batched_tokens=32,
-                device="cpu")
+                num_blocks=12, device="cpu")  # 12 blocks of 4 tokens for 4 requests: some are preempted
 
 
 def load(folder: str) -> torch.nn.Module:
@@ -75,6 +76,11 @@ def run(engine: Engine, late: str) -> list[list[int]]:
     for prompt, name in zip(prompts[-2:], ["late", "all7"]):
         out[engine.add_request(prompt, params, name)] = []
     drain()
+    repeat = torch.randint(3, VOCAB, (17,), generator=gen).tolist()
+    for _ in range(2):  # the second time, its first 4 blocks come from the prefix cache
+        out[engine.add_request(repeat, params, "all7")] = []
+        drain()
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_stats["all7"][1] >= 16
     return list(out.values())
 
 
