@@ -1,6 +1,6 @@
 """LoRA on a tensor-parallel model: at tp=2 (two gloo processes on the CPU) a mixed batch's logits equal the
 unsharded lorakit-patched model's and PEFT's, for adapters on the sharded projections and on the vocab-parallel
-embedding and head (LoRA and trainable token rows, kept whole on every rank).
+embedding and head (LoRA split with the vocabulary; trainable token rows whole on every rank).
 
 The parent builds a tiny Llama (biases on, random, so a bias added per rank would show) and saves PEFT adapters
 of different ranks and targets; each rank loads the base weights, shards a copy, patches it, loads the adapters
@@ -84,6 +84,9 @@ def _worker(rank: int, tmp: str) -> None:
         report["row_wrapped"] = all(isinstance(m, LoraRowParallelLinear) for m in (layer.self_attn.o_proj,
                                                                                    layer.mlp.down_proj))
         report["q_grouped"] = type(layer.self_attn.q_proj).__name__ == "LoraLinearMember"
+        head, embed = model.lm_head, model.model.embed_tokens  # their slots hold this rank's vocabulary rows
+        report["vocab_sharded"] = (type(head).__name__ == "LoraVocabParallelHead" and head.out_sizes == [VOCAB // 2]
+                                   and embed.in_features == VOCAB // 2 and embed.tokens.vocab == VOCAB)
         report["refusals"] = {}
         for name in REFUSED:
             try:
@@ -162,6 +165,7 @@ def test_tp2_row_layers_are_wrapped_and_column_layers_grouped(run):
     for rank, report in enumerate(reports):
         assert report["row_wrapped"], f"rank {rank}: o_proj / down_proj are not LoraRowParallelLinear"
         assert report["q_grouped"], f"rank {rank}: q/k/v (column-parallel) were not grouped"
+        assert report["vocab_sharded"], f"rank {rank}: the embedding's / head's slots are not split by vocabulary"
 
 
 def test_tp2_whole_matrices_of_vocab_parallel_modules_are_refused(run):

@@ -27,7 +27,7 @@ def main(dst: str) -> None:
         "  o, down: its input columns",
         "  embedding, head: its vocabulary rows",
         "its adapter slots: the matching shard of A or B",
-        "  (embedding / head LoRA and token rows: whole)",
+        "  (adapters' token rows: whole)",
         "its KV cache: kv_heads / 2 heads a layer",
         "",
         "ModelRunner: pack the step, send it, run it",
@@ -49,7 +49,7 @@ def main(dst: str) -> None:
     box(ax, 0.2, 1.0, 23.6, 2.0, "in every step, where the ranks meet: torch.distributed (NCCL on GPUs, gloo on the CPU)", [
         "after o and down: all-reduce of T x hidden (the base layer), and of T x R_max float32 (the LoRA shrink's h)"
         " when an adapter is active",
-        "after the embedding: all-reduce; after the head: all-gather of the logits; with async scheduling: "
+        "after the embedding: all-reduce (and of its LoRA h); after the head: all-gather of the logits; async scheduling: "
         "broadcast of the step in flight's sampled tokens",
     ], "#e2f0d9")
 

@@ -36,10 +36,8 @@ OVERLAP_EAGER = "never"
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear-like module, None for anything else. For a tensor-parallel
-    column or row layer (lorakit.parallel), the shape of this rank's shard: what its slots hold; for the
-    vocab-parallel head the whole vocabulary (its output is gathered, and its LoRA is kept whole on every rank)."""
-    if isinstance(module, VocabParallelHead):
-        return module.full_features
+    column or row layer (lorakit.parallel, the vocab-parallel head included), the shape of this rank's shard: what
+    its slots hold."""
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return module.in_features, module.out_features
     if isinstance(module, nn.Linear):
@@ -133,12 +131,22 @@ class LoraLinear(_LinearSlots):
         if meta is None:
             return self.base_layer(x, *args, **kwargs)
         if self.r_max:
-            y = self.with_delta(lambda: [self.base_layer(x, *args, **kwargs)], x, meta)[0]
+            y = self.with_delta(lambda: [self._local(x, *args, **kwargs)], x, meta)[0]
         else:
-            y = self.base_layer(x, *args, **kwargs)
+            y = self._local(x, *args, **kwargs)
+        y = self._gather(y)
         if rows is not None:  # the head: each row's adapter's token logits (and its added tokens' columns)
             out = rows.logits(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), meta.token_slot)
             y = out.view(*y.shape[:-1], out.shape[-1])
+        return y
+
+
+    # The base layer's output the slots add to, and how it becomes the module's output: the same here; the
+    # vocab-parallel head's local logits, then gathered (layers/tp.py).
+    def _local(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.base_layer(x, *args, **kwargs)
+
+    def _gather(self, y: torch.Tensor) -> torch.Tensor:
         return y
 
 

@@ -21,7 +21,7 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
-from lorakit.layers.tp import LoraRowParallelLinear, is_vocab_parallel
+from lorakit.layers.tp import LoraRowParallelLinear, LoraVocabParallelHead, full_features, is_vocab_parallel
 from lorakit.ops import MAX_SLICES
 from lorakit.parallel.tensor import RowParallelLinear
 
@@ -62,8 +62,8 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     with its adapter; without ``lora_ids`` the model computes exactly what it did before.
 
     A tensor-parallel model (``lorakit.parallel.shard_model`` first, on every rank) gets LoRA on its column and
-    row layers, each rank's slots holding its shard, and on its vocab-parallel embedding and head, whose slots
-    (LoRA and token rows) are whole on every rank (see ``lorakit.layers.tp``).
+    row layers and on its vocab-parallel embedding and head, each rank's slots holding its shard (token rows: whole;
+    see ``lorakit.layers.tp``).
     """
     config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows)
     if getattr(model, "_lorakit_handle", None) is not None:
@@ -86,7 +86,7 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     layers: dict[str, nn.Module] = {}
     grouped = set()
     # A row-parallel layer is never grouped: its LoRA needs an all-reduce of its own (LoraRowParallelLinear).
-    groupable = {n: m for n, m in linears.items() if not isinstance(m, RowParallelLinear)}
+    groupable = {n: m for n, m in linears.items() if not isinstance(m, RowParallelLinear) and not is_vocab_parallel(m)}
     for k, names in enumerate(_siblings(model, groupable)):
         group = LoraLinearGroup([linears[n] for n in names], ctx, config.max_loras, config.rank_multiple)
         model.get_submodule(names[0].rpartition(".")[0]).add_module(f"lorakit_group_{k}", group)
@@ -95,15 +95,16 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             grouped.add(name)
     for name, module in linears.items():
         if name not in grouped:
-            wrapper = LoraRowParallelLinear if isinstance(module, RowParallelLinear) else LoraLinear
+            wrapper = (LoraRowParallelLinear if isinstance(module, RowParallelLinear) else
+                       LoraVocabParallelHead if is_vocab_parallel(module) else LoraLinear)
             layers[name] = wrapper(module, ctx, config.max_loras, config.rank_multiple)
     for name, module in embeddings.items():
         layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
     for name, role in token_modules.items():
         layer = layers.get(name)
         if isinstance(layer, (LoraEmbedding, LoraLinear)):
-            vocab, dim = (layer.in_features, layer.out_features) if role == "input" else (layer.out_features,
-                                                                                        layer.in_features)
+            features = full_features(layer)  # token rows are by global id: the whole vocabulary
+            vocab, dim = features if role == "input" else features[::-1]
             layer.tokens = TokenRows(config.max_loras, vocab, dim, layer.dtype, layer.lora_B.device,
                                      config.rank_multiple)
     for name, wrapper in layers.items():

@@ -3,9 +3,10 @@
 Column-parallel layers (q/k/v, gate/up) need nothing special: their slots hold A whole and this rank's rows of B,
 so the ordinary ``LoraLinear`` / ``LoraLinearGroup`` adds the delta of this rank's output slice, no collective.
 Row-parallel layers (o, down) get ``LoraRowParallelLinear``: their slots hold this rank's columns of A and all of
-B. The vocab-parallel embedding and head keep their LoRA and token rows whole on every rank: their base layers
-return the whole (all-reduced, or gathered) output, so each rank adds the same delta to the same output, with no
-collective of its own. An adapter that saves whole matrices of them is refused (``check_vocab_parallel``).
+B. The vocab-parallel head gets ``LoraVocabParallelHead`` (B split with the vocabulary, the delta added before the
+gather); the vocab-parallel embedding's ``LoraEmbedding`` holds A's rows of this rank's vocabulary and all-reduces
+the lookup's h (see layers/embedding.py). Token rows (a few per adapter, by global id) are whole on every rank. An
+adapter that saves whole matrices of them is refused (``check_vocab_parallel``).
 
 Every rank must load the same adapters into the same slots and run the same batches (same ``lora_ids``): the row
 layers' extra all-reduce runs only when a LoRA is active, and the ranks must agree on when that is.
@@ -32,8 +33,8 @@ def is_vocab_parallel(module: nn.Module) -> bool:
 
 
 def _sharded(module: nn.Module | None) -> bool:
-    """A column- or row-parallel layer that carries LoRA (the vocab-parallel head, a column subclass, never does)."""
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not is_vocab_parallel(module)
+    """A tensor-parallel layer, whose slots hold this rank's shard of each adapter."""
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
 
 
 def full_features(layer: nn.Module) -> tuple[int, int]:
@@ -80,6 +81,23 @@ class LoraRowParallelLinear(LoraLinear):
         B = self.lora_B.transpose(1, 2)
         (y,) = self.added([y], lambda outs: lora_expand(outs, h, B, self.ranks, self.scales, meta, check=False))
         return y
+
+
+class LoraVocabParallelHead(LoraLinear):
+    """LoRA on a ``VocabParallelHead``: B = this rank's vocabulary rows, A whole, like a column layer.
+
+    logits = gather(x @ W_local.T + scale * (x @ A.T) @ B_local.T)
+
+    The delta is added to this rank's local logits before the base layer's all-gather, so it needs no collective of
+    its own; the adapters' token rows (trainable and added tokens) then apply to the gathered logits, kept whole on
+    every rank (a few rows each, by global id).
+    """
+
+    def _local(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.base_layer.local(x, *args, **kwargs)
+
+    def _gather(self, y: torch.Tensor) -> torch.Tensor:
+        return self.base_layer.gather(y)
 
 
 def check_vocab_parallel(name: str, path, base_modules: Mapping, vocab_parallel: Mapping, tied: bool) -> None:

@@ -103,13 +103,22 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = base.num_embeddings // world_size, base.embedding_dim
         self.vocab_start = rank * self.num_embeddings
-        self.world_size, self.group = world_size, group
+        self.rank, self.world_size, self.group = rank, world_size, group
         self.weight = weight if weight is not None else _shard(base.weight, 0, self.vocab_start, self.num_embeddings)
 
     @property
     def full_num_embeddings(self) -> int:
         """The unsharded vocabulary (ids are global: each rank looks up the ones in its range)."""
         return self.num_embeddings * self.world_size
+
+    @property
+    def full_features(self) -> tuple[int, int]:
+        """(num_embeddings, embedding_dim) of the unsharded table: what an adapter's A and B are shaped for."""
+        return self.full_num_embeddings, self.embedding_dim
+
+    def lora_shard(self, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an embedding LoRA (A [r, vocab], B [dim, r]): A's columns of its vocabulary rows."""
+        return A.narrow(1, self.vocab_start, self.num_embeddings), B
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -133,9 +142,17 @@ class VocabParallelHead(ColumnParallelLinear):
         self.world_size, self.group = world_size, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x).contiguous()
+        return self.gather(self.local(x))
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's logits: [..., vocab / world_size]."""
+        return super().forward(x)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's local logits, in vocabulary order: [..., vocab]."""
         if self.world_size == 1:
             return y
+        y = y.contiguous()
         parts = [torch.empty_like(y) for _ in range(self.world_size)]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
