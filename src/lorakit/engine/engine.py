@@ -190,7 +190,7 @@ class Engine:
         config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
         self._workers = None
         if config.tensor_parallel_size > 1:
-            model, config = self._start_workers(model, config, device)
+            model = self._start_workers(model, config, device)
         elif not isinstance(model, nn.Module):
             if not callable(model):
                 raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got "
@@ -245,17 +245,17 @@ class Engine:
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
 
-    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> tuple[nn.Module, EngineConfig]:
+    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> nn.Module:
         n = config.tensor_parallel_size
         if isinstance(factory, nn.Module) or not callable(factory):
             raise ValueError(f"tensor_parallel_size={n} needs a picklable function that builds the model, not a "
                              f"{type(factory).__name__}: each of the {n} processes builds the full model with it and "
-                             f"keeps its shard (e.g. functools.partial(AutoModelForCausalLM.from_pretrained, path))")
+                             f"keeps its shard (e.g. functools.partial(lorakit.parallel.load_sharded, path))")
         workers = tp.Workers(factory, n, tp.model_device(device))
         self._workers = workers
         self._finalize = weakref.finalize(self, workers.close)
         workers.send(("config", config))
-        return workers.model, config
+        return workers.model
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at tensor_parallel_size 1). The engine cannot

@@ -81,9 +81,9 @@ def _shard(factory: Callable[[], nn.Module], rank: int, world_size: int, device:
     return model.eval().to(device)
 
 
-def model_device(device: str | None, factory_hint: str | None = None) -> str:
+def model_device(device: str | None) -> str:
     """"cuda" or "cpu": the device the ranks run on (``None``: CUDA when there is one)."""
-    device = device or factory_hint or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind = torch.device(device).type
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"tensor parallelism runs on CUDA devices or the CPU, not {device!r}")
