@@ -119,10 +119,36 @@ class PoolStats:
 
 
 @dataclass
-class _CpuCache:
+class ImageCache:
+    """Packed adapter images on the CPU within ``budget`` bytes, the least recently used dropped first."""
+
     budget: int
-    images: OrderedDict = field(default_factory=OrderedDict)  # _Version -> SlotImage, oldest first
+    images: OrderedDict = field(default_factory=OrderedDict)  # key -> SlotImage, oldest first
     nbytes: int = 0
+
+    def get(self, key) -> SlotImage | None:
+        image = self.images.get(key)
+        if image is not None:
+            self.images.move_to_end(key)
+        return image
+
+    def put(self, key, image: SlotImage) -> list:
+        """Keep ``image`` (unless it alone is over the budget); returns the keys dropped to make room."""
+        if key in self.images or image.nbytes > self.budget:
+            return []
+        dropped = []
+        while self.images and self.nbytes + image.nbytes > self.budget:
+            old, old_image = self.images.popitem(last=False)
+            self.nbytes -= old_image.nbytes
+            dropped.append(old)
+        self.images[key] = image
+        self.nbytes += image.nbytes
+        return dropped
+
+    def pop(self, key) -> None:
+        image = self.images.pop(key, None)
+        if image is not None:
+            self.nbytes -= image.nbytes
 
 
 class AdapterPool:
@@ -150,7 +176,7 @@ class AdapterPool:
         self._current: dict[str, _Version] = {}
         self.slots = handle.slots  # which version is in which slot: written only by this pool from now on
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
-        self._cpu = _CpuCache(cpu_budget_bytes)
+        self._cpu = ImageCache(cpu_budget_bytes)
         self._pins: set[str] = set()
         self._released: dict[int, object] = {}  # slot -> event recorded when its last holder released it
         self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
@@ -423,9 +449,8 @@ class AdapterPool:
             self._upload(v, slot, image, after_growth=grew)
 
     def _image(self, v: _Version) -> SlotImage:
-        image = self._cpu.images.get(v)
+        image = self._cpu.get(v)
         if image is not None:
-            self._cpu.images.move_to_end(v)
             self.stats.cpu_hits += 1
             return image
         self.stats.cpu_misses += 1
@@ -439,17 +464,10 @@ class AdapterPool:
         raise AdapterError(v.changed)
 
     def _cache(self, v: _Version, image: SlotImage) -> None:
-        cache = self._cpu
         v.nbytes = image.nbytes
-        if v in cache.images or image.nbytes > cache.budget:
-            return
-        while cache.images and cache.nbytes + image.nbytes > cache.budget:
-            old, old_image = cache.images.popitem(last=False)
-            cache.nbytes -= old_image.nbytes
+        for old in self._cpu.put(v, image):
             self.stats.cpu_evictions += 1
             logger.debug("dropped %r from the CPU cache", old)
-        cache.images[v] = image
-        cache.nbytes += image.nbytes
 
     def _upload(self, v: _Version, slot: int, image: SlotImage, after_growth: bool) -> None:
         if self._stream is None:
@@ -493,9 +511,7 @@ class AdapterPool:
 
     def _retire(self, v: _Version) -> None:
         v.retired = True
-        image = self._cpu.images.pop(v, None)
-        if image is not None:
-            self._cpu.nbytes -= image.nbytes
+        self._cpu.pop(v)
         if v.refs == 0:
             self._free(v)
 

@@ -402,7 +402,7 @@ class ModelRunner:
         if fill is not None and fill.host is None:
             raise RuntimeError("a tensor-parallel step's Fill needs its host index and rows")
         spec = None if fill is None else (*fill.host, fill.tokens.numel(), fill.tokens.dtype)
-        self.mirror(("step", packed.numpy().copy(), keep, shape, spec))
+        self.mirror(("step", packed.numpy(), keep, shape, spec))  # pickled (copied) at once
         if fill is not None:
             torch.distributed.broadcast(fill.tokens.contiguous(), 0)
 
@@ -456,7 +456,8 @@ class ModelRunner:
             index, rows, count, dtype = spec
             tokens = torch.empty(count, dtype=dtype, device=self.device)
             torch.distributed.broadcast(tokens, 0)
-            both = torch.tensor([index, rows], dtype=torch.int64).to(self.device)
+            both = torch.tensor([index, rows], dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            both = both.to(self.device, non_blocking=True)
             fill = Fill(both[0], both[1], tokens)
         host = self._host_buffer(len(packed))[: len(packed)]
         host.numpy()[:] = packed

@@ -36,7 +36,6 @@ import pickle
 import shutil
 import tempfile
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -193,52 +192,28 @@ class Workers:
 
 
 def mirror_slots(handle, workers: Workers) -> None:
-    """Make rank 0's slot table tell the workers every write: ``put`` (the adapter's snapshot, which each worker
-    reads again and packs into its own shard), ``vacate`` and ``reserve`` (stores by their index in the handle)."""
-    slots = handle.slots
-    put, vacate, reserve = slots.put, slots.vacate, slots.reserve
+    """Make rank 0's slot table tell the workers every write before it makes it (``SlotTable.mirror``): a ``put``
+    as the adapter's snapshot (each worker reads its files again and packs its own shard, and answers before rank 0
+    goes on, so a worker that cannot read it fails the load there), ``vacate``, and ``reserve`` with the stores by
+    their index in the handle."""
     stores = list(handle._stores.values())
 
-    def mirrored_put(slot, tenant, image):
-        snapshot = getattr(tenant, "snapshot", None)
-        if snapshot is None:
-            raise TypeError("at tensor_parallel_size > 1 adapters are loaded through the engine's adapter pool, "
-                            "not handle.load_adapter")
-        workers.send(("put", slot, dataclasses.replace(snapshot, image=None, reader=None)))
-        put(slot, tenant, image)
-        workers.wait(f"loading adapter {snapshot.name!r}")  # its shard is in the slot before any step reads it
+    def mirror(write: tuple) -> None:
+        kind = write[0]
+        if kind == "put":
+            _, slot, tenant = write
+            snapshot = getattr(tenant, "snapshot", None)
+            if snapshot is None:
+                raise TypeError("at tensor_parallel_size > 1 adapters are loaded through the engine's adapter pool, "
+                                "not handle.load_adapter")
+            workers.send(("put", slot, dataclasses.replace(snapshot, image=None, reader=None)))
+            workers.wait(f"loading adapter {snapshot.name!r}")
+        elif kind == "reserve":
+            workers.send(("reserve", {stores.index(store): rank for store, rank in write[1].items()}))
+        else:
+            workers.send(write)
 
-    def mirrored_vacate(slot, *, zero=False):
-        workers.send(("vacate", slot, zero))
-        vacate(slot, zero=zero)
-
-    def mirrored_reserve(ranks):
-        workers.send(("reserve", {stores.index(store): rank for store, rank in ranks.items()}))
-        return reserve(ranks)
-
-    slots.put, slots.vacate, slots.reserve = mirrored_put, mirrored_vacate, mirrored_reserve
-
-
-class _Images:
-    """A worker's CPU copies of its adapter shards, by content (least recently used dropped past the budget)."""
-
-    def __init__(self, budget: int):
-        self.budget, self.nbytes, self._images = budget, 0, OrderedDict()
-
-    def get(self, handle, snapshot, strict: bool):
-        from lorakit.engine.snapshot import reread
-
-        image = self._images.get(snapshot.sha256)
-        if image is not None:
-            self._images.move_to_end(snapshot.sha256)
-            return image
-        image = reread(handle, snapshot, strict=strict, pin=handle.device.type == "cuda")
-        if image.nbytes <= self.budget:
-            while self._images and self.nbytes + image.nbytes > self.budget:
-                self.nbytes -= self._images.popitem(last=False)[1].nbytes
-            self._images[snapshot.sha256] = image
-            self.nbytes += image.nbytes
-        return image
+    handle.slots.mirror = mirror
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,14 +227,16 @@ def _worker(rank: int, world_size: int, init_file: str, factory, device: str, pi
     what = "starting"
     try:
         import lorakit
+        from lorakit.engine.pool import ImageCache
         from lorakit.engine.runner import ModelRunner
+        from lorakit.engine.snapshot import reread
 
         where = _join(rank, world_size, init_file, device)
         model = _shard(factory, rank, world_size, where)
         config = pickle.loads(pipe.recv_bytes())[1]  # ("config", the resolved EngineConfig)
         handle = lorakit.patch(model, config.max_loras, max_rank=config.max_rank)
         stores = list(handle._stores.values())
-        images = _Images(config.cpu_budget_bytes)
+        images = ImageCache(config.cpu_budget_bytes)  # this rank's shards, by content
         runner = None
         while True:
             try:
@@ -275,7 +252,11 @@ def _worker(rank: int, world_size: int, init_file: str, factory, device: str, pi
             elif kind == "put":
                 _, slot, snapshot = command
                 what = f"loading adapter {snapshot.name!r}"
-                handle.slots.put(slot, _Tenant(snapshot.name, 0), images.get(handle, snapshot, config.lora_strict))
+                image = images.get(snapshot.sha256)
+                if image is None:
+                    image = reread(handle, snapshot, strict=config.lora_strict, pin=where.type == "cuda")
+                    images.put(snapshot.sha256, image)
+                handle.slots.put(slot, _Tenant(snapshot.name, 0), image)
                 if where.type == "cuda":
                     torch.cuda.current_stream().synchronize()
                 pipe.send(("ok",))

@@ -10,7 +10,7 @@ CPU tier. A table has at most one manager.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +42,9 @@ class SlotTable:
         self._writer = SlotWriter()
         self.layout_version = 0  # bumped whenever a slot buffer is reallocated (rank growth)
         self.manager: object | None = None
+        # Told of every write before it is made: ("put", slot, tenant), ("vacate", slot, zero), ("reserve", ranks).
+        # A tensor-parallel engine's rank 0 makes the same writes on the other ranks with it (lorakit.engine.tp).
+        self.mirror: Callable[[tuple], None] | None = None
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -84,6 +87,8 @@ class SlotTable:
 
     def reserve(self, ranks: Mapping[LoraSlots, int]) -> bool:
         """Grow stores to the given ranks ahead of any upload (loaded slots keep their values); True if any grew."""
+        if self.mirror is not None:
+            self.mirror(("reserve", ranks))
         grew = any(rank > store.r_max for store, rank in ranks.items())
         for store, rank in ranks.items():
             store.grow(rank)
@@ -94,6 +99,8 @@ class SlotTable:
         """Write ``image`` into ``slot`` on the current stream (growing the stores first if it needs room) and
         record ``tenant`` there, clearing what the slot's previous write left in stores this one does not touch.
         Nothing may be reading the slot meanwhile."""
+        if self.mirror is not None:
+            self.mirror(("put", slot, tenant))
         self.grow_for(image)
         new = {s.store for s in image.stores} | {t.store for t in image.tokens}
         self._write(slot, image, new)
@@ -102,6 +109,8 @@ class SlotTable:
     def vacate(self, slot: int, *, zero: bool = False) -> None:
         """Record ``slot`` as empty. Its contents stay until the next ``put`` (no request may read it then),
         unless ``zero``: then every store it wrote is cleared now, on the current stream."""
+        if self.mirror is not None:
+            self.mirror(("vacate", slot, zero))
         if zero:
             self._write(slot, None, set())
         self._tenants[slot] = None
