@@ -3,6 +3,9 @@
 For batch 1, 16 and 64, each request a 128-token prompt then ``--decode`` greedy tokens: the base model alone;
 8 and 32 distinct rank-16 adapters on all 7 projections (requests spread evenly over them); ranks mixed in
 8..64; and, as the baseline users have today, transformers + PEFT ``generate`` with ``adapter_names=``.
+With ``--compile``, the compiled rows also take three switches off against the defaults, in the same run: the base
+twins of the decode graphs (base steps run their empty LoRA kernels), programmatic dependent launch, and the delta
+after the GEMM (it runs beside it).
 Decode steps only are timed (prefill excluded), wall clock per step (each step ends by reading the sampled
 tokens). Roofline per row: (weight bytes + KV bytes read per step + the used adapters' bytes) / the copy
 bandwidth measured in the same run.
@@ -13,6 +16,7 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import tempfile
@@ -24,7 +28,9 @@ from common import (TARGETS, arg_parser, copy_gbps, fmt, make_model, parse_args,
                     write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine import Engine, SamplingParams
+from lorakit.engine.runner import ModelRunner
 from lorakit.layers import linear
+from lorakit.ops import _checks
 
 PROMPT = 128
 
@@ -39,6 +45,20 @@ def weight_bytes(model) -> int:
 def adapter_bytes(model, rank: int) -> int:
     return sum(m.in_features + m.out_features for n, m in model.named_modules()
                if n.rsplit(".", 1)[-1] in TARGETS and isinstance(m, torch.nn.Linear)) * rank * 2
+
+
+@contextlib.contextmanager
+def compiled_settings(overlap: int | None = None, pdl: bool | None = None, twins: bool = True):
+    """A compiled case's switches, restored after: the LoRA delta beside the GEMM for inputs of up to ``overlap``
+    tokens, programmatic dependent launch (``pdl=False``: off), base twins of the decode graphs."""
+    saved = linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.BASE_TWINS
+    linear.OVERLAP_MAX_TOKENS = saved[0] if overlap is None else overlap
+    _checks.PDL = saved[1] if pdl is None else pdl
+    ModelRunner.BASE_TWINS = twins
+    try:
+        yield
+    finally:
+        linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.BASE_TWINS = saved
 
 
 def run_engine(engine: Engine, batch: int, names: list, decode: int, vocab: int, sync) -> dict:
@@ -93,8 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--peft-decode", type=int, default=8, help="decode tokens for the PEFT baseline (it is slow)")
     p.add_argument("--quick", action="store_true", help="batch 64 only")
     p.add_argument("--compile", action="store_true",
-                   help="also compiled: base, 8 and 32 adapters at every batch, and 8 adapters at batch 64 with the "
-                        "LoRA delta computed beside the base GEMM (linear.OVERLAP_MAX_TOKENS = 256)")
+                   help="also compiled: base, 8 and 32 adapters at every batch; base at batch 1 and 64 without base "
+                        "twins; 8 adapters at batch 64 without PDL and with the delta beside the base GEMM")
     p.add_argument("--compile-only", action="store_true", help="only the compiled rows")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
@@ -143,33 +163,39 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
         if args.compile:  # decode graphs captured from torch.compile (one compile per batch size)
-            compiled = [("base", [None], None), ("8 adapters, rank 16", [f"u{i}" for i in range(8)], None),
-                        ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None),
-                        # the LoRA delta beside the base GEMM, against the default in the same run
-                        ("8 adapters, rank 16, delta beside the GEMM", [f"u{i}" for i in range(8)], 256)]
-            default = linear.OVERLAP_MAX_TOKENS
-            for label, names, overlap in compiled:
-                linear.OVERLAP_MAX_TOKENS = default if overlap is None else overlap
-                sizes = [64] if overlap is not None else list(batches)
+            eight = [f"u{i}" for i in range(8)]
+            compiled = [  # label, adapters, batches (None: all), settings; the last three against the defaults
+                ("base", [None], None, {}), ("8 adapters, rank 16", eight, None, {}),
+                ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None, {}),
+                ("base, graphs with (empty) LoRA kernels", [None], [1, 64], dict(twins=False)),
+                ("8 adapters, rank 16, PDL off", eight, [64], dict(pdl=False)),
+                ("8 adapters, rank 16, delta beside the GEMM", eight, [64], dict(overlap=256))]
+            for label, names, sizes, settings in compiled:
+                sizes = sizes or list(batches)
+                if args.quick:
+                    sizes = [b for b in sizes if b == 64]
+                if not sizes:
+                    continue
                 torch.manual_seed(0)
                 model = make_model(layers, args.tiny, args.device)
-                engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
-                                max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
-                                adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes)
-                for batch in sizes:
-                    used = names[: min(len(names), batch)]
-                    result = run_engine(engine, batch, used, args.decode, vocab, sync)
-                    lora = 0 if names == [None] else len(used) * per_rank * 16
-                    kv = batch * kv_per_token * (PROMPT + args.decode // 2)
-                    floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
-                    rows.append(dict(what=f"lorakit compiled, {label}", batch=batch, adapters=len(used) if lora else 0,
-                                     **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
-                    print(rows[-1], flush=True)
+                with compiled_settings(**settings):
+                    engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
+                                    max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
+                                    adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes)
+                    for batch in sizes:
+                        used = names[: min(len(names), batch)]
+                        result = run_engine(engine, batch, used, args.decode, vocab, sync)
+                        lora = 0 if names == [None] else len(used) * per_rank * 16
+                        kv = batch * kv_per_token * (PROMPT + args.decode // 2)
+                        floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
+                        rows.append(dict(what=f"lorakit compiled, {label}", batch=batch,
+                                         adapters=len(used) if lora else 0, **result, floor_ms=floor_ms,
+                                         roofline_pct=100 * floor_ms / result["step_ms"]))
+                        print(rows[-1], flush=True)
                 engine = model = None
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
-            linear.OVERLAP_MAX_TOKENS = default
         if cuda and not args.tiny and not args.compile_only:
             for n in (8, 32):
                 result = run_peft(lambda: make_model(layers, args.tiny, args.device), uniform[:n], 64,

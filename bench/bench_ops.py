@@ -17,6 +17,7 @@ before capture. The PEFT loop syncs with the host (boolean masks), so it runs ea
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -27,7 +28,7 @@ from anchors import ANCHORS, H_IN, Anchor  # bench/ is on sys.path when this fil
 from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotating_us, rotation_method, setup,
                     setup_line, table, write_report)
 
-from lorakit.ops import add_lora, build_lora_meta, lora_delta, wait_lora_delta
+from lorakit.ops import _checks, add_lora, build_lora_meta, lora_delta, wait_lora_delta
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 
@@ -173,7 +174,20 @@ def bench_lorakit(case: Case, p: dict, gbps: float) -> dict:
         print(f"  {case.mode} T={case.T} L={case.L} h_out={case.h_out}: {out['status']}", file=sys.stderr)
         return out
     out["lorakit_us"], out["lorakit_copies"] = rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))
+    out["no_pdl_us"] = None
+    if _checks.use_pdl(p["x"].device):  # the same kernels launched without programmatic dependent launch
+        with no_pdl():
+            out["no_pdl_us"], _ = rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))
     return out
+
+
+@contextlib.contextmanager
+def no_pdl():
+    before, _checks.PDL = _checks.PDL, False
+    try:
+        yield
+    finally:
+        _checks.PDL = before
 
 
 def host_time() -> list[dict]:
@@ -231,9 +245,11 @@ def bench_row(a: Anchor, gbps: float, quick: bool) -> dict:
     if row["lorakit_us"] is None:
         return row
     row["base_gemm_us"], row["base_gemm_copies"] = rotating_us(run_gemm, lambda i: gemm_copy(p))
-    if a.mode == "decode":  # what LoRA adds to a whole layer, the delta after the base GEMM or beside it
-        for how, run in (("after", run_layer_after), ("beside", run_layer_beside)):
-            us, _ = rotating_us(run, lambda i: layer_copy(p, case.num_slots))
+    if a.mode == "decode":  # what LoRA adds to a whole layer, the delta after the base GEMM (PDL on, off) or beside it
+        for how, run, pdl in (("after", run_layer_after, True), ("after_no_pdl", run_layer_after, False),
+                              ("beside", run_layer_beside, True)):
+            with contextlib.nullcontext() if pdl else no_pdl():
+                us, _ = rotating_us(run, lambda i: layer_copy(p, case.num_slots))
             row[f"layer_{how}_us"], row[f"lora_{how}_us"] = us, us - row["base_gemm_us"]
     if not quick:
         def naive_copy(i):
@@ -269,10 +285,12 @@ def bench_mixed(L: int, h_out: int, gbps: float) -> dict:
 
 
 def rows_table(rows: list[dict]) -> str:
-    head = ("| mode | T | L | r | h_out | lorakit (us) | byte floor (us) | % copy BW | % base GEMM | base GEMM (us) "
-            "| PEFT loop* (us) | gather+bmm (us) | best public (us) | lorakit / best | beats naive | <= 1.5x best |")
+    head = ("| mode | T | L | r | h_out | lorakit (us) | PDL off (us) | byte floor (us) | % copy BW | % base GEMM "
+            "| base GEMM (us) | PEFT loop* (us) | gather+bmm (us) | best public (us) | lorakit / best | beats naive "
+            "| <= 1.5x best |")
     cells = ([r["mode"], r["T"], r["L"], r["r"], r["h_out"],
-              fmt(r["lorakit_us"]) if r["status"] == "ok" else r["status"], fmt(r["floor_us"], ".2f"),
+              fmt(r["lorakit_us"]) if r["status"] == "ok" else r["status"], fmt(r.get("no_pdl_us")),
+              fmt(r["floor_us"], ".2f"),
               fmt(r.get("pct_copy_bw"), ".0f"), fmt(r.get("pct_base_gemm"), ".0f"), fmt(r["base_gemm_us"]),
               fmt(r["peft_loop_us"], ".0f"), fmt(r["gather_bmm_us"], ".0f"), fmt(r["best_us"]),
               fmt(r.get("vs_best"), ".2f"), fmt(r.get("beats_naive")), fmt(r.get("within_1_5x_best"))] for r in rows)
@@ -281,10 +299,11 @@ def rows_table(rows: list[dict]) -> str:
 
 
 def layer_table(rows: list[dict]) -> str:
-    head = ("| T | L | r | h_out | base GEMM (us) | layer, delta after (us) | layer, delta beside (us) "
-            "| LoRA's cost after (us) | LoRA's cost beside (us) |")
+    head = ("| T | L | r | h_out | base GEMM (us) | layer, delta after (us) | layer, after, PDL off (us) "
+            "| layer, delta beside (us) | LoRA's cost after (us) | after, PDL off (us) | LoRA's cost beside (us) |")
     return table(head, ([r["T"], r["L"], r["r"], r["h_out"], fmt(r["base_gemm_us"]), fmt(r["layer_after_us"]),
-                         fmt(r["layer_beside_us"]), fmt(r["lora_after_us"]), fmt(r["lora_beside_us"])]
+                         fmt(r["layer_after_no_pdl_us"]), fmt(r["layer_beside_us"]), fmt(r["lora_after_us"]),
+                         fmt(r["lora_after_no_pdl_us"]), fmt(r["lora_beside_us"])]
                         for r in rows if r.get("layer_after_us") is not None))
 
 
@@ -348,7 +367,8 @@ def main(argv=None) -> int:
         f"Measured copy {s['copy_gbps']:.0f} GB/s (read + write), bf16 matmul 8192^3 {s['matmul_tflops']:.0f} "
         f"TFLOP/s.\n\n{METHOD}",
         "## add_lora, one layer (bf16, h_in 4096, every adapter at rank r)", rows_table(rows),
-        "## A whole layer at decode: base GEMM + LoRA (delta after the GEMM, or beside it on a side stream)\n\n"
+        "## A whole layer at decode: base GEMM + LoRA (delta after the GEMM, with and without programmatic dependent "
+        "launch, or beside it on a side stream)\n\n"
         "LoRA's cost = layer - base GEMM alone, same run, same rotation.", layer_table(rows),
         "## Mixed ranks (ranks uniform in 8..128, seeded) vs every rank 128", mixed_table(mixed),
         "## Host time of one eager call (T=1, r 16, h_out 4096: the device idles; min of 5 x 1000 calls)",

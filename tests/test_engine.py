@@ -117,6 +117,39 @@ def test_abort_frees_everything(setup):
     assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
 
 
+def test_steps_of_base_tokens_run_no_lora_kernels(setup, monkeypatch):
+    """A step whose tokens all use the base model runs with the LoRA ops silenced (ops.no_adapter_tokens): every
+    expand of the base requests' steps computes nothing, while a step with an adapter token computes its delta; each
+    request still gets the greedy tokens it gets alone."""
+    from lorakit.ops import _checks, expand
+
+    base, saved = setup
+    silenced = []
+    real = expand._expand_torch
+    monkeypatch.setattr(expand, "_expand_torch",
+                        lambda *a, **k: silenced.append(_checks.adapter_tokens_skipped()) or real(*a, **k))
+    engine = Engine(copy.deepcopy(base), max_loras=2, adapters={n: a.path for n, a in saved.items()}, block_size=4,
+                    max_num_batched_tokens=16)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (7, 20, 5)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(adapters):
+        got = {engine.add_request(p, greedy, a): [] for p, a in zip(prompts, adapters)}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.token_ids
+        return list(got.values())
+
+    assert run([None, None, None]) == [reference(base, saved, p, None, 6) for p in prompts]
+    runner = engine.runner
+    assert runner.base_steps == runner.eager_steps > 0 and silenced and all(silenced)
+    before, silenced[:] = runner.base_steps, []
+    adapters = [None, "r8", None]  # every step of this run holds an r8 token (its 20-token prompt is chunked)
+    assert run(adapters) == [reference(base, saved, p, a, 6) for p, a in zip(prompts, adapters)]
+    assert runner.base_steps == before and silenced and not any(silenced)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma2", "gemma3", "phi3", "gpt2"])
 def test_other_architectures_equal_generate(arch, tmp_path):
     """No per-architecture code: the same engine on other transformers models (Gemma's softcap and sliding

@@ -103,3 +103,39 @@ def test_compiled_graphs_captured_at_startup_and_again_after_growth(tmp_path):
         outs[compile] = list(got.values())
     torch._dynamo.reset()  # the compiled frames of this model class would count against later tests' compiles
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
+def test_base_steps_replay_graphs_without_lora_kernels(tmp_path, monkeypatch, compile):
+    """Every decode bucket has a base twin captured with the LoRA ops silenced: decode steps of base requests alone
+    replay it and give the same tokens, bit for bit, as the graph with (empty) LoRA kernels; steps with an adapter
+    token replay the full graph."""
+    from _peft_models import tiny_model
+    from lorakit.engine.runner import ModelRunner
+
+    base = tiny_model("llama", seed=3)
+    a = save_adapter(base, "a", LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                           init_lora_weights=False), tmp_path, seed=1, std=0.2).path
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 90, (5 + i,), generator=gen).tolist() for i in range(6)]
+    outs = {}
+    for twins in (True, False):
+        monkeypatch.setattr(ModelRunner, "BASE_TWINS", twins)  # False: every step replays the graphs with LoRA kernels
+        engine = Engine(copy.deepcopy(base).to("cuda", torch.bfloat16), max_loras=2, max_num_seqs=8, compile=compile,
+                        adapters={"a": a})
+        runner = engine.runner
+        assert len(runner._graphs) == len(runner.graph_sizes) * (1 + twins) + len(runner.token_sizes)
+        got = []
+        for names in ([None] * 6, [None, "a"] * 3):
+            ids = [engine.add_request(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), n)
+                   for p, n in zip(prompts, names)]
+            tokens = {i: [] for i in ids}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens[out.request_id] += out.token_ids
+            got.append(list(tokens.values()))
+            if names[1] is None:
+                assert (runner.base_steps > 0) == twins and runner.decode_replays > 0
+        outs[twins] = got
+    torch._dynamo.reset()
+    assert outs[True] == outs[False]

@@ -171,3 +171,31 @@ def test_eager_join_adds_every_slice_in_one_launch_interpreted(case):
                                                  torch.split(delta, case.slice_sizes, dim=1))]
     for got, want in zip(ys, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("direct", [False, pytest.param(True, marks=triton_on_cpu)], ids=["torch", "triton"])
+def test_no_adapter_tokens_silences_every_lora_op(monkeypatch, direct):
+    """Inside ops.no_adapter_tokens() (the engine's steps of base tokens alone) the LoRA ops do nothing, on the torch
+    path and on the kernels' launch path: add_lora leaves y as it was, even for adapter tokens (the caller's promise is
+    what makes that right), lora_delta is zeros; an inner no_adapter_tokens(False) does not undo an outer one, and
+    outside the ops compute again."""
+    from lorakit import ops
+
+    if direct:
+        monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
+    case = make_case(9, 40, [24, 8], 16, 3, "some-base", torch.float32, seed=5)
+    meta = build_lora_meta(case.slots, 3)
+
+    def run():
+        y = case.y.clone()
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        return y
+
+    with ops.no_adapter_tokens(), ops.no_adapter_tokens(False):
+        assert torch.equal(run(), case.y)
+        delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        wait_lora_delta(delta, case.x, [case.y])
+        assert torch.equal(delta, torch.zeros_like(delta))
+    with ops.no_adapter_tokens(False):
+        check_y(run(), case)
+    check_y(run(), case)

@@ -17,8 +17,11 @@ are those of each sequence's last token (``query_start[1:] - 1``, gathered on th
 [T, vocab]. The step is padded to its bucket: padded tokens have input id 0, position 0, adapter -1 and KV
 index -1 (never written), padded sequences seq_len 0 and an empty query range, so they attend to nothing and
 their logits rows are dropped. The attention grid depends on T and S only, so a graph replays any step of its
-bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs``, runs eagerly. Graphs are
-captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
+bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs``, runs eagerly. A step without
+adapter tokens (every id -1: base-model traffic) runs with no LoRA kernel at all (``ops.no_adapter_tokens``):
+eagerly, or in its decode bucket's base twin, a second graph captured with the LoRA ops silenced (mixed buckets
+have none: a mixed step of base requests alone is rare in multi-LoRA traffic, and each twin costs a capture).
+Graphs are captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
 buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
 mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
 compiling the mixed buckets too (~20 s each at startup) would double the startup for the few steps it could
@@ -50,7 +53,7 @@ from tqdm import tqdm
 
 from lorakit.engine.scheduler import Request, StepPlan
 from lorakit.layers.context import StepContext
-from lorakit.ops import cdiv, paged_attention, write_kv
+from lorakit.ops import cdiv, no_adapter_tokens, paged_attention, write_kv
 
 logger = logging.getLogger("lorakit.runner")
 
@@ -184,9 +187,15 @@ class ModelRunner:
 
     ``max_num_batched_tokens`` (the scheduler's token budget) bounds the mixed graphs' token buckets
     (``graph_token_sizes``, empty for none); without it mixed steps run eagerly. Counters: ``decode_replays``,
-    ``mixed_replays`` (``graph_replays`` both), ``eager_steps``; ``gpu_seconds`` over ``timed_steps``, the device
+    ``mixed_replays`` (``graph_replays`` both), ``eager_steps``, ``base_steps`` (of these, the steps without adapter
+    tokens, run without LoRA kernels); ``gpu_seconds`` over ``timed_steps``, the device
     time of the forwards read back by ``poll()`` (each ``execute`` polls first), 0 on the CPU.
     """
+
+    # Decode buckets get base twins (see the module docstring); False: base steps replay the full graphs and run
+    # their LoRA kernels, as before twins (benchmarks compare both in one run).
+    BASE_TWINS = True
+
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
@@ -211,12 +220,13 @@ class ModelRunner:
         self.token_sizes = token_buckets(graph_token_sizes, max_num_batched_tokens)
         self.buckets = sorted([Bucket(s, s, True) for s in self.graph_sizes]
                               + [Bucket(t, self._mixed_rows(t), False) for t in self.token_sizes], reverse=True)
-        self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict]] = {}  # and its static views
+        # Each bucket's graph, its output and static views; decode buckets also have a base twin: keys (bucket, base).
+        self._graphs: dict[tuple[Bucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, dict]] = {}
         self._graph_layout: int | None = None
         self._static: torch.Tensor | None = None  # the graphs' packed step (see _split), written by each replay's copy
         self._compiles = 0  # decode forwards compiled (with compile=True): one per bucket and slot layout
         self.graph_captures = 0  # times every bucket was captured: once at startup, again after each rank growth
-        self.decode_replays = self.mixed_replays = self.eager_steps = 0
+        self.decode_replays = self.mixed_replays = self.eager_steps = self.base_steps = 0
         self.gpu_seconds, self.timed_steps = 0.0, 0
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # steps not yet read by poll()
         self._spare_events: list[torch.cuda.Event] = []
@@ -387,11 +397,14 @@ class ModelRunner:
     def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool, fill: Fill | None = None) -> torch.Tensor:
         """The step padded to ``bucket``: its graph replayed, or (``replay`` False, as tests do on the CPU) the same
         forward run eagerly on the same padded metadata. Returns the logits of the items that sample."""
-        if not replay:
-            m = self._metadata(plan, bucket.rows, bucket.tokens, per_sequence=True)
-            _fill(m["input_ids"], fill)
-            return self._bucket_forward(m, bucket)[m["keep"]]
         packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
+        if not replay:
+            base = bucket.decode and self._base_only(packed, bucket.rows, bucket.tokens)
+            m = _split(self._upload(packed), bucket.rows, bucket.tokens, self.max_blocks, torch.int64, torch.int32)
+            _fill(m["input_ids"], fill)
+            self.base_steps += base
+            with no_adapter_tokens(base):
+                return self._bucket_forward(m, bucket)[m["keep"][:keep]]
         if self.mirror is not None:
             self._send_step(packed, keep, bucket, fill)
         return self._replay(packed, keep, bucket, fill)
@@ -406,9 +419,18 @@ class ModelRunner:
         if fill is not None:
             torch.distributed.broadcast(fill.tokens.contiguous(), 0)
 
+    def _base_only(self, packed: torch.Tensor, rows: int, tokens: int) -> bool:
+        """Whether no token of a packed step (on the host) uses an adapter."""
+        if not self.BASE_TWINS:
+            return False
+        ids = _split(packed.numpy(), rows, tokens, self.max_blocks, np.int64, np.int32)["lora_ids"]
+        return not (ids >= 0).any()
+
     def _replay(self, packed: torch.Tensor, keep: int, bucket: Bucket, fill: Fill | None = None) -> torch.Tensor:
+        base = bucket.decode and self._base_only(packed, bucket.rows, bucket.tokens)
         self._upload(packed, self._static)
-        graph, out, view = self._graphs[bucket]
+        graph, out, view = self._graphs[bucket, base]
+        self.base_steps += base
         _fill(view["input_ids"], fill)
         start = self._record()
         graph.replay()
@@ -439,8 +461,11 @@ class ModelRunner:
         m = _split(self._upload(packed), rows, tokens, self.max_blocks, torch.int64, torch.int32)
         m["keep"] = m["keep"][:keep]
         _fill(m["input_ids"], fill)
+        base = self._base_only(packed, rows, tokens)
+        self.base_steps += base
         start = self._record()
-        logits = self._forward(m, m["keep"])
+        with no_adapter_tokens(base):
+            logits = self._forward(m, m["keep"])
         if start is not None:
             self._timing.append((start, self._record()))
         self.eager_steps += 1
@@ -519,12 +544,14 @@ class ModelRunner:
                     for _ in range(2):
                         self._bucket_forward(view, bucket)
                 torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._bucket_forward(view, bucket)
-                self._graphs[bucket] = (graph, out, view)
+                for base in (False, True) if bucket.decode and self.BASE_TWINS else (False,):
+                    graph = torch.cuda.CUDAGraph()
+                    with no_adapter_tokens(base), torch.cuda.graph(graph, pool=pool):
+                        out = self._bucket_forward(view, bucket)
+                    self._graphs[bucket, base] = (graph, out, view)
         self._graph_layout = self.handle.slots.layout_version
         self.graph_captures += 1
-        logger.info("captured %d decode graphs (batch %d down to %d) and %d mixed graphs (%s tokens) in %.1f s",
+        logger.info("captured %d decode graphs and their base twins (batch %d down to %d) and %d mixed graphs (%s tokens)"
+                    " in %.1f s",
                     len(self.graph_sizes), self.graph_sizes[0], self.graph_sizes[-1], len(self.token_sizes),
                     "/".join(map(str, self.token_sizes)) or "no", time.perf_counter() - start)

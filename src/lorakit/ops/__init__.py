@@ -7,6 +7,9 @@
     y = base(x)                                                # ... while the base layer runs
     wait_lora_delta(delta, x, [y])                             # then y + delta, rounded once
 
+    with no_adapter_tokens():                           # a batch of base-model tokens only: no LoRA launches
+        ...
+
     write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
 
@@ -23,7 +26,7 @@ import torch
 from lorakit.ops import delta as _delta_mod  # noqa: F401  (registers lorakit::delta and lorakit::wait_delta)
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
-from lorakit.ops._checks import MAX_SLICES, cdiv, num_sms, round_up
+from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.expand import _check_expand_args, _launch_expand
@@ -31,7 +34,8 @@ from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, shrink_split_
 
 __all__ = [
     "MAX_SLICES", "LoraMeta", "add_lora", "add_lora_delta", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
-    "lora_expand", "lora_shrink", "num_sms", "paged_attention", "round_up", "split_columns", "wait_lora_delta", "write_kv",
+    "lora_expand", "lora_shrink", "no_adapter_tokens", "num_sms", "paged_attention", "round_up", "split_columns",
+    "wait_lora_delta", "write_kv",
 ]
 
 

@@ -3,9 +3,10 @@ the gate for checks that read values on the host, one Triton dot, and integer ro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import triton
@@ -31,6 +32,52 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return CPU_SMS
+
+
+# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): the shrink and expand kernels are
+# launched so that each may start while the kernel before it finishes, and wait for it (``gdc_wait``) before their
+# first load. None: wherever supported; False: never (benchmarks compare both in one run).
+PDL: bool | None = None
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and torch.cuda.get_device_capability(index)[0] >= 9)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the LoRA kernels on ``device`` are launched with programmatic dependent launch (see PDL)."""
+    if PDL is False or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_NO_ADAPTER_TOKENS = False
+
+
+@contextlib.contextmanager
+def no_adapter_tokens(on: bool = True) -> Iterator[None]:
+    """Inside (``on``), the caller promises that no token of the LoRA ops it runs uses an adapter (every slot is
+    -1), so the ops launch and compute nothing: ``expand`` adds nothing, ``delta`` is zeros, ``shrink``'s partials
+    are left unwritten (expand ignores them). The engine runs (and captures the graphs of) its steps without
+    adapter tokens inside it, so base-model traffic pays no LoRA kernels. The ops read it when they run, not when
+    they are traced: one compiled forward serves both. Process-wide."""
+    global _NO_ADAPTER_TOKENS
+    before, _NO_ADAPTER_TOKENS = _NO_ADAPTER_TOKENS, bool(on) or _NO_ADAPTER_TOKENS
+    try:
+        yield
+    finally:
+        _NO_ADAPTER_TOKENS = before
+
+
+def adapter_tokens_skipped() -> bool:
+    """True inside ``no_adapter_tokens()``: the LoRA ops do nothing."""
+    return _NO_ADAPTER_TOKENS
 
 
 def cdiv(n: int, d: int) -> int:

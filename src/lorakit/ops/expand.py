@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import (
-    FLOAT_DTYPES, MAX_SLICES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
-    num_sms, slice_output,
+    FLOAT_DTYPES, MAX_SLICES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
+    check_tensor, dot, num_sms, slice_output, use_pdl,
 )
 
 
@@ -80,8 +80,11 @@ def _expand_kernel(
     stride_ss, stride_si,
     stride_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched while the kernel before (the shrink) may still run: wait for it before the first load
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice
     # (STORE: writes it, zeros for base tokens, so every element of the outputs is written once).
     pid_g = tl.program_id(0)
@@ -146,6 +149,11 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
+    if adapter_tokens_skipped():  # no adapter tokens: the delta is zero
+        if store:
+            for y in ys:
+                y.zero_()
+        return
     split_k, n_slices, _, r_max = h.shape
     pad = MAX_SLICES - len(ys)
     widths = [y.shape[1] for y in ys]
@@ -156,6 +164,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     groups = max(1, min(col_blocks, cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
     cols = cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (cdiv(max(widths), cols), n_tiles, n_slices)
+    pdl = use_pdl(h.device)
     _expand_kernel[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
@@ -164,7 +173,8 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, **config,
+        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}), **config,
     )
 
 
@@ -239,6 +249,8 @@ def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m):
 
 def _expand_torch(ys, h, B, ranks, scales, token_slot) -> None:
     """The CPU path in plain torch: one matmul per (used slot, slice), float32, rounded once into ys."""
+    if adapter_tokens_skipped():
+        return
     hs = h.sum(0)
     slots = token_slot.long()
     ranks_host, scales_host = ranks.tolist(), scales.tolist()

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from lorakit.ops._checks import (
-    CPU_SMS, FLOAT_DTYPES, cdiv, check_block_m, check_meta, check_ranks, check_shape, check_tensor, dot,
-    next_power_of_2,
+    CPU_SMS, FLOAT_DTYPES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
+    check_tensor, dot, next_power_of_2, use_pdl,
 )
 
 
@@ -28,8 +28,11 @@ def _shrink_kernel(
     stride_rs, stride_ri,
     stride_tiles,
     BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched while the kernel before may still run: wait for it, then let the expand launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
     # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
     pid_r = tl.program_id(0)
@@ -103,12 +106,13 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     num_tokens, k = x.shape
     _, n_slices, r_max, _ = A.shape
     h = torch.empty((split_k, n_slices, num_tokens, r_max), dtype=torch.float32, device=x.device)
-    if num_tokens == 0:
+    if num_tokens == 0 or adapter_tokens_skipped():
         return h
     block_r = _block_r(r_max)
     config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
     grid = (n_slices * cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
+    pdl = use_pdl(x.device)
     _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
@@ -117,7 +121,8 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         h.stride(0), h.stride(1), h.stride(2),
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
-        SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, **config,
+        SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}), **config,
     )
     return h
 
@@ -180,6 +185,8 @@ def _shrink_torch(x, A, ranks, token_slot, split_k: int) -> torch.Tensor:
     num_tokens = x.shape[0]
     _, n_slices, r_max, _ = A.shape
     h = torch.zeros((split_k, n_slices, num_tokens, r_max), dtype=torch.float32, device=x.device)
+    if adapter_tokens_skipped():
+        return h
     slots = token_slot.long()
     ranks_host = ranks.tolist()
     for s in torch.unique(slots).tolist():
