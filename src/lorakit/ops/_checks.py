@@ -34,10 +34,13 @@ def num_sms(device: torch.device) -> int:
     return CPU_SMS
 
 
-# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): the shrink and expand kernels are
+# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): the kernels named in PDL_KERNELS are
 # launched so that each may start while the kernel before it finishes, and wait for it (``gdc_wait``) before their
-# first load. None: wherever supported; False: never (benchmarks compare both in one run).
-PDL: bool | None = None
+# first load; with PDL_TRIGGER they also let the kernel after them launch as soon as every program has waited.
+# PDL None: wherever supported; False: never (benchmarks compare both in one run). LORAKIT_PDL=0 turns it off.
+PDL: bool | None = {"0": False, "1": True}.get(os.environ.get("LORAKIT_PDL", ""))
+PDL_KERNELS = frozenset({"shrink", "expand"})
+PDL_TRIGGER = True
 
 
 @functools.cache
@@ -50,9 +53,11 @@ def _pdl_supported(index: int) -> bool:
             and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether the LoRA kernels on ``device`` are launched with programmatic dependent launch (see PDL)."""
-    if PDL is False or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def use_pdl(device: torch.device, kernel: str | None = None) -> bool:
+    """Whether the LoRA kernels on ``device`` (the one named ``kernel``, of PDL_KERNELS) are launched with
+    programmatic dependent launch (see PDL)."""
+    if (PDL is False or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or (kernel is not None and kernel not in PDL_KERNELS)):
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 

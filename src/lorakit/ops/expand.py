@@ -18,6 +18,7 @@ from lorakit.ops._checks import (
     FLOAT_DTYPES, MAX_SLICES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
     check_tensor, dot, num_sms, slice_output, use_pdl,
 )
+from lorakit.ops import _checks
 
 
 @triton.jit
@@ -80,10 +81,11 @@ def _expand_kernel(
     stride_ss, stride_si,
     stride_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     if PDL:  # launched while the kernel before (the shrink) may still run: wait for it before the first load
         tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # the kernel after may launch now
         tl.extra.cuda.gdc_launch_dependents()
     # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice
     # (STORE: writes it, zeros for base tokens, so every element of the outputs is written once).
@@ -164,7 +166,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     groups = max(1, min(col_blocks, cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
     cols = cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (cdiv(max(widths), cols), n_tiles, n_slices)
-    pdl = use_pdl(h.device)
+    pdl = use_pdl(h.device, "expand")
     _expand_kernel[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
@@ -174,7 +176,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
         BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}), **config,
+        TRIGGER=use_pdl(h.device) and _checks.PDL_TRIGGER, **({"launch_pdl": True} if pdl else {}), **config,
     )
 
 

@@ -16,6 +16,7 @@ from lorakit.ops._checks import (
     CPU_SMS, FLOAT_DTYPES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
     check_tensor, dot, next_power_of_2, use_pdl,
 )
+from lorakit.ops import _checks
 
 
 @triton.jit
@@ -28,10 +29,11 @@ def _shrink_kernel(
     stride_rs, stride_ri,
     stride_tiles,
     BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    if PDL:  # launched while the kernel before may still run: wait for it, then let the expand launch
+    if PDL:  # launched while the kernel before may still run: wait for it
         tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # the expand may launch now
         tl.extra.cuda.gdc_launch_dependents()
     # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
     # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
@@ -112,7 +114,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
     grid = (n_slices * cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(x.device, "shrink")
     _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
@@ -122,7 +124,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
         SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}), **config,
+        TRIGGER=use_pdl(x.device) and _checks.PDL_TRIGGER, **({"launch_pdl": True} if pdl else {}), **config,
     )
     return h
 
