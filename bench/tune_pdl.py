@@ -1,8 +1,7 @@
 """Programmatic dependent launch, variant by variant, on chosen bench_ops shapes (a tuning run, not a report).
 
 For each shape, ``add_lora`` alone (the bench_ops rotation: calls back to back) and the base GEMM + ``add_lora``
-(a layer, as the engine runs it), with PDL off, on both kernels with and without the early trigger, and on one
-kernel only. Prints one line per shape and writes OUT/tune_pdl.json.
+(a layer, as the engine runs it), with PDL off, on the expand (the default), on both kernels, on the shrink only. Prints one line per shape and writes OUT/tune_pdl.json.
 
     PYTHONPATH=src python bench/tune_pdl.py --out DIR
 """
@@ -24,23 +23,22 @@ SHAPES = [  # mode, T, L, r, h_out: the rows PDL slowed at 9d1e71f, then rows it
     ("prefill", 4096, 1, 16, 4096), ("decode", 64, 32, 16, 14336),
     ("decode", 1, 1, 16, 4096), ("decode", 64, 8, 16, 4096), ("decode", 16, 8, 16, 14336), ("decode", 64, 8, 64, 14336),
 ]
-VARIANTS = {  # name: (PDL, kernels, trigger)
-    "off": (False, {"shrink", "expand"}, False),
-    "both": (None, {"shrink", "expand"}, True),
-    "both, no trigger": (None, {"shrink", "expand"}, False),
-    "shrink only": (None, {"shrink"}, True),
-    "expand only": (None, {"expand"}, True),
+VARIANTS = {  # name: (PDL, the kernels launched with it); the shrink triggers early whenever the expand is one
+    "off": (False, set()),
+    "expand (the default)": (None, {"expand"}),
+    "shrink and expand": (None, {"shrink", "expand"}),
+    "shrink only": (None, {"shrink"}),
 }
 
 
 @contextlib.contextmanager
-def variant(pdl, kernels, trigger):
-    saved = _checks.PDL, _checks.PDL_KERNELS, _checks.PDL_TRIGGER
-    _checks.PDL, _checks.PDL_KERNELS, _checks.PDL_TRIGGER = pdl, frozenset(kernels), trigger
+def variant(pdl, kernels):
+    saved = _checks.PDL, _checks.PDL_KERNELS
+    _checks.PDL, _checks.PDL_KERNELS = pdl, frozenset(kernels)
     try:
         yield
     finally:
-        _checks.PDL, _checks.PDL_KERNELS, _checks.PDL_TRIGGER = saved
+        _checks.PDL, _checks.PDL_KERNELS = saved
 
 
 def main(argv=None) -> int:

@@ -100,3 +100,59 @@ def test_model_without_dummy_inputs_is_patched_without_groups():
     model = NoDummy()
     lorakit.patch(model, max_loras=2)
     assert not any(isinstance(m, LoraLinearGroup) for m in model.modules())
+
+
+def gemms(counts: dict) -> int:
+    return sum(counts.get(name, 0) for name in ("aten.mm", "aten.addmm", "aten.bmm"))
+
+
+def test_fused_siblings_run_one_gemm_and_give_the_same_outputs(tmp_path):
+    """fuse_sibling_gemms (the engine's runner calls it): each group's weights move into one buffer, the members'
+    parameters views of their rows with unchanged values; a forward then runs one base GEMM per group instead of one
+    per sibling, and gives the unfused logits with adapters and without (no lora_ids)."""
+    base = tiny_model("llama", seed=0)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS["llama"], init_lora_weights=False)
+    adapter = save_adapter(base, "all", cfg, tmp_path, seed=0)
+    models, handles = {}, {}
+    for fuse in (False, True):
+        models[fuse] = copy.deepcopy(base)
+        handles[fuse] = lorakit.patch(models[fuse], max_loras=2)
+        handles[fuse].load_adapter("all", adapter.path)
+    assert handles[True].fuse_sibling_gemms() == 4 and handles[True].fuse_sibling_gemms() == 4  # twice: a no-op
+    for group in (m for m in models[True].modules() if isinstance(m, LoraLinearGroup)):
+        weight = group._fused[0]
+        for member, lo in zip(group.members, group.out_offsets):
+            assert member.base_layer.weight.data_ptr() == weight[lo].data_ptr()
+    for a, b in zip(base.parameters(), (p for n, p in models[True].named_parameters() if "lora" not in n)):
+        assert torch.equal(a, b)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    outs, counts = {}, {}
+    for fuse, model in models.items():
+        with torch.no_grad(), CountOps() as ops:
+            outs[fuse] = model(input_ids=input_ids, lora_ids=handles[fuse].ids(["all", None]), use_cache=False).logits
+        counts[fuse] = gemms(ops.counts)
+        with torch.no_grad():
+            outs[fuse, "plain"] = model(input_ids=input_ids, use_cache=False).logits
+    assert counts[False] - counts[True] == 2 * (2 + 1)  # per layer: q/k/v 3 -> 1, gate/up 2 -> 1
+    assert rel_err(outs[True], outs[False]) < 1e-6
+    with torch.no_grad():
+        assert rel_err(outs[True, "plain"], base(input_ids=input_ids, use_cache=False).logits) < 1e-6
+
+
+def test_siblings_of_different_bias_are_not_fused_and_fused_ones_stay_exact_on_other_inputs():
+    class Mixed(CrossAttention):
+        def __init__(self):
+            super().__init__()
+            self.k = nn.Linear(16, 8, bias=False)
+
+    torch.manual_seed(0)
+    mixed = Mixed().eval()
+    assert lorakit.patch(mixed, max_loras=2).fuse_sibling_gemms() == 0
+    model = CrossAttention().eval()
+    reference = copy.deepcopy(model)
+    handle = lorakit.patch(model, max_loras=2)
+    assert handle.fuse_sibling_gemms() == 1
+    x, memory = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    with torch.no_grad():
+        assert rel_err(model(x, memory), reference(x, memory)) < 1e-6
+        assert rel_err(model(x, memory, lora_ids=handle.ids([None, None])), reference(x, memory)) < 1e-6

@@ -21,6 +21,8 @@ bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs
 adapter tokens (every id -1: base-model traffic) runs with no LoRA kernel at all (``ops.no_adapter_tokens``):
 eagerly, or in its decode bucket's base twin, a second graph captured with the LoRA ops silenced (mixed buckets
 have none: a mixed step of base requests alone is rare in multi-LoRA traffic, and each twin costs a capture).
+The runner owns its model, so it fuses the base GEMMs of sibling projections (q/k/v, gate/up: one GEMM over weights
+moved into one buffer per group, ``LoraHandle.fuse_sibling_gemms``).
 Graphs are captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
 buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
 mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
@@ -195,6 +197,9 @@ class ModelRunner:
     # Decode buckets get base twins (see the module docstring); False: base steps replay the full graphs and run
     # their LoRA kernels, as before twins (benchmarks compare both in one run).
     BASE_TWINS = True
+    # The runner owns its model: sibling projections (q/k/v, gate/up) run one fused base GEMM (handle.fuse_sibling_gemms)
+    # where their layers allow; False keeps one GEMM per projection (benchmarks compare).
+    FUSE_SIBLINGS = True
 
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -215,6 +220,7 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
         self.kv_bytes = 2 * layers * self.k_caches[0].nbytes
         model.set_attn_implementation(ATTENTION_NAME)
+        self.fused_groups = handle.fuse_sibling_gemms() if self.FUSE_SIBLINGS else 0
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = graph_buckets(graph_sizes, max_num_seqs)
         self.token_sizes = token_buckets(graph_token_sizes, max_num_batched_tokens)

@@ -28,6 +28,7 @@ from lorakit.layers.adapter import (
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
+from lorakit.layers.linear import LoraLinearGroup
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tp import check_vocab_parallel, full_features
@@ -199,6 +200,12 @@ class LoraHandle:
             yield ids
         finally:
             self._ctx.default_ids = previous
+
+    def fuse_sibling_gemms(self) -> int:
+        """Fuse the base GEMMs of every group of sibling projections that allows it (``LoraLinearGroup.fuse_base``:
+        the weights move into one buffer per group; call it on a model that stays on its device). Returns how many
+        groups are fused."""
+        return sum(store.fuse_base() for store in self._stores.values() if isinstance(store, LoraLinearGroup))
 
     # Sizes.
 

@@ -4,7 +4,9 @@ included) and transformers' GPT-2 ``Conv1D``.
 A module alone is a ``LoraLinear``. Sibling modules that read the same input (q/k/v, gate/up: found by
 ``patch`` from one traced forward) become ``LoraLinearMember``s of one ``LoraLinearGroup``: the first
 member called runs every sibling's base layer on the input, then one shrink and one expand add all the
-deltas; the others return their output from that. Base layers are always called unchanged.
+deltas; the others return their output from that. Base layers are called unchanged, unless the group's siblings
+were fused (``LoraLinearGroup.fuse_base``, which the engine's runner does): then one GEMM over their weights, kept
+in one buffer, gives every sibling's output as a column view of one result.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lorakit.layers.context import LoraContext
@@ -158,15 +161,46 @@ class LoraLinearGroup(_LinearSlots):
         self.members: list[LoraLinearMember] = []  # a plain list: the members live in the model tree
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] | None = None
+        self._fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # every sibling's weight, bias (fuse_base)
         ctx.on_reset(self.reset)
 
     def reset(self) -> None:
         self._input, self._outputs = None, None
 
+    def fuse_base(self) -> bool:
+        """Put the siblings' weights (and biases) into one buffer, each member's parameter a view of its rows, so that
+        ``outputs`` runs one GEMM for all of them instead of one each: at decode, the small k and v GEMMs of GQA cost
+        a launch and a split-K reduction each. The values do not change, and a member called alone still runs its own
+        base layer. Only plain ``nn.Linear`` siblings of one dtype and device, all with or all without a bias; for a
+        model that stays where it is (``Module.to`` would copy the views apart and leave the buffer behind: the
+        engine's runner, which owns its model, fuses). Returns whether the group is fused."""
+        if self._fused is not None:
+            return True
+        layers = [member.base_layer for member in self.members]
+        first = layers[0].weight
+        if (any(type(m) is not nn.Linear for m in layers) or first.device.type == "meta"
+                or any(m.weight.dtype != first.dtype or m.weight.device != first.device for m in layers)
+                or len({m.bias is None for m in layers}) != 1):
+            return False
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in layers])
+            bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+        for m, lo, hi in zip(layers, self.out_offsets, self.out_offsets[1:]):
+            m.weight = nn.Parameter(weight[lo:hi], requires_grad=m.weight.requires_grad)
+            if bias is not None:
+                m.bias = nn.Parameter(bias[lo:hi], requires_grad=m.bias.requires_grad)
+        self._fused = weight, bias
+        return True
+
     def outputs(self, x: torch.Tensor, meta) -> list[torch.Tensor]:
-        """Every member's output for input x: base layers, then one shrink and one expand for all."""
+        """Every member's output for input x: base layers (or the fused GEMM), then (given a meta) one shrink and one
+        expand for all."""
         if self._input is not x:
-            outputs = self.with_delta(lambda: [member.base_layer(x) for member in self.members], x, meta)
+            if self._fused is None:
+                base = lambda: [member.base_layer(x) for member in self.members]  # noqa: E731
+            else:
+                base = lambda: list(F.linear(x, *self._fused).split(self.out_sizes, dim=-1))  # noqa: E731
+            outputs = base() if meta is None else self.with_delta(base, x, meta)
             self._input, self._outputs = x, outputs
         return self._outputs
 
@@ -198,11 +232,11 @@ class LoraLinearMember(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         group = self.group
-        if group.r_max == 0:
-            return self.base_layer(x, *args, **kwargs)
-        meta = group.ctx.meta_for(x.shape[:-1])
-        if meta is None:
-            return self.base_layer(x, *args, **kwargs)
+        meta = group.ctx.meta_for(x.shape[:-1]) if group.r_max else None
         if args or kwargs:  # called differently from its siblings: on its own
+            if meta is None:
+                return self.base_layer(x, *args, **kwargs)
             return group.with_delta(lambda: [self.base_layer(x, *args, **kwargs)], x, meta, self.index)[0]
+        if meta is None and group._fused is None:
+            return self.base_layer(x)
         return group.outputs(x, meta)[self.index]

@@ -34,13 +34,14 @@ def num_sms(device: torch.device) -> int:
     return CPU_SMS
 
 
-# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): the kernels named in PDL_KERNELS are
-# launched so that each may start while the kernel before it finishes, and wait for it (``gdc_wait``) before their
-# first load; with PDL_TRIGGER they also let the kernel after them launch as soon as every program has waited.
-# PDL None: wherever supported; False: never (benchmarks compare both in one run). LORAKIT_PDL=0 turns it off.
+# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): a kernel named in PDL_KERNELS is
+# launched so that it may start while the kernel before it finishes, and waits for it (``gdc_wait``) before its
+# first load; the shrink lets the expand launch as soon as each of its programs has waited. By default only the
+# expand: it then starts while the shrink runs, 0.4-1.2 us sooner a call. A PDL shrink also gains ~1 us after a
+# GEMM, but after an expand it takes SMs from it: 4-22 us slower where grids are large (bench/results/
+# tune_pdl_8e49219.md). PDL None: wherever supported; False: never (benchmarks compare); LORAKIT_PDL=0: off.
 PDL: bool | None = {"0": False, "1": True}.get(os.environ.get("LORAKIT_PDL", ""))
-PDL_KERNELS = frozenset({"shrink", "expand"})
-PDL_TRIGGER = True
+PDL_KERNELS = frozenset({"expand"})
 
 
 @functools.cache

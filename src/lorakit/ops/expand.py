@@ -18,7 +18,6 @@ from lorakit.ops._checks import (
     FLOAT_DTYPES, MAX_SLICES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
     check_tensor, dot, num_sms, slice_output, use_pdl,
 )
-from lorakit.ops import _checks
 
 
 @triton.jit
@@ -81,12 +80,12 @@ def _expand_kernel(
     stride_ss, stride_si,
     stride_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # launched while the kernel before (the shrink) may still run: wait for it before the first load
+    # Launched while the kernel before (the shrink) may still run: wait for it before the first load. No early
+    # trigger for the kernel after: a PDL shrink that started beside this kernel would take its SMs.
+    if PDL:
         tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the kernel after may launch now
-        tl.extra.cuda.gdc_launch_dependents()
     # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice
     # (STORE: writes it, zeros for base tokens, so every element of the outputs is written once).
     pid_g = tl.program_id(0)
@@ -176,7 +175,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
         BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, PDL=pdl,
-        TRIGGER=use_pdl(h.device) and _checks.PDL_TRIGGER, **({"launch_pdl": True} if pdl else {}), **config,
+        **({"launch_pdl": True} if pdl else {}), **config,
     )
 
 

@@ -16,7 +16,6 @@ from lorakit.ops._checks import (
     CPU_SMS, FLOAT_DTYPES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
     check_tensor, dot, next_power_of_2, use_pdl,
 )
-from lorakit.ops import _checks
 
 
 @triton.jit
@@ -33,7 +32,7 @@ def _shrink_kernel(
 ):
     if PDL:  # launched while the kernel before may still run: wait for it
         tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the expand may launch now
+    if TRIGGER:  # the expand (launched with PDL) may start now, and wait for this kernel's end
         tl.extra.cuda.gdc_launch_dependents()
     # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
     # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
@@ -124,7 +123,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
         SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, PDL=pdl,
-        TRIGGER=use_pdl(x.device) and _checks.PDL_TRIGGER, **({"launch_pdl": True} if pdl else {}), **config,
+        TRIGGER=use_pdl(x.device, "expand"), **({"launch_pdl": True} if pdl else {}), **config,
     )
     return h
 
