@@ -4,8 +4,8 @@ For batch 1, 16 and 64, each request a 128-token prompt then ``--decode`` greedy
 8 and 32 distinct rank-16 adapters on all 7 projections (requests spread evenly over them); ranks mixed in
 8..64; and, as the baseline users have today, transformers + PEFT ``generate`` with ``adapter_names=``.
 With ``--compile``, the compiled rows also take three switches off against the defaults, in the same run: the base
-twins of the decode graphs (base steps run their empty LoRA kernels), programmatic dependent launch, and the delta
-after the GEMM (it runs beside it).
+twins of the decode graphs (base steps replay the graphs with their empty LoRA kernels, in the base engine), the
+fused sibling GEMMs (q/k/v and gate/up: one GEMM per projection), and programmatic dependent launch.
 Decode steps only are timed (prefill excluded), wall clock per step (each step ends by reading the sampled
 tokens). Roofline per row: (weight bytes + KV bytes read per step + the used adapters' bytes) / the copy
 bandwidth measured in the same run.
@@ -48,17 +48,17 @@ def adapter_bytes(model, rank: int) -> int:
 
 
 @contextlib.contextmanager
-def compiled_settings(overlap: int | None = None, pdl: bool | None = None, twins: bool = True):
+def compiled_settings(overlap: int | None = None, pdl: bool | None = None, fuse: bool = True):
     """A compiled case's switches, restored after: the LoRA delta beside the GEMM for inputs of up to ``overlap``
-    tokens, programmatic dependent launch (``pdl=False``: off), base twins of the decode graphs."""
-    saved = linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.BASE_TWINS
+    tokens, programmatic dependent launch (``pdl=False``: off), fused sibling GEMMs (``fuse=False``: one each)."""
+    saved = linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.FUSE_SIBLINGS
     linear.OVERLAP_MAX_TOKENS = saved[0] if overlap is None else overlap
     _checks.PDL = saved[1] if pdl is None else pdl
-    ModelRunner.BASE_TWINS = twins
+    ModelRunner.FUSE_SIBLINGS = fuse
     try:
         yield
     finally:
-        linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.BASE_TWINS = saved
+        linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.FUSE_SIBLINGS = saved
 
 
 def run_engine(engine: Engine, batch: int, names: list, decode: int, vocab: int, sync) -> dict:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="batch 64 only")
     p.add_argument("--compile", action="store_true",
                    help="also compiled: base, 8 and 32 adapters at every batch; base at batch 1 and 64 without base "
-                        "twins; 8 adapters at batch 64 without PDL and with the delta beside the base GEMM")
+                        "twins and without fused sibling GEMMs; 8 adapters at batch 64 without PDL")
     p.add_argument("--compile-only", action="store_true", help="only the compiled rows")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
@@ -164,12 +164,11 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         if args.compile:  # decode graphs captured from torch.compile (one compile per batch size)
             eight = [f"u{i}" for i in range(8)]
-            compiled = [  # label, adapters, batches (None: all), settings; the last three against the defaults
+            compiled = [  # label, adapters, batches (None: all), settings; the last two against the defaults
                 ("base", [None], None, {}), ("8 adapters, rank 16", eight, None, {}),
                 ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None, {}),
-                ("base, graphs with (empty) LoRA kernels", [None], [1, 64], dict(twins=False)),
-                ("8 adapters, rank 16, PDL off", eight, [64], dict(pdl=False)),
-                ("8 adapters, rank 16, delta beside the GEMM", eight, [64], dict(overlap=256))]
+                ("base, one GEMM per projection", [None], [1, 64], dict(fuse=False)),
+                ("8 adapters, rank 16, PDL off", eight, [64], dict(pdl=False))]
             for label, names, sizes, settings in compiled:
                 sizes = sizes or list(batches)
                 if args.quick:
@@ -184,14 +183,21 @@ def main(argv=None) -> int:
                                     adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes)
                     for batch in sizes:
                         used = names[: min(len(names), batch)]
-                        result = run_engine(engine, batch, used, args.decode, vocab, sync)
                         lora = 0 if names == [None] else len(used) * per_rank * 16
                         kv = batch * kv_per_token * (PROMPT + args.decode // 2)
                         floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
-                        rows.append(dict(what=f"lorakit compiled, {label}", batch=batch,
-                                         adapters=len(used) if lora else 0, **result, floor_ms=floor_ms,
-                                         roofline_pct=100 * floor_ms / result["step_ms"]))
-                        print(rows[-1], flush=True)
+                        # The base case also replays its steps in the graphs with LoRA kernels (no base twins), in
+                        # the same engine.
+                        twins = (True, False) if label == "base" and batch in (1, 64) else (True,)
+                        for twin in twins:
+                            engine.runner.BASE_TWINS = twin
+                            result = run_engine(engine, batch, used, args.decode, vocab, sync)
+                            what = label if twin else "base, graphs with (empty) LoRA kernels"
+                            rows.append(dict(what=f"lorakit compiled, {what}", batch=batch,
+                                             adapters=len(used) if lora else 0, **result, floor_ms=floor_ms,
+                                             roofline_pct=100 * floor_ms / result["step_ms"]))
+                            print(rows[-1], flush=True)
+                        del engine.runner.BASE_TWINS
                 engine = model = None
                 gc.collect()
                 if cuda:

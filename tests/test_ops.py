@@ -177,8 +177,10 @@ def test_eager_join_adds_every_slice_in_one_launch_interpreted(case):
 def test_no_adapter_tokens_silences_every_lora_op(monkeypatch, direct):
     """Inside ops.no_adapter_tokens() (the engine's steps of base tokens alone) the LoRA ops do nothing, on the torch
     path and on the kernels' launch path: add_lora leaves y as it was, even for adapter tokens (the caller's promise is
-    what makes that right), lora_delta is zeros; an inner no_adapter_tokens(False) does not undo an outer one, and
+    what makes that right), lora_delta is zeros; the innermost call decides, other threads are not affected, and
     outside the ops compute again."""
+    import threading
+
     from lorakit import ops
 
     if direct:
@@ -191,11 +193,17 @@ def test_no_adapter_tokens_silences_every_lora_op(monkeypatch, direct):
         add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
         return y
 
-    with ops.no_adapter_tokens(), ops.no_adapter_tokens(False):
+    with ops.no_adapter_tokens():
         assert torch.equal(run(), case.y)
         delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
         wait_lora_delta(delta, case.x, [case.y])
         assert torch.equal(delta, torch.zeros_like(delta))
-    with ops.no_adapter_tokens(False):
-        check_y(run(), case)
+        with ops.no_adapter_tokens(False):  # another engine's step inside this one's forward
+            check_y(run(), case)
+        assert torch.equal(run(), case.y)
+        got = []
+        other = threading.Thread(target=lambda: got.append(run()))
+        other.start()
+        other.join()
+        check_y(got[0], case)
     check_y(run(), case)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -63,7 +64,7 @@ def use_pdl(device: torch.device, kernel: str | None = None) -> bool:
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_NO_ADAPTER_TOKENS = False
+_STATE = threading.local()  # no_adapter_tokens' switch, per thread (an engine steps on its own thread)
 
 
 @contextlib.contextmanager
@@ -72,18 +73,19 @@ def no_adapter_tokens(on: bool = True) -> Iterator[None]:
     -1), so the ops launch and compute nothing: ``expand`` adds nothing, ``delta`` is zeros, ``shrink``'s partials
     are left unwritten (expand ignores them). The engine runs (and captures the graphs of) its steps without
     adapter tokens inside it, so base-model traffic pays no LoRA kernels. The ops read it when they run, not when
-    they are traced: one compiled forward serves both. Process-wide."""
-    global _NO_ADAPTER_TOKENS
-    before, _NO_ADAPTER_TOKENS = _NO_ADAPTER_TOKENS, bool(on) or _NO_ADAPTER_TOKENS
+    they are traced: one compiled forward serves both. It holds for the calling thread, and the innermost call
+    decides (``on=False`` inside turns the ops back on: another engine stepping inside this one's forward)."""
+    before = getattr(_STATE, "skip", False)
+    _STATE.skip = bool(on)
     try:
         yield
     finally:
-        _NO_ADAPTER_TOKENS = before
+        _STATE.skip = before
 
 
 def adapter_tokens_skipped() -> bool:
-    """True inside ``no_adapter_tokens()``: the LoRA ops do nothing."""
-    return _NO_ADAPTER_TOKENS
+    """True inside ``no_adapter_tokens()`` on this thread: the LoRA ops do nothing."""
+    return getattr(_STATE, "skip", False)
 
 
 def cdiv(n: int, d: int) -> int:
