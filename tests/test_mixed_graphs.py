@@ -212,7 +212,8 @@ def test_mixed_steps_replay_graphs_that_match_eager(tmp_path):
     """Random decode and mixed plans: each replays its bucket's graph (counters) and gives the eager logits within
     the bf16 tolerance; an adapter of a higher rank grows the slots, the graphs are recaptured and still do."""
     base, handle, runner = cuda_runner(tmp_path)
-    assert runner.graph_captures == 1 and len(runner._graphs) == len(runner.buckets) == 4 + 4
+    # every bucket, and a base twin of each of the 4 decode buckets
+    assert runner.graph_captures == 1 and len(runner.buckets) == 4 + 4 and len(runner._graphs) == 8 + 4
     assert (6, 5, False) in runner.buckets  # T = max_num_seqs: T - 1 sequences
     rng = random.Random(0)
     check_graphs_against_eager(runner, rng, 40)
