@@ -1,7 +1,8 @@
 """Programmatic dependent launch, variant by variant, on chosen bench_ops shapes (a tuning run, not a report).
 
 For each shape, ``add_lora`` alone (the bench_ops rotation: calls back to back) and the base GEMM + ``add_lora``
-(a layer, as the engine runs it), with PDL off, on the expand (the default), on both kernels, on the shrink only. Prints one line per shape and writes OUT/tune_pdl.json.
+(a layer, as the engine runs it), with PDL off, on the expand (the default), on both kernels, on the shrink only.
+Prints one line per shape and writes OUT/tune_pdl.json.
 
     PYTHONPATH=src python bench/tune_pdl.py --out DIR
 """

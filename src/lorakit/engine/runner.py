@@ -22,9 +22,8 @@ adapter tokens (every id -1: base-model traffic) runs with no LoRA kernel at all
 eagerly, or in its decode bucket's base twin, a second graph captured with the LoRA ops silenced (mixed buckets
 have none: a mixed step of base requests alone is rare in multi-LoRA traffic, and each twin costs a capture).
 The runner owns its model, so it fuses the base GEMMs of sibling projections (q/k/v, gate/up: one GEMM over weights
-moved into one buffer per group, ``LoraHandle.fuse_sibling_gemms``).
-Graphs are captured when the runner starts, largest first into one memory pool, and all again whenever the adapters' slot
-buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
+moved into one buffer per group, ``LoraHandle.fuse_sibling_gemms``). Graphs are captured when the runner starts,
+largest first into one memory pool, and all again whenever the adapters' slot buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
 mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
 compiling the mixed buckets too (~20 s each at startup) would double the startup for the few steps it could
 speed up (not measured).
@@ -197,10 +196,9 @@ class ModelRunner:
     # Decode buckets get base twins (see the module docstring); False: base steps replay the full graphs and run
     # their LoRA kernels, as before twins (benchmarks compare both in one run).
     BASE_TWINS = True
-    # The runner owns its model: sibling projections (q/k/v, gate/up) run one fused base GEMM (handle.fuse_sibling_gemms)
-    # where their layers allow; False keeps one GEMM per projection (benchmarks compare).
+    # The runner owns its model: sibling projections (q/k/v, gate/up) run one fused base GEMM
+    # (handle.fuse_sibling_gemms) where their layers allow; False keeps one GEMM per projection (benchmarks compare).
     FUSE_SIBLINGS = True
-
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
@@ -557,7 +555,7 @@ class ModelRunner:
                     self._graphs[bucket, base] = (graph, out, view)
         self._graph_layout = self.handle.slots.layout_version
         self.graph_captures += 1
-        logger.info("captured %d decode graphs and their base twins (batch %d down to %d) and %d mixed graphs (%s tokens)"
-                    " in %.1f s",
+        logger.info("captured %d decode graphs and their base twins (batch %d down to %d) and %d mixed graphs "
+                    "(%s tokens) in %.1f s",
                     len(self.graph_sizes), self.graph_sizes[0], self.graph_sizes[-1], len(self.token_sizes),
                     "/".join(map(str, self.token_sizes)) or "no", time.perf_counter() - start)
