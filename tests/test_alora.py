@@ -256,3 +256,91 @@ def test_one_conversation_is_prefilled_once_for_the_base_and_every_alora(setup):
     assert got[True] == got[False]
     assert computed[True] == len(conversation) + sum(map(len, INVOCATIONS.values()))
     assert computed[False] == 3 * len(conversation) + sum(map(len, INVOCATIONS.values()))
+
+
+# The prefix cache under activated LoRAs: a block's key carries where inside it the adapter starts.
+
+def greedy_one_by_one(engine: Engine, work) -> list[list[tuple[int, float]]]:
+    """Each (prompt, adapter, max_tokens) alone, one after another (the cache, if on, keeps what each left): its
+    greedy tokens with their log-probabilities."""
+    got = []
+    for ids, adapter, max_tokens in work:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+        rid = engine.add_request(ids, params, adapter)
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                tokens += [(lp.token_id, lp.logprob) for lp in out.logprobs or []]
+        assert len(tokens) == max_tokens
+        got.append(tokens)
+    engine.blocks.check()
+    return got
+
+
+def same_answers(got, want) -> bool:
+    """The same tokens, and log-probabilities within float32 noise (KV served from the cache is the KV computed
+    again, up to summation order): a block computed by other weights moves them far more."""
+    return all([t for t, _ in g] == [t for t, _ in w] and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, w))
+               for g, w in zip(got, want, strict=True))
+
+
+def cache_engine(setup, block_size: int, cache: bool) -> Engine:
+    base, saved = setup
+    return Engine(copy.deepcopy(base), max_loras=3, max_num_seqs=4, max_num_batched_tokens=64, block_size=block_size,
+                  num_blocks=256, max_seq_len=64, prefix_cache=cache, adapters={n: a.path for n, a in saved.items()})
+
+
+def test_two_activation_points_in_one_block_never_share_its_key(setup):
+    """Issue 29's collision: A's last invocation starts at 18 and A's second block (16-31) ends with the first two
+    invocation tokens; B is A's first 32 tokens and the third, so B's invocation starts at 30. Their second blocks
+    hold the same tokens, but A's adapter computed 18-31 and B's only 30-31: B must not be served A's."""
+    x = INVOCATIONS["x"]
+    a = prompt(32, seed=3, inserts=[(18, x), (30, x[:2])])
+    b = a[:32] + x[2:] + prompt(3, seed=4)
+    assert (activation_start(a, x), activation_start(b, x)) == (18, 30)
+    work = [(a, "x", 6), (b, "x", 6)]
+    fresh = [greedy_one_by_one(cache_engine(setup, 16, False), [w])[0] for w in work]
+    engine = cache_engine(setup, 16, True)
+    cached = greedy_one_by_one(engine, work)
+    assert same_answers(cached, fresh)
+    assert engine.scheduler.prefix_stats["x"][1] == 16  # B found A's first block (the base model's) only
+
+
+@st.composite
+def alora_workloads(draw):
+    """Requests that are prefixes of one conversation of invocations and short filler runs, many ending inside an
+    invocation, some at a block's end: a longer prefix completes that invocation, which moves the activation point
+    within the block (the case a key must tell apart). On the base model, the plain LoRA or an activated LoRA, in
+    any order; and a block size."""
+    block_size = draw(st.sampled_from([2, 4, 4, 8]))
+    focus = draw(st.sampled_from(sorted(INVOCATIONS)))  # the activated LoRA most requests use
+    conversation, inside = [], []  # inside: the cuts that end an invocation short
+    for _ in range(draw(st.integers(2, 12))):
+        if draw(st.integers(0, 2)):
+            inv = INVOCATIONS[draw(st.sampled_from([focus] * 4 + sorted(INVOCATIONS)))]
+            inside += [len(conversation) + k for k in range(1, len(inv))]
+            conversation += inv
+        else:
+            conversation += prompt(draw(st.integers(1, 3)), seed=draw(st.integers(0, 10**6)))
+    top = min(len(conversation), 44)
+    cuts = st.integers(min(4, top), top)
+    inside = [c for c in inside if 4 <= c <= top]
+    aligned = [c for c in inside if c % block_size == 0]  # a block that ends inside an invocation
+    for more in (inside, aligned, aligned, aligned):
+        if more:
+            cuts = st.one_of(cuts, st.sampled_from(more))
+    adapters = st.sampled_from([None, "plain", *sorted(INVOCATIONS)] + [focus] * 4)
+    work = [(conversation[: draw(cuts)], draw(adapters), draw(st.integers(1, 4)))
+            for _ in range(draw(st.integers(2, 8)))]
+    return block_size, work
+
+
+@given(case=alora_workloads())
+@settings(max_examples=60, deadline=None)
+def test_with_the_cache_every_greedy_answer_is_the_fresh_engines(setup, case):
+    """Whatever was cached before it, a request's greedy tokens are those of a fresh engine with the cache off."""
+    block_size, work = case
+    fresh = cache_engine(setup, block_size, False)
+    want = [greedy_one_by_one(fresh, [w])[0] for w in work]
+    assert same_answers(greedy_one_by_one(cache_engine(setup, block_size, True), work), want)

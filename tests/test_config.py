@@ -21,6 +21,7 @@ from lorakit.serve import cli
     ("max_loras", 0, "max_loras must be a positive int"), ("max_rank", -1, "max_rank must be a positive int"),
     ("max_num_seqs", 0, "max_num_seqs must be an int >= 1, got 0"), ("max_seq_len", 1, "max_seq_len must be an int >= 2"),
     ("block_size", "16", "block_size must be an int >= 1, got '16'"), ("num_blocks", 0, "num_blocks must be"),
+    ("block_size", 12, "block_size must be a power of two .8, 16, 32, ...., got 12"),
     ("patience", -1, "patience must be an int >= 0"), ("cuda_graphs", 1, "cuda_graphs must be True or False"),
     ("graph_sizes", (4, 0), "graph_sizes must be positive ints"), ("cpu_budget_bytes", -5, "cpu_budget_bytes must"),
 ])

@@ -66,6 +66,8 @@ class EngineConfig:
         PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), 1)
+        if self.block_size & (self.block_size - 1):  # the attention kernels index a block by shifts and masks
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
         if self.max_seq_len is not None:
             _check_int("max_seq_len", self.max_seq_len, 2)
         if self.max_prefill_tokens is not None:

@@ -10,7 +10,9 @@ never its name. A request admitted later with the same tokens under the same wei
 starts after them. Since the key names the weights' content, a hot-swap or a re-registration under the same name
 cannot reach the old version's blocks: its content hash differs, so its keys do. Tokens before an activated
 LoRA's invocation run as the base model, so their blocks are keyed as the base model's, and the base and every
-aLoRA adapter share them.
+aLoRA adapter share them. The block an invocation starts inside is computed partly by each, so its "who" is the
+adapter's hash with the offset the adapter starts at: two prompts with the same tokens and different activation
+points never share it, nor (the key being a chain) any block after it.
 
 A registered block nobody holds keeps its contents until a new block is needed and no unregistered free block is
 left; then the least recently released one is evicted (a chain's later blocks go before its earlier ones).

@@ -244,10 +244,15 @@ class Scheduler:
             prefill -= n
 
     def _who(self, request: Request, block: int) -> bytes:
-        """Whose weights compute the keys and values of ``request``'s ``block``: its adapter's, or the base model's
-        (the base's requests, and the blocks wholly before an activated LoRA's invocation)."""
-        if request.adapter_key is None or (block + 1) * self.blocks.block_size <= request.lora_start:
+        """Whose weights compute the keys and values of ``request``'s ``block``: the base model's (the base's
+        requests, and the blocks wholly before an activated LoRA's invocation), its adapter's, or, for the block an
+        invocation starts inside, its adapter's from that offset on (the same tokens activated at another position
+        have other keys and values, and so another key)."""
+        size, start = self.blocks.block_size, request.lora_start
+        if request.adapter_key is None or (block + 1) * size <= start:
             return BASE
+        if block * size < start:
+            return request.adapter_key + b"@" + (start - block * size).to_bytes(4, "little")
         return request.adapter_key
 
     def _prefix_keys(self, request: Request) -> list[bytes]:
