@@ -15,6 +15,11 @@ __all__ = ["IncrementalDetokenizer"]
 # Prompt tokens decoded ahead of the output, so tokenizers that render a token by its left neighbour
 # (SentencePiece's leading space) give the output's first token its in-context text (as vLLM does).
 _PROMPT_CONTEXT = 5
+# A UTF-8 character has at most 4 bytes and a token at least one: a character that began more than 3 tokens ago
+# and is still not complete never will be (its "\ufffd" is final). Once this many tokens wait behind a "\ufffd",
+# the window moves past all but the last few, so the cost of a token never grows with the output.
+_MAX_PENDING = 8
+_UTF8_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -31,6 +36,10 @@ class IncrementalDetokenizer:
     Decoding follows vLLM: ``tokenizer.decode(ids, skip_special_tokens=True)`` of a short window of recent
     tokens, diffed against the decode of the window without the newest ones; the window moves on once its
     text no longer ends in "\\ufffd", and until then the text before the trailing "\\ufffd" is already final.
+    Bytes that never become a character (tokens that each end in an incomplete sequence, say) would keep the
+    window from moving; after ``_MAX_PENDING`` such tokens it moves to a cut that splits no character, and the
+    "\\ufffd" before it are emitted as final (as ``decode`` of the whole output shows them). Each token costs a
+    bounded number of decodes of a bounded window, whatever the bytes.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
@@ -101,8 +110,32 @@ class IncrementalDetokenizer:
         if complete and len(full_text) > len(prefix_text):
             del self._window[: self._read]
             self._read, self._taken = len(self._window), 0
-        else:
-            self._taken = max(self._taken, len(ready))
+            return delta
+        self._taken = max(self._taken, len(ready))
+        if len(self._window) - self._read > _MAX_PENDING:
+            delta += self._move_past_final(prefix_text, full_text)
+        return delta
+
+    def _move_past_final(self, prefix_text: str, full_text: str) -> str:
+        """Move the window's start to a cut ``k`` at least ``_UTF8_TOKENS`` tokens back whose text is a prefix of
+        the window's (no character spans the cut, so any "\\ufffd" before it is final); return the text before
+        the cut not taken yet."""
+        window, read = self._window, self._read
+        for k in range(len(window) - _UTF8_TOKENS, read, -1):
+            head = self._decode(window[:k])
+            if len(head) > len(prefix_text) and full_text.startswith(head):
+                break
+        else:  # no clean cut (a decoder that is not byte-wise): wait, unless the window keeps growing
+            if len(window) - read <= 8 * _MAX_PENDING:
+                return ""
+            k = len(window) - _UTF8_TOKENS
+            head = self._decode(window[:k])
+        final = head[len(prefix_text):]
+        delta = final[self._taken:]
+        self._taken = max(0, self._taken - len(final))
+        keep = min(k, _PROMPT_CONTEXT)  # tokens before the cut, decoded as context from now on
+        del window[: k - keep]
+        self._read = keep
         return delta
 
     def _find_stop_string(self) -> int | None:
