@@ -129,13 +129,17 @@ class InProcessClient:
 def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps: int = 0,
                  step_seconds: float = 0.0) -> EngineStats:
     """An engine's stats, read without a lock (plain ints and copies of dicts); the step counters from
-    ``async_engine`` when given."""
+    ``async_engine`` when given. Per-adapter figures only for the adapters registered now (and the base model):
+    their number is bounded by those, however many came and went."""
     if async_engine is not None:
         steps, step_seconds = async_engine.steps, async_engine.step_seconds
     pool = engine.pool
-    prefix = {name or "": list(counts) for name, counts in engine.scheduler.prefix_stats.copy().items()}
+    residency = pool.residency()
+    prefix = {name or "": list(counts) for name, counts in engine.scheduler.prefix_stats.copy().items()
+              if name is None or name in residency}
+    loads, evictions = ({k: v for k, v in counts.copy().items() if k in residency}
+                        for counts in (pool.stats.loads_by_adapter, pool.stats.evictions_by_adapter))
     return EngineStats(os.getpid(), len(engine.scheduler.running), len(engine.scheduler.waiting), steps,
-                       step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)),
-                       dict(pool.stats.loads_by_adapter), dict(pool.stats.evictions_by_adapter), pool.residency(),
+                       step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)), loads, evictions, residency,
                        {k: v[0] for k, v in prefix.items()}, {k: v[1] for k, v in prefix.items()},
                        engine.blocks.num_cached, engine.blocks.evictions)

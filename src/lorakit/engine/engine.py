@@ -581,6 +581,7 @@ class Engine:
         (finish_reason "error", not an empty "abort")."""
         self.pool.unregister(name)
         self._forget_tokenizers(name)
+        self.scheduler.prefix_stats.pop(name, None)
         for request in [r for r in self.scheduler.waiting if r.adapter == name]:
             self.scheduler.abort(request)
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "

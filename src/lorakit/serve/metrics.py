@@ -4,6 +4,10 @@ Every HTTP response is counted once, by ``CountResponses`` at the ASGI level, wh
 FastAPI's validation, the API-key check, the router's 404 and 405), under the route's path template or
 "unmatched". Generation is counted per adapter (the base model under its served name) by ``Metrics.request``.
 Adapter loads, evictions and residency, and the engine's gauges, are read when scraped, without a lock.
+
+The series are bounded by the adapters registered now: an adapter's series go when it is unregistered
+(``Metrics.prune``, at each unregister and each scrape), and a scrape shows no series of an adapter that is gone
+(with several API server processes, whose values live in files, they are left out of the answer).
 """
 
 from __future__ import annotations
@@ -52,20 +56,57 @@ class Metrics:
                                    buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5))
         self._engine = _EngineCollector(engine, base_label)
         r.register(self._engine)
+        self._client, self._base_label = engine, base_label
+        self._series: dict[str, set[tuple]] = {}  # adapter label -> the (metric, label values) made for it
 
     def request(self, adapter: str) -> RequestMetrics:
         """The metrics of one generation request for ``adapter`` (the label), its clock started now."""
         return RequestMetrics(self, adapter)
 
+    def labels(self, metric, *values: str):
+        """``metric.labels(*values)``, remembered under its adapter label (the last value but for ``finished``,
+        whose adapter comes first) so ``prune`` can remove it."""
+        adapter = values[0] if metric is self.finished else values[-1]
+        self._series.setdefault(adapter, set()).add((metric, values))
+        return metric.labels(*values)
+
+    def live(self) -> set[str]:
+        """The adapter labels that may have series: the registered adapters and the base model."""
+        return {*self._client.adapters, self._base_label}
+
+    def prune(self) -> None:
+        """Remove the series of every adapter label that is no longer registered."""
+        live = self.live()
+        for adapter in [a for a in self._series if a not in live]:
+            for metric, values in self._series.pop(adapter):
+                try:
+                    metric.remove(*values)
+                except KeyError:
+                    pass
+
     def render(self) -> bytes:
         """The series in Prometheus' text format; with several API server processes (``multiprocess``), every
         process's counters and histograms added up, and the engine's gauges once."""
+        self.prune()
         if not os.environ.get(MULTIPROCESS_ENV):
             return prom.generate_latest(self.registry)
         registry = prom.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        registry.register(self._engine)
-        return prom.generate_latest(registry)
+        return prom.generate_latest(_Only(registry, self._engine, self.live()))
+
+
+class _Only:
+    """A registry's families, and ``extra``'s, without the samples of adapters outside ``live`` (other processes'
+    series, kept in their files, of adapters unregistered since)."""
+
+    def __init__(self, registry, extra, live: set[str]):
+        self.registry, self.extra, self.live = registry, extra, live
+
+    def collect(self):
+        for family in (*self.registry.collect(), *self.extra.collect()):
+            family.samples = [s for s in family.samples if s.labels.get("adapter", self.live) in self.live or
+                              "adapter" not in s.labels]
+            yield family
 
 
 class RequestMetrics:
@@ -74,8 +115,9 @@ class RequestMetrics:
 
     def __init__(self, metrics: Metrics, adapter: str):
         self._metrics, self._adapter = metrics, adapter  # an adapter's series all appear at its first request
-        self._ttft, self._tpot = metrics.ttft.labels(adapter), metrics.tpot.labels(adapter)
-        self._prompt, self._generated = (metrics.tokens.labels(kind, adapter) for kind in ("prompt", "generation"))
+        self._ttft, self._tpot = metrics.labels(metrics.ttft, adapter), metrics.labels(metrics.tpot, adapter)
+        self._prompt, self._generated = (metrics.labels(metrics.tokens, kind, adapter)
+                                         for kind in ("prompt", "generation"))
         self._last = time.monotonic()
         self._first = True
         self._finish_reason: str | None = None
@@ -100,7 +142,7 @@ class RequestMetrics:
 
     def __exit__(self, kind, error, traceback) -> None:
         reason = self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort"
-        self._metrics.finished.labels(self._adapter, reason or "abort").inc()
+        self._metrics.labels(self._metrics.finished, self._adapter, reason or "abort").inc()
 
 
 class _EngineCollector:

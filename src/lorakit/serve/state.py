@@ -216,6 +216,7 @@ class ServerState:
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.unregister_adapter(name)
+        self.metrics.prune()  # its series go with it
 
     async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                        ) -> AsyncIterator[RequestOutput]:
