@@ -4,6 +4,7 @@ in-process, and is refused (a 400 in OpenAI's shape, before anything is queued) 
 the bystanders keep their solo text and never wait 2 s for a chunk. A grammar is compiled once per request, whatever
 its prompts x n, and what is logged about one is bounded."""
 
+import asyncio
 import concurrent.futures
 import copy
 import functools
@@ -313,3 +314,24 @@ def test_what_is_logged_about_a_grammar_is_bounded(world, caplog):
     with pytest.raises(ValueError) as refused:  # a bad 100 kB regex: the message quotes at most 300 characters of it
         engine.add_request([1], SamplingParams(structured_output=StructuredOutput(regex="(" + "ab" * 50000)))
     assert len(str(refused.value)) < 500
+
+
+def test_a_waiter_that_leaves_does_not_cancel_the_compile_for_the_others(world):
+    """Two requests wait for the same grammar; the client of one leaves (its coroutine is cancelled): the compile
+    goes on, the other gets the grammar, and the worker keeps serving compiles."""
+    _, tokenizer, _, _ = world
+    grammars = structured.Grammars(tokenizer.eos_token_id)
+    spec = StructuredOutput.json_schema(props(1500, required=True))
+
+    async def both():
+        pending = grammars.compile(spec, tokenizer, len(tokenizer))
+        leaving = asyncio.ensure_future(pending.wait_async())
+        staying = asyncio.ensure_future(grammars.compile(spec, tokenizer, len(tokenizer)).wait_async())
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        return await staying, pending
+
+    grammar, pending = asyncio.run(both())
+    assert grammar.constraint().error is None and not pending.future.cancelled() and grammars.compiles == 1
+    grammars.constraint(StructuredOutput(regex="[a-z]+"), tokenizer, len(tokenizer))  # the workers still serve
+    assert grammars.compiles == 2

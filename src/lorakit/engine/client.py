@@ -9,7 +9,8 @@ which one it holds.
 The client answers lookups at once, from the caller's thread (registered adapters, a tokenizer, the context),
 and everything that changes the engine (a request, an abort, a load, an unload) goes to the engine's own thread
 or process. ``compile_grammar`` has a request's structured-output grammar compiled by the engine's grammar workers
-(never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400. ``stats()`` is what the metrics read: plain numbers, as of the last step.
+(never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400.
+``stats()`` is what the metrics read: plain numbers, as of the last step.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ the core sends each step's outputs to the servers they belong to; a call's reply
 registered or unregistered through one server is announced to the others (``Adapters``). The first server starts
 the core (``launch``), the others ``attach`` to it.
 
+A request's grammar (structured output) is compiled in the core, by the engine's grammar worker threads, while it
+keeps stepping: the server asks for it first (a "grammar" call, answered once it compiled or with why it is refused)
+and only then sends the request's Adds, which find it compiled (one compile for all of a request's prompts and
+samples, each sequence a copy of its matcher); an Add whose grammar is still compiling waits outside the scheduler.
+Decoding an Add checks a grammar's shape only, not the grammar again.
+
 The core is built in the child from a picklable factory (``functools.partial`` of a module-level function that
 returns an ``Engine``), and reports ``Ready`` (the facts the client answers lookups with) or ``Failed``. Adapter
 folders are read on a worker thread of the core while it keeps stepping, then installed between steps.
@@ -325,6 +331,8 @@ class _Core:
                           message.server)
             elif error is not None:
                 self.pending.append(Out(message.request_id, [], "error", len(message.prompt_ids), 0, error=error))
+            elif grammar.tokenizer is not self.engine.tokenizer_for(message.adapter):  # hot-swapped meanwhile
+                self.compiling.append((message, self.engine.grammar(message.params.structured_output, message.adapter)))
             else:
                 self.add(message, grammar)
 

@@ -175,14 +175,16 @@ class Pending:
         return self.result()
 
     async def wait_async(self) -> Grammar:
-        """As ``wait``, awaited: the event loop and its thread are free meanwhile."""
-        wrapped = asyncio.wrap_future(self.future)
+        """As ``wait``, awaited: the event loop and its thread are free meanwhile. (Not ``asyncio.wrap_future``: a
+        waiter that gives up would cancel the future every other waiter shares.)"""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake(_) -> None:  # on the worker; a loop closed meanwhile raises, which the future logs and drops
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+        self.future.add_done_callback(wake)
         while not self.done():
-            await asyncio.wait({wrapped}, timeout=self._left())
-        if not wrapped.done():
-            wrapped.cancel()  # only this wrapper: the shared future is untouched
-        elif not wrapped.cancelled():
-            wrapped.exception()  # retrieved, or asyncio would log the refusal as never read
+            await asyncio.wait({woken}, timeout=self._left())
         return self.result()
 
 
@@ -205,7 +207,11 @@ class Workers:
 
     def _run(self) -> None:
         while True:
-            self._queue.get()()
+            work = self._queue.get()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - a bug in one piece of work must not stop the worker
+                logger.exception("a %s worker's work failed", self._name)
 
 
 def unpack_mask(packed: Tensor, vocab_size: int) -> Tensor:

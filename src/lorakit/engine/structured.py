@@ -63,7 +63,8 @@ class StructuredOutput:
         if self.choice is not None:
             choice = tuple(self.choice)
             if not choice or not all(isinstance(c, str) and c for c in choice):
-                raise ValueError(f"StructuredOutput.choice must be a non-empty list of non-empty strings, got {choice!r}")
+                raise ValueError(f"StructuredOutput.choice must be a non-empty list of non-empty strings, got "
+                                 f"{bounded(repr(choice), 100)}")
             object.__setattr__(self, "choice", choice)
         for name in ("json", "regex", "lark"):
             value = getattr(self, name)
