@@ -127,7 +127,7 @@ def test_bad_values_are_refused_by_name(world):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(structured_output=StructuredOutput(regex="a+"), ignore_eos=True)
-    for kw in (dict(regex="(a"), dict(json='{"type": "nonsense"}'), dict(choice=()), dict(regex="a", lark="x")):
+    for kw in (dict(choice=()), dict(regex="a", lark="x"), dict(regex=5)):  # the shape: checked when made
         with pytest.raises(ValueError):
             StructuredOutput(**kw)
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -135,6 +135,9 @@ def test_bad_values_are_refused_by_name(world):
     llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, block_size=4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.engine.add_request([1, 2], SamplingParams(logit_bias={len(tokenizer) + 5: 1.0}))
+    for kw, what in ((dict(regex="(a"), "unclosed group"), (dict(json='{"type": "nonsense"}'), "nonsense")):
+        with pytest.raises(ValueError, match=what):  # the grammar: checked when compiled, before it is queued
+            llm.engine.add_request([1, 2], SamplingParams(structured_output=StructuredOutput(**kw)))
     assert not llm.engine.has_unfinished()
 
 

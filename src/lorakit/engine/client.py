@@ -8,7 +8,9 @@ which one it holds.
 
 The client answers lookups at once, from the caller's thread (registered adapters, a tokenizer, the context),
 and everything that changes the engine (a request, an abort, a load, an unload) goes to the engine's own thread
-or process. ``stats()`` is what the metrics read: plain numbers, as of the last step.
+or process. ``compile_grammar`` has a request's structured-output grammar compiled by the engine's grammar workers
+(never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400.
+``stats()`` is what the metrics read: plain numbers, as of the last step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Protocol
 
 from lorakit.engine.engine import AsyncEngine, Engine, RequestOutput
 from lorakit.engine.sampling import SamplingParams
+from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["EngineClient", "EngineStats", "InProcessClient"]
 
@@ -68,6 +71,8 @@ class EngineClient(Protocol):
 
     def stop(self) -> None: ...
 
+    async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None: ...  # ValueError: refused
+
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                  ) -> AsyncIterator[RequestOutput]: ...
 
@@ -109,6 +114,9 @@ class InProcessClient:
     def stop(self) -> None:
         if self.async_engine is not None:
             self.async_engine.shutdown()
+
+    async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None:
+        await self.engine.grammar(spec, adapter).wait_async()  # on the engine's grammar workers, not its thread
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[RequestOutput]:
         return self.async_engine.generate(prompt, params, adapter)

@@ -9,9 +9,11 @@ one full request) are the engine's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from lorakit.engine.pool import CPU_BUDGET_BYTES
+from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 
 
@@ -59,6 +61,12 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "processes (one per GPU; gloo processes on the CPU) the model is split "
                                      "over, Megatron-style; the scheduler and adapter pool run in the first",
                                      "--tensor-parallel-size", "N")
+    max_grammar_bytes: int = _opt(MAX_GRAMMAR_BYTES, "the largest structured-output grammar (a JSON schema, regex, "
+                                  "choices or Lark grammar), in bytes; larger ones are refused (400) before they are "
+                                  "compiled", "--max-grammar-bytes", "N")
+    max_grammar_seconds: float = _opt(MAX_GRAMMAR_SECONDS, "the longest a structured-output grammar may take to "
+                                      "compile (on a worker thread, while the engine steps); slower ones are refused "
+                                      "(400)", "--max-grammar-seconds", "S")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict")
 
@@ -76,6 +84,12 @@ class EngineConfig:
             _check_int("num_blocks", self.num_blocks, 1)
         _check_int("patience", self.patience, 0)
         _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
+        _check_int("max_grammar_bytes", self.max_grammar_bytes, 1)
+        seconds = self.max_grammar_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds)
+                                                                                      and seconds > 0):
+            raise ValueError(f"max_grammar_seconds must be a number of seconds > 0, got {seconds!r}")
+        object.__setattr__(self, "max_grammar_seconds", float(seconds))
         for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

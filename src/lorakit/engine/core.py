@@ -21,6 +21,12 @@ the core sends each step's outputs to the servers they belong to; a call's reply
 registered or unregistered through one server is announced to the others (``Adapters``). The first server starts
 the core (``launch``), the others ``attach`` to it.
 
+A request's grammar (structured output) is compiled in the core, by the engine's grammar worker threads, while it
+keeps stepping: the server asks for it first (a "grammar" call, answered once it compiled or with why it is refused)
+and only then sends the request's Adds, which find it compiled (one compile for all of a request's prompts and
+samples, each sequence a copy of its matcher); an Add whose grammar is still compiling waits outside the scheduler.
+Decoding an Add checks a grammar's shape only, not the grammar again.
+
 The core is built in the child from a picklable factory (``functools.partial`` of a module-level function that
 returns an ``Engine``), and reports ``Ready`` (the facts the client answers lookups with) or ``Failed``. Adapter
 folders are read on a worker thread of the core while it keeps stepping, then installed between steps.
@@ -59,6 +65,7 @@ from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.engine import _NO_TEXT, Engine, RequestOutput, TokenLogprob, check_prompt, drain, fit_params
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.snapshot import read_tokenizer
+from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.layers.adapter import AdapterError
 
 __all__ = ["CoreClient", "EngineDead", "run_core"]
@@ -88,7 +95,8 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 class Call(msgspec.Struct, tag=True, array_like=True):
     """A call answered by a ``Reply`` to server ``server``: "register" (name, path, roots), "unregister" (name),
-    "shutdown" (seconds the running requests get to finish)."""
+    "shutdown" (seconds the running requests get to finish), "grammar" (a StructuredOutput's fields, adapter: its
+    grammar compiled, or the reason it is refused)."""
 
     call_id: int
     method: str
@@ -214,6 +222,7 @@ class _Core:
         self.decode = msgspec.msgpack.Decoder(ToCore).decode
         self.pending: list[Out] = []  # outputs that go with the next message (refused requests)
         self.reads: list[tuple[Call, concurrent.futures.Future]] = []
+        self.compiling: list[tuple[Add | Call, Pending]] = []  # requests and calls waiting for their grammars
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
         self.steps, self.step_seconds = 0, 0.0
         self.stats_at = 0.0
@@ -224,7 +233,7 @@ class _Core:
         engine, checked_parent = self.engine, time.monotonic()
         while True:
             busy = engine.has_unfinished() or self.pending
-            if self.inbox.poll(0 if busy else (5 if self.reads else IDLE_POLL_MS)):
+            if self.inbox.poll(0 if busy else (5 if self.reads or self.compiling else IDLE_POLL_MS)):
                 while True:
                     try:
                         message = self.inbox.recv(zmq.NOBLOCK)
@@ -237,6 +246,7 @@ class _Core:
                         continue
                     self.handle(message)
             self.install_reads()
+            self.admit_compiled()
             if self.deadline is not None and (not engine.has_unfinished() or time.monotonic() >= self.deadline):
                 for request_id in list(engine._requests):
                     engine.abort(request_id)
@@ -257,13 +267,23 @@ class _Core:
     def handle(self, message: ToCore) -> None:
         engine = self.engine
         if isinstance(message, Add):
-            try:
-                engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id)
-            except (ValueError, TypeError) as e:  # AdapterError too: unloaded since the client looked
-                self.pending.append(Out(message.request_id, [], "error", len(message.prompt_ids), 0, error=str(e)))
+            spec = message.params.structured_output
+            if spec is None:
+                self.add(message)
+            else:  # waits outside the scheduler while a worker compiles its grammar (at once if it is cached)
+                self.compile(message, spec, message.adapter)
         elif isinstance(message, Abort):
+            ids = set(message.request_ids)
+            self.compiling = [(m, p) for m, p in self.compiling if not (isinstance(m, Add) and m.request_id in ids)]
             for request_id in message.request_ids:
                 engine.abort(request_id)
+        elif message.method == "grammar":
+            try:
+                spec = msgspec.convert(message.args[0], StructuredOutput)
+            except (msgspec.ValidationError, ValueError) as e:
+                self.send(Reply(message.call_id, error=("ValueError", str(e))), message.server)
+            else:
+                self.compile(message, spec, message.args[1])
         elif message.method == "register":
             name, path, roots = message.args
             self.reads.append((message, self.reader.submit(engine.read_adapter, name, path, roots)))
@@ -276,6 +296,45 @@ class _Core:
             self.deadline, self.shutdown_call = time.monotonic() + float(message.args[0]), message
         else:
             self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")), message.server)
+
+    def add(self, message: Add, grammar=None) -> None:
+        try:
+            self.engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id, grammar)
+        except (ValueError, TypeError) as e:  # AdapterError too: unloaded since the client looked
+            self.pending.append(Out(message.request_id, [], "error", len(message.prompt_ids), 0, error=str(e)))
+
+    def compile(self, message: Add | Call, spec: StructuredOutput, adapter: str | None) -> None:
+        """Have ``spec`` compiled for ``adapter`` on a worker; ``message`` waits in ``compiling`` till it is."""
+        try:
+            pending = self.engine.grammar(spec, adapter)
+        except ValueError as e:
+            pending = Pending(0.0, str(e))
+        self.compiling.append((message, pending))
+        self.admit_compiled()
+
+    def admit_compiled(self) -> None:
+        """Queue the requests whose grammars are compiled, and answer the calls that asked for one; a grammar that
+        is refused (or past its budget of seconds) is the request's error, or the call's."""
+        if not any(pending.done() for _, pending in self.compiling):
+            return
+        waiting, self.compiling = self.compiling, []
+        for message, pending in waiting:
+            if not pending.done():
+                self.compiling.append((message, pending))
+                continue
+            try:
+                grammar, error = pending.result(), None
+            except ValueError as e:  # GrammarError
+                grammar, error = None, str(e)
+            if isinstance(message, Call):
+                self.send(Reply(message.call_id, error=None if error is None else ("ValueError", error)),
+                          message.server)
+            elif error is not None:
+                self.pending.append(Out(message.request_id, [], "error", len(message.prompt_ids), 0, error=error))
+            elif grammar.tokenizer is not self.engine.tokenizer_for(message.adapter):  # hot-swapped meanwhile
+                self.compiling.append((message, self.engine.grammar(message.params.structured_output, message.adapter)))
+            else:
+                self.add(message, grammar)
 
     def install_reads(self) -> None:
         """Install the adapters whose reads finished, in the order they were asked for."""
@@ -594,6 +653,12 @@ class CoreClient:
         async with contextlib.aclosing(drain(queue, abort)) as outs:  # closed (and aborted) as soon as this is
             async for out in outs:
                 yield out
+
+    async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None:
+        """Have the core compile ``spec``'s grammar for ``adapter`` (on a worker there, while it steps): returns
+        once it is compiled, and the requests that use it then find it so; ValueError naming why it is refused."""
+        await self._call("grammar", {"json": spec.json, "regex": spec.regex, "choice": spec.choice, "lark": spec.lark},
+                         adapter)
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""

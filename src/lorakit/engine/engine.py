@@ -38,7 +38,7 @@ from lorakit.engine.runner import Fill, ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.engine.snapshot import Snapshot, read_tokenizer
-from lorakit.engine.structured import Constraint, Grammars
+from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
 from lorakit.layers.adapter import AdapterError, activation_start
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch
@@ -234,7 +234,7 @@ class Engine:
         self.runner = ModelRunner(model, self.handle, **settings, mirror=mirror)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
-        self.grammars = Grammars(self.eos_token_id)
+        self.grammars = Grammars(self.eos_token_id, config.max_grammar_bytes, config.max_grammar_seconds)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._flight: _Flight | None = None  # the step queued on the device, not yet resolved (async scheduling)
@@ -270,8 +270,12 @@ class Engine:
     # Requests.
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Bad requests raise ValueError (or AdapterError) and change nothing."""
+                    adapter: str | None = None, request_id: str | None = None, grammar: Grammar | None = None) -> str:
+        """Queue a request; returns its id. Bad requests raise ValueError (or AdapterError) and change nothing.
+
+        ``grammar``: the request's structured output compiled already (``self.grammar(...)``, off this thread); a
+        request with structured output and no grammar (or one compiled for another tokenizer) is compiled here
+        first, this thread waiting (within the grammar budget)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -281,7 +285,7 @@ class Engine:
         if adapter is not None and adapter not in self.pool.adapters:
             raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
         prompt_ids = self.prompt_ids(prompt, adapter)
-        constraint = self._check_logits_params(params, adapter)
+        constraint = self._check_logits_params(params, adapter, grammar)
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
@@ -303,18 +307,27 @@ class Engine:
         start = activation_start(prompt_ids, invocation)
         return NOT_INVOKED if start is None else start
 
-    def _check_logits_params(self, params: SamplingParams, adapter: str | None) -> Constraint | None:
-        """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint."""
+    def _check_logits_params(self, params: SamplingParams, adapter: str | None, grammar: Grammar | None
+                             ) -> Constraint | None:
+        """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint, a
+        copy of ``grammar``'s matcher (compiled here first when it is None or for another tokenizer)."""
         added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size and t not in added]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.structured_output is None:
             return None
+        if grammar is None or grammar.tokenizer is not self.tokenizer_for(adapter):
+            grammar = self.grammar(params.structured_output, adapter).wait()
+        return grammar.constraint()
+
+    def grammar(self, spec: StructuredOutput, adapter: str | None = None) -> Pending:
+        """``spec`` compiled for ``adapter``'s tokenizer, on a worker thread (see ``Grammars.compile``): returns at
+        once, safe from any thread; ValueError if the engine has no tokenizer."""
         tokenizer = self.tokenizer_for(adapter)
         if tokenizer is None:
             raise ValueError("structured output needs a tokenizer; give the engine one")
-        return self.grammars.constraint(params.structured_output, tokenizer, self.vocab_size)
+        return self.grammars.compile(spec, tokenizer, self.vocab_size)
 
     def tokenizer_for(self, adapter: str | None):
         """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,
@@ -691,12 +704,17 @@ class AsyncEngine:
     async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; leaving early (a client gone) aborts it. A bad request
-        raises here, before anything is yielded."""
+        raises here, before anything is yielded. Its grammar, if any, is compiled on a worker thread while this
+        coroutine waits (``Engine.grammar``): never on the engine thread."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
+        grammar = None
+        if params is not None and params.structured_output is not None:  # compiled first, off the engine thread
+            grammar = await self.engine.grammar(params.structured_output, adapter).wait_async()
+
         def add():
-            rid = self.engine.add_request(prompt, params, adapter, request_id)
+            rid = self.engine.add_request(prompt, params, adapter, request_id, grammar)
             self._streams[rid] = (loop, queue)
             return rid
 

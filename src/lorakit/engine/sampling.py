@@ -78,7 +78,8 @@ class SamplingParams:
     Every value is checked here, against the ranges the sampler's tensors hold (ValueError naming the field): counts
     and token ids are ints in [0, 2**31), ``seed`` in [0, 2**63), floats finite, ``temperature`` at most 100. So
     any SamplingParams that constructs builds a batch; the engine checks the rest against its vocabulary (logit_bias
-    ids) and context (max_tokens is cut to what fits).
+    ids) and context (max_tokens is cut to what fits), and compiles structured_output's grammar, checked here for
+    its shape only (constructing one, or decoding one from a message, never compiles anything).
     """
 
     max_tokens: int = 16

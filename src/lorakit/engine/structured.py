@@ -1,26 +1,33 @@
 """Structured output: a request's tokens constrained to a JSON schema, a regex, a list of choices or a grammar.
 
-``StructuredOutput`` says what the output must match and is checked when it is made (a bad schema or regex
-raises ValueError naming the problem). ``Grammars`` turns it into one llguidance matcher per request
-(``Constraint``) and, each step, into a packed bitmask of the tokens each constrained row may take next
-(``[B, ceil(V / 32)]`` int32, bit ``v % 32`` of word ``v // 32``); the sampler unpacks it on the device and sets the rest to -inf.
-Rows without a constraint allow every token. Matchers live on the host and advance by the sampled tokens; the
-mask is filled while the device runs the step's forward.
+``StructuredOutput`` says what the output must match; making one checks only its shape (cheap: it is built on the
+server's event loop and decoded again in the engine core). ``Grammars.compile`` compiles it for a tokenizer on a
+worker thread, within a budget of bytes and seconds, once per grammar and tokenizer (a cache), and tries it on its
+first tokens (``lorakit.engine.grammar``): whatever llguidance cannot compile or follow is refused there, before a
+request is queued. Each sequence's ``Constraint`` is a copy of the compiled matcher. Each step, ``Grammars.masks``
+turns the batch's constraints into a packed bitmask of the tokens each constrained row may take next
+(``[B, ceil(V / 32)]`` int32, bit ``v % 32`` of word ``v // 32``); the sampler unpacks it on the device and sets the
+rest to -inf. Rows without a constraint allow every token. Matchers live on the host and advance by the sampled
+tokens; the mask is filled while the device runs the step's forward.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lorakit.engine.grammar import (Constraint, Grammar, GrammarError, Pending, Workers, bounded, build_grammar,
+                                    unpack_mask)
 from lorakit.ops import cdiv
 
-__all__ = ["Constraint", "Grammars", "StructuredOutput", "unpack_mask"]
+__all__ = ["Constraint", "Grammar", "GrammarError", "Grammars", "Pending", "StructuredOutput", "unpack_mask"]
 
 logger = logging.getLogger("lorakit.structured")
 
@@ -28,12 +35,21 @@ logger = logging.getLogger("lorakit.structured")
 # otherwise emit until max_tokens (a schema's "x-guidance" options override this).
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# The budget of one grammar (EngineConfig's defaults): its source's bytes, and the seconds its compile may take. A
+# 128 KiB JSON schema is some 4,000 properties (OpenAI's structured outputs take at most 5,000); on one CPU core
+# llguidance compiles a schema of 3,000 required properties in 0.3 s, one of 8,000 optional properties in 15 s.
+MAX_GRAMMAR_BYTES = 128 * 2**10
+MAX_GRAMMAR_SECONDS = 5.0
+COMPILE_WORKERS = 2  # compiles at once: each takes a core (without the GIL), the rest wait their turn
+CACHE_SIZE = 64  # grammars kept compiled (and refusals kept), the least recently asked for out first
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of: ``json`` (a JSON schema as a JSON string; ``'{"type": "object"}'`` for any JSON object),
     ``regex``, ``choice`` (the output is one of these strings) or ``lark`` (a Lark grammar, llguidance's
-    dialect)."""
+    dialect). Made, it is checked for shape only (ValueError); whether llguidance can compile and follow the
+    grammar is checked when ``Grammars.compile`` compiles it (``GrammarError``, a ValueError)."""
 
     json: str | None = None
     regex: str | None = None
@@ -47,15 +63,25 @@ class StructuredOutput:
         if self.choice is not None:
             choice = tuple(self.choice)
             if not choice or not all(isinstance(c, str) and c for c in choice):
-                raise ValueError(f"StructuredOutput.choice must be a non-empty list of non-empty strings, got {choice!r}")
+                raise ValueError(f"StructuredOutput.choice must be a non-empty list of non-empty strings, got "
+                                 f"{bounded(repr(choice), 100)}")
             object.__setattr__(self, "choice", choice)
         for name in ("json", "regex", "lark"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"StructuredOutput.{name} must be a string, got {type(value).__name__}")
-        error = _llguidance().LLMatcher.validate_grammar(self.grammar())
-        if error:
-            raise ValueError(f"invalid {given[0]} for structured output: {error.strip()}")
+
+    @property
+    def kind(self) -> str:
+        """Which of json, regex, choice and lark it is."""
+        return next(k for k in ("json", "regex", "choice", "lark") if getattr(self, k) is not None)
+
+    @property
+    def size(self) -> int:
+        """Its source's size in bytes, as the budget counts it (choices: their bytes and one per choice)."""
+        if self.choice is not None:
+            return sum(len(c.encode()) + 1 for c in self.choice)
+        return len(getattr(self, self.kind).encode())
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | str | bool) -> StructuredOutput:
@@ -73,7 +99,7 @@ class StructuredOutput:
         return StructuredOutput(json=json.dumps(schema))
 
     def grammar(self) -> str:
-        """The constraint in llguidance's grammar format."""
+        """The constraint in llguidance's grammar format (not checked: compiling it checks it)."""
         matcher = _llguidance().LLMatcher
         if self.json is not None:
             return matcher.grammar_from_json_schema(self.json, defaults=_JSON_STYLE)
@@ -93,67 +119,75 @@ def _llguidance():
     return llguidance
 
 
-class Constraint:
-    """One request's matcher: which tokens may come next, advanced by each sampled token.
-
-    ``error`` is set, and the request must end, when the matcher fails (a grammar past llguidance's parser
-    limits, say); it never raises into the step, so no other request is touched.
-    """
-
-    def __init__(self, matcher, n_vocab: int):
-        self._matcher = matcher
-        self.words = cdiv(n_vocab, 32)  # the mask's width in int32 words, as the tokenizer's vocabulary needs
-        self._own = torch.zeros((1, self.words), dtype=torch.int32)  # scratch for a batch of another width
-        self.error: str | None = None
-
-    def fill(self, row: Tensor) -> None:
-        """Write the allowed next tokens into ``row`` (int32 words); ids past the tokenizer are never allowed."""
-        row.zero_()
-        if self.error is not None:
-            return
-        self._own.zero_()
-        self._matcher.unsafe_compute_mask_ptr(self._own.data_ptr(), self._own.nbytes)
-        if self._matcher.is_error():
-            self._fail()
-            return
-        n = min(self._own.shape[1], row.shape[0])
-        row[:n] = self._own[0, :n]
-
-    def advance(self, token_id: int) -> None:
-        """Feed the sampled token (one the mask allowed: always accepted, unless the matcher failed)."""
-        if self.error is None and not self._matcher.consume_token(token_id):
-            self._fail()
-
-    def _fail(self) -> None:
-        first = (self._matcher.get_error() or "unknown error").strip().splitlines()[0]
-        self.error = f"structured output failed: {first}"
-        logger.warning("%s\n%s", self.error, self._matcher.get_error())
-
-
 class Grammars:
-    """Makes each constrained request's ``Constraint``, and each step's packed mask for a batch.
+    """Compiles each constrained request's grammar (``compile``), and makes each step's packed mask for a batch.
 
-    The llguidance view of a tokenizer is built once per tokenizer object (one per adapter version at most).
+    ``max_bytes`` and ``max_seconds``: one grammar's budget (``--max-grammar-bytes``, ``--max-grammar-seconds``).
+    ``compile`` may be called from any thread: it looks up its cache and queues the work for a worker, which also
+    builds the llguidance view of a tokenizer the first time one is needed, once per tokenizer object (one per adapter
+    version at most). ``compiles`` counts the grammars llguidance compiled.
     """
 
-    def __init__(self, eos_token_id: int | list[int] | None):
-        self._eos = eos_token_id
+    def __init__(self, eos_token_id: int | list[int] | None, max_bytes: int = MAX_GRAMMAR_BYTES,
+                 max_seconds: float = MAX_GRAMMAR_SECONDS):
+        self._eos, self.max_bytes, self.max_seconds = eos_token_id, max_bytes, max_seconds
         self._tokenizers: dict[int, tuple[Any, Any, int]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer, n_vocab)
-        self._executor = None  # llguidance's thread pool, made at the first batch that needs it
+        self._building = threading.Lock()  # the tokenizers (held while one is built, on a worker)
+        self._cache: OrderedDict[tuple, Pending] = OrderedDict()
+        self._lock = threading.Lock()  # the cache (held for a lookup only)
+        self._workers = Workers(COMPILE_WORKERS, "lorakit-grammar")
+        self._executor = None  # llguidance's thread pool for masks, made at the first batch that needs it
+        self.compiles = 0
+
+    def compile(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Pending:
+        """``spec``'s grammar for ``tokenizer`` (the request's Hugging Face tokenizer), compiled or on its way: from
+        the cache when the same grammar was asked for the same tokenizer before (compiled, compiling, or refused),
+        else queued for a worker. Returns at once and never raises: a grammar past ``max_bytes`` comes back
+        refused already."""
+        if spec.size > self.max_bytes:
+            return Pending(self.max_seconds, f"the {spec.kind} is {spec.size} bytes; this server compiles grammars "
+                                             f"of at most {self.max_bytes} bytes (--max-grammar-bytes)")
+        key = (spec, id(tokenizer), vocab_size)
+        with self._lock:
+            pending = self._cache.get(key)
+            if pending is not None:
+                self._cache.move_to_end(key)
+                return pending
+            pending = self._cache[key] = Pending(self.max_seconds)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._workers.submit(lambda: self._run(pending, spec, tokenizer, vocab_size))
+        return pending
 
     def constraint(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Constraint:
-        """A fresh constraint for one request; ``tokenizer`` is the request's Hugging Face tokenizer."""
-        llg = _llguidance()
-        key = id(tokenizer)
-        if key not in self._tokenizers:  # the tokenizer is kept too, so its id is never reused
-            n_vocab = max(vocab_size, len(tokenizer))
-            self._tokenizers[key] = (tokenizer, llg.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=self._eos),
-                                     n_vocab)
-        _, lltok, n_vocab = self._tokenizers[key]
-        matcher = llg.LLMatcher(lltok, spec.grammar(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured output: {matcher.get_error()}")
-        return Constraint(matcher, n_vocab)
+        """A fresh constraint for one sequence, compiled first if need be (this thread waits, within the budget)."""
+        return self.compile(spec, tokenizer, vocab_size).wait().constraint()
+
+    def _run(self, pending: Pending, spec: StructuredOutput, tokenizer, vocab_size: int) -> None:
+        def build() -> Grammar:
+            llg = _llguidance()
+            lltok, n_vocab = self._lltokenizer(tokenizer, vocab_size)
+            try:
+                source = spec.grammar()
+            except ValueError as e:  # a schema that is not a JSON object
+                raise GrammarError(f"invalid {spec.kind} for structured output: {bounded(str(e))}") from None
+            with self._lock:
+                self.compiles += 1
+            return build_grammar(llg, lltok, source, spec.kind, n_vocab, tokenizer)
+        pending.run(build)
+        if pending.late():
+            logger.warning("a %s grammar of %d bytes took %.1f s to compile, past the budget of %g s: refused",
+                           spec.kind, spec.size, pending.finished - pending.started, self.max_seconds)
+
+    def _lltokenizer(self, tokenizer, vocab_size: int) -> tuple[Any, int]:
+        with self._building:
+            key = id(tokenizer)
+            if key not in self._tokenizers:  # the tokenizer is kept too, so its id is never reused
+                n_vocab = max(vocab_size, len(tokenizer))
+                lltok = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=self._eos)
+                self._tokenizers[key] = (tokenizer, lltok, n_vocab)
+            _, lltok, n_vocab = self._tokenizers[key]
+        return lltok, n_vocab
 
     def masks(self, constraints: list[Constraint | None], vocab_size: int, pin: bool) -> Tensor:
         """[B, ceil(vocab_size / 32)] int32 on the host: row b's allowed next tokens, every bit set where
@@ -177,10 +211,3 @@ class Grammars:
             if row not in done:
                 c.fill(mask[row])
         return mask
-
-
-def unpack_mask(packed: Tensor, vocab_size: int) -> Tensor:
-    """[B, W] int32 bitmask -> [B, vocab_size] bool (True: allowed), on ``packed``'s device."""
-    shifts = torch.arange(32, device=packed.device, dtype=torch.int32)
-    bits = (packed[:, :, None] >> shifts) & 1
-    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -36,6 +37,19 @@ def _int_at_least(low: int):
 
 
 _positive_int = _int_at_least(1)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+_positive_float.__name__ = "number"
 
 
 def _port(text: str) -> int:
@@ -150,7 +164,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(meta["flag"], dest=dest, action="store_true",
                            help=f"{what} (default: {'on' if default else 'off'})")
         else:
-            p.add_argument(meta["flag"], dest=f.name, type=_int_at_least(meta.get("min", 1)), default=default,
+            kind = _positive_float if isinstance(default, float) else _int_at_least(meta.get("min", 1))
+            p.add_argument(meta["flag"], dest=f.name, type=kind, default=default,
                            metavar=meta["metavar"],
                            help=meta["help"] if default is None else f"{meta['help']} (default: %(default)s)")
 

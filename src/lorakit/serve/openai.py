@@ -1,9 +1,10 @@
 """OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``: plain functions of (request body,
 ServerState) that a test can call without HTTP.
 
-A handler checks the whole request before anything runs (ApiError), tokenizing off the event loop, and returns its
-``Reply``: a coroutine that gives the response, or with ``stream`` an async iterator of chunks, and the number of
-sequences it runs (``streaming.respond`` sends either). A request's choices, ``n`` per prompt and prompt by prompt,
+A handler checks the whole request before anything runs (ApiError), tokenizing off the event loop and having the
+engine compile its grammar, if any, off every loop (once for all its prompts and samples), and returns its ``Reply``:
+a coroutine that gives the response, or with ``stream`` an async iterator of chunks, and the number of sequences it
+runs (``streaming.respond`` sends either). A request's choices, ``n`` per prompt and prompt by prompt,
 run together. The usage and logprobs blocks are built here, once.
 """
 
@@ -57,6 +58,7 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
     state.in_flight.check(len(prompts) * n)  # before the work of tokenizing
     prompts = [await state.prompt_ids(p, adapter) for p in prompts]
     params = state.sampling_params(body, prompts, default_max_tokens=16)
+    await state.body_grammar(body, params, adapter)  # compiled once for every prompt and sample
     jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
     echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
     logprobs = _Logprobs(state, adapter, len(jobs))
@@ -79,6 +81,7 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     state.in_flight.check(n)
     prompt = await state.chat_ids(messages, adapter)
     params = state.sampling_params(body, [prompt], default_max_tokens=None)
+    await state.body_grammar(body, params, adapter)  # compiled once for every sample
     logprobs = _Logprobs(state, adapter, n)
 
     def block(out: RequestOutput | Result) -> dict | None:

@@ -18,7 +18,7 @@ from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
-           "nth_sample", "samples", "sampling_params", "shown", "token_id"]
+           "nth_sample", "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_N = 16
@@ -229,15 +229,23 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
     return out
 
 
-def _structured(body: _Request) -> StructuredOutput | None:
-    given = {k: v for k, v in (("response_format", body.response_format), ("guided_json", body.guided_json),
-                               ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice))
-             if v is not None and not (k == "response_format" and v.type == "text")}
+def structured_param(body: _Request) -> str | None:
+    """The body's field that asks for structured output (a 400 for more than one), None when none does."""
+    given = [k for k, v in (("response_format", body.response_format), ("guided_json", body.guided_json),
+                            ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice))
+             if v is not None and not (k == "response_format" and v.type == "text")]
     if len(given) > 1:
         raise ApiError(400, f"give at most one of {', '.join(given)}", param=sorted(given)[1])
-    if not given:
+    return given[0] if given else None
+
+
+def _structured(body: _Request) -> StructuredOutput | None:
+    """The body's structured output, checked for shape (its grammar is checked when the engine compiles it:
+    ``ServerState.check_grammar``)."""
+    name = structured_param(body)
+    if name is None:
         return None
-    (name, value), = given.items()
+    value = getattr(body, name)
     try:
         if name == "response_format":
             if value.type == "json_object":

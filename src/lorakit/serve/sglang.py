@@ -266,6 +266,12 @@ async def generate(body: GenerateBody, state: ServerState) -> Reply:
     state.in_flight.check(len(jobs_))  # before the work of tokenizing
     for job in jobs_:
         state.check_stop(job.params.stop)
+    compiled = set()  # a prompt's n jobs share their structured output: compiled once
+    for job in jobs_:
+        spec = job.params.structured_output
+        if spec is not None and (id(spec), job.adapter) not in compiled:
+            compiled.add((id(spec), job.adapter))
+            await state.check_grammar(spec, job.adapter, "json_schema" if spec.json is not None else "regex")
     tokenized: dict[tuple[int, str | None], list[int]] = {}  # a prompt's n jobs share it: tokenized once
     for job in jobs_:
         if (id(job.prompt), job.adapter) not in tokenized:

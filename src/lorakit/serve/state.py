@@ -21,9 +21,10 @@ import jinja2
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.client import EngineClient, InProcessClient
 from lorakit.engine.core import EngineDead
+from lorakit.engine.structured import StructuredOutput
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.metrics import Metrics
-from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, sampling_params
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, sampling_params, structured_param
 from lorakit.serve.streaming import ConcurrencyLimit, interleave
 
 __all__ = ["Result", "ServeConfig", "ServerState"]
@@ -185,6 +186,25 @@ class ServerState:
         self.check_stop(stop)
         return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self.engine.max_seq_len,
                                max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
+
+    async def check_grammar(self, spec: StructuredOutput | None, adapter: str | None, param: str) -> None:
+        """Has the engine compile the request's grammar (on its grammar workers, while it steps and this loop serves
+        others) and waits for it: a grammar past the engine's budget (--max-grammar-bytes, --max-grammar-seconds)
+        or one llguidance cannot compile or follow is a 400 naming ``param``, before anything is queued. The
+        request's sequences then find it compiled: each gets a copy of its matcher."""
+        if spec is None:
+            return
+        try:
+            await self.engine.compile_grammar(spec, adapter)
+        except ValueError as e:  # GrammarError, an AdapterError
+            raise ApiError(400, f"{param}: {e}", param) from None
+        except EngineDead as e:
+            raise ApiError(503, str(e)) from None
+
+    async def body_grammar(self, body: CompletionBody | ChatBody, params: SamplingParams, adapter: str | None
+                           ) -> None:
+        """``check_grammar`` for an OpenAI body's structured output (``response_format`` or a ``guided_*``)."""
+        await self.check_grammar(params.structured_output, adapter, structured_param(body) or "response_format")
 
     def check_stop(self, stop: Sequence[str]) -> None:
         """400 for more stop strings, or longer ones, than the server's bounds."""
