@@ -197,6 +197,10 @@ class _Lingering:
     def is_closing(self) -> bool:
         return self._closing or self._transport.is_closing()
 
+    def write(self, data) -> None:
+        if not self.lingering:  # after the end of stream, a write would raise
+            self._transport.write(data)
+
     def close(self) -> None:
         transport = self._transport
         if self._closing or transport.is_closing():
@@ -281,12 +285,14 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
                     self.transport.close()  # idle: nothing to answer (a 408 might be read as the next reply)
 
         def _drop(self, status: int, reason: str, message: str) -> None:
-            """Answer (unless a response is being sent on this connection) and close."""
+            """Answer and close; abort if a response is being sent on this connection (its request ends)."""
             if self.transport.is_closing():
                 return
             if self.cycle is None or self.cycle.response_complete:
                 self.transport.write(_raw_response(status, reason, message))
-            self.transport.close()
+                self.transport.close()
+            else:
+                self.transport.abort()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded

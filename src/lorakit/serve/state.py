@@ -73,9 +73,10 @@ class ServeConfig:
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {value!r}")
         if self.max_body_bytes_in_flight is not None and self.max_body_bytes_in_flight < self.max_body_bytes:
-            raise ValueError(f"ServeConfig.max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is below "
-                             f"max_body_bytes ({self.max_body_bytes}): no body of the largest size could ever be "
-                             f"received; raise it or lower max_body_bytes")
+            raise ValueError(f"ServeConfig.max_body_bytes_in_flight (--max-body-bytes-in-flight, "
+                             f"{self.max_body_bytes_in_flight}) is below max_body_bytes (--max-body-bytes, "
+                             f"{self.max_body_bytes}): no body of the largest size could ever be received; raise the "
+                             f"first or lower the second")
         for name in ("header_timeout", "body_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
