@@ -13,7 +13,7 @@ from peft import LoraConfig
 from _peft_models import save_adapter
 from _tokenizers import bpe_tokenizer
 from lorakit.engine import LLM, Engine, SamplingParams
-from lorakit.serve import ServeConfig, create_app
+from lorakit.serve import ServeConfig, create_app, uvicorn_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -42,8 +42,10 @@ def build_world(tmp):
 
 
 class LiveServer:
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+    """``app`` served on loopback as `lorakit serve` serves it (uvicorn_config; ``http``: uvicorn's protocol class)."""
+
+    def __init__(self, app, http=None):
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, http=http, log_level="warning",
                                                     timeout_graceful_shutdown=10))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -60,13 +62,14 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start(world, adapters=("sql", "chat"), engine_options=None, **config):
+def start(world, adapters=("sql", "chat"), engine_options=None, http=None, **config):
     """A live server named "tiny" with ``adapters`` registered, two GPU slots, runtime loads from the root;
-    ``engine_options``: other EngineConfig fields (e.g. a cpu_budget_bytes that forces CPU-tier evictions)."""
+    ``engine_options``: other EngineConfig fields (e.g. a cpu_budget_bytes that forces CPU-tier evictions); ``http``:
+    uvicorn's HTTP protocol class (default: the one it picks)."""
     base, tokenizer, root, paths = world
     engine = Engine(copy.deepcopy(base), tokenizer, max_loras=2, adapters={n: paths[n] for n in adapters},
                     block_size=4, patience=4, **(engine_options or {}))
-    return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)))
+    return LiveServer(create_app(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config)), http=http)
 
 
 def reference(world, prompt, adapter, adapter_path=None, **params):

@@ -47,6 +47,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from lorakit.serve.auth import authorized
 from lorakit.serve.protocol import ApiError
 from lorakit.serve.streaming import DONE, event
 
@@ -306,7 +307,7 @@ class Router:
         body = await request.body()
         path = request.url.path
         if request.method == "POST" and path in ADMIN_PATHS:
-            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            if self.api_key is not None and not authorized(request.headers.get("authorization"), self.api_key):
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
             return _error(403, "a Ray fleet fetches adapters by name from its --lora-root folders; runtime loading "
                                "by path is off (put the adapter folder under a root and ask for it by name)")

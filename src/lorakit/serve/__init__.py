@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 from lorakit.serve.adapters import confined
 from lorakit.serve.app import create_app
+from lorakit.serve.edge import uvicorn_config
 from lorakit.serve.state import ServeConfig
 
-__all__ = ["ServeConfig", "confined", "create_app", "run_server"]
+__all__ = ["ServeConfig", "confined", "create_app", "run_server", "uvicorn_config"]
 
 
 def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, *, api_servers: int = 1,
@@ -35,7 +36,7 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
         metrics = tempfile.mkdtemp(prefix="lorakit-metrics-")
         share_across_processes(metrics)
     app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=30, log_level="info"))
+    server = uvicorn.Server(uvicorn_config(app, host, port, timeout_graceful_shutdown=30, log_level="info"))
     client = app.state.server.engine
     if hasattr(client, "on_death"):
         client.on_death = lambda: setattr(server, "should_exit", True)
@@ -78,7 +79,7 @@ def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     client = CoreClient(None, tokenizer() if tokenizer is not None else None)
     client.attach(addresses, index, core_pid)
-    server = uvicorn.Server(uvicorn.Config(create_app(client, config), timeout_graceful_shutdown=30,
+    server = uvicorn.Server(uvicorn_config(create_app(client, config), host, port, timeout_graceful_shutdown=30,
                                            log_level="warning"))
     client.on_death = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[_listen(host, port)])

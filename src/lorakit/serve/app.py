@@ -5,14 +5,14 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 it), ``GET /health``, ``GET /metrics`` (Prometheus). This file only assembles them: a route binds a path to its
 handler (openai.py, sglang.py, adapters.py: plain functions of the validated body and the ServerState), and
 ``streaming.respond`` sends the handler's reply. Whatever fails, the client gets an error in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed. A
-body larger than ``max_body_bytes`` is refused (413) before anything reads it whole or parses it.
+``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed. What
+a request may cost before its handler runs (its headers, its body, all bodies in flight, the API key) is edge.py's
+and auth.py's; a body is parsed by ``protocol.parse_body``, which refuses text no tokenizer takes.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -27,8 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lorakit
 from lorakit.engine import Engine
 from lorakit.serve import adapters, openai, sglang
+from lorakit.serve.auth import BearerAuth
+from lorakit.serve.edge import BodyGate
 from lorakit.serve.metrics import CountResponses
-from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, parse_body
 from lorakit.serve.state import ServeConfig, ServerState
 from lorakit.serve.streaming import respond
 
@@ -54,9 +56,10 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         app.add_api_route(path, endpoint, methods=[method])
     for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, error_response)
-    app.add_middleware(_BodyLimit, limit=state.config.max_body_bytes)  # inside the key check: no key, no reading
-    if state.config.api_key:
-        app.add_middleware(_BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
+    app.add_middleware(BodyGate, limit=state.config.max_body_bytes, budget=state.bodies,  # inside the key check:
+                       timeout=state.config.body_timeout)  # no key, no reading
+    if state.config.api_key is not None:
+        app.add_middleware(BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
     app.add_middleware(CountResponses, metrics=state.metrics, routes=app.router.routes)  # last: outside the key check
     return app
 
@@ -122,7 +125,9 @@ ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/ve
 async def error_response(request: Request, e: Exception) -> JSONResponse:
     """The response to whatever a route raised: an ApiError, a body that does not validate, an unknown path (404)
     or method (405), or a bug (500, its traceback logged)."""
-    if isinstance(e, RequestValidationError):
+    if isinstance(e, _BadBody):
+        e = e.error
+    elif isinstance(e, RequestValidationError):
         errors = e.errors()  # of a union: one per member; a length or value check's is the one to name
         first = next((x for x in errors if x.get("type") == "value_error"), errors[0] if errors else {})
         where = ".".join(str(p)[:100] for p in first.get("loc", ()) if p != "body" and not _member(p))[:300]
@@ -144,24 +149,19 @@ def _member(part) -> bool:
     return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
-class _BearerAuth:
-    """Requires 'Authorization: Bearer KEY' on every path but ``open_paths``. Plain ASGI, so streamed responses
-    pass straight through (a BaseHTTPMiddleware would relay every chunk through a task of its own)."""
+class _BadBody(StarletteHTTPException):
+    """A body ``parse_body`` refused: FastAPI lets an HTTPException out of its body parsing (any other error it turns
+    into "There was an error parsing the body"); ``error_response`` answers with the ApiError it carries."""
 
-    def __init__(self, app, key: str, open_paths: tuple[str, ...]):
-        self.app, self.expected, self.open_paths = app, f"Bearer {key}".encode(), open_paths
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
-                e = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-                return await JSONResponse(e.body(), e.status)(scope, receive, send)
-        await self.app(scope, receive, send)
+    def __init__(self, error: ApiError):
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 class _JsonRequest(Request):
-    """A request whose JSON body is parsed with the cyclic garbage collector paused: parsing a body of a million small
-    lists spent seconds in collections (json.loads holds the GIL: on any thread, no stream moves meanwhile)."""
+    """A request whose JSON body is parsed by ``parse_body``, with the cyclic garbage collector paused: parsing a body
+    of a million small lists spent seconds in collections (json.loads holds the GIL: on any thread, no stream moves
+    meanwhile)."""
 
     async def json(self):
         if not hasattr(self, "_json"):
@@ -169,7 +169,9 @@ class _JsonRequest(Request):
             collecting = gc.isenabled()
             gc.disable()
             try:
-                self._json = json.loads(body)
+                self._json = parse_body(body)
+            except ApiError as e:
+                raise _BadBody(e) from None
             finally:
                 if collecting:
                     gc.enable()
@@ -185,44 +187,3 @@ class _Route(APIRoute):
         async def route(request: Request):
             return await handler(_JsonRequest(request.scope, request.receive))
         return route
-
-
-class _BodyLimit:
-    """Refuses a request body larger than ``limit`` bytes with a 413: at once when its Content-Length says so, else
-    as soon as the bytes read pass it, before the app reads or parses any of it. Plain ASGI: the body is read here
-    and handed on whole; after it, ``receive`` is the server's (a disconnect still reaches the app)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            return await self._refuse(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending: nobody to answer
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        body, handed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal handed
-            if handed:
-                return await receive()
-            handed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send):
-        e = ApiError(413, f"the request body is larger than this server accepts ({self.limit} bytes, "
-                          f"--max-body-bytes)")
-        await JSONResponse(e.body(), e.status, headers={"connection": "close"})(scope, receive, send)

@@ -17,7 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorakit.layers.adapter import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
-from lorakit.serve.model import bundled_adapters, check_model, load_engine, load_tokenizer, model_folder
+from lorakit.serve.model import (bundled_adapters, check_model, load_engine, load_tokenizer, model_folder,
+                                 served_name)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -78,6 +79,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
                    help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
                         "--allow-runtime-lora (default: none)")
+    add_edge_flags(p)
 
 
 def add_ray_parser(sub) -> None:
@@ -126,8 +128,12 @@ def add_shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-                        "(default: none, no key needed)")
+                   help="require 'Authorization: Bearer KEY' (any case of 'Bearer') on every endpoint but /health and "
+                        "/metrics; every user of the machine can read it in the process table: prefer $LORAKIT_API_KEY "
+                        "or --api-key-file (default: none, no key needed)")
+    p.add_argument("--api-key-file", type=Path, metavar="PATH",
+                   help="as --api-key, the key read from this file (surrounding whitespace dropped; give one of "
+                        "$LORAKIT_API_KEY, --api-key-file, --api-key) (default: none)")
     p.add_argument("--max-tokens-limit", type=_positive_int, default=4096, metavar="N",
                    help="the largest max_tokens a request may ask for; larger ones get 400 (default: %(default)s)")
     add_bound_flags(p)
@@ -151,6 +157,24 @@ def add_bound_flags(p: argparse.ArgumentParser) -> None:
                    help="the most stop strings one request may give; more get 400 (default: %(default)s)")
     p.add_argument("--max-stop-chars", type=_positive_int, default=default["max_stop_chars"], metavar="N",
                    help="the longest stop string, in characters; longer ones get 400 (default: %(default)s)")
+
+
+def add_edge_flags(p: argparse.ArgumentParser) -> None:
+    """The bounds on what connections may cost ``lorakit serve``'s own HTTP server (edge.py): under serve-ray, Ray
+    Serve's proxy receives the requests."""
+    from lorakit.serve.state import ServeConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    p.add_argument("--max-body-bytes-in-flight", type=_positive_int, default=None, metavar="N",
+                   help="the bytes of request bodies held at once, all connections together (per API server "
+                        "process); a body that would pass it gets 503 before it is read (default: an eighth of the "
+                        "machine's memory, shared by the API server processes)")
+    p.add_argument("--header-timeout", type=_positive_float, default=default["header_timeout"], metavar="S",
+                   help="seconds a connection has to send a request's headers; later, it gets 408 and is closed "
+                        "(default: %(default)s)")
+    p.add_argument("--body-timeout", type=_positive_float, default=default["body_timeout"], metavar="S",
+                   help="seconds a request body has to arrive whole after its headers; later, 408 "
+                        "(default: %(default)s)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -183,6 +207,7 @@ def run(args) -> int:
     try:
         config = engine_config(args)
         adapters = check_options(args)
+        served = serve_config(args, served_name(args.model))
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
         raise SystemExit(f"lorakit serve: {e}") from None
 
@@ -191,7 +216,7 @@ def run(args) -> int:
 
     device = None if args.device == "auto" else args.device
     dtype = None if args.dtype == "auto" else args.dtype
-    folder, name = model_folder(args.model)
+    folder, _ = model_folder(args.model)
     build = functools.partial(load_engine, str(folder), device, dtype, config, adapters)
     try:
         if args.engine_in_process:
@@ -203,21 +228,28 @@ def run(args) -> int:
             engine.launch()  # the model loads and the graphs are captured in the core before the server listens
     except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
         raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
-    config = serve_config(args, name)
-    return run_server(engine, config, args.host, args.port, api_servers=args.api_servers,
+    return run_server(engine, served, args.host, args.port, api_servers=args.api_servers,
                       tokenizer=functools.partial(load_tokenizer, folder))
 
 
 def serve_config(args, name: str):
-    """The ServeConfig the parsed flags ask for (``name``: the model folder's)."""
+    """The ServeConfig the parsed flags ask for (``name``: the base model's unless --served-model-name); ValueError
+    for a bad API key or one given two ways, or bounds that disagree."""
     from lorakit.serve import ServeConfig
+    from lorakit.serve.auth import api_key
+    from lorakit.serve.edge import default_bytes_in_flight
 
+    edge = {name: getattr(args, name) for name in ("max_body_bytes_in_flight", "header_timeout", "body_timeout")
+            if hasattr(args, name)}  # lorakit serve's (add_edge_flags)
+    processes = getattr(args, "api_servers", 1)
+    if edge.get("max_body_bytes_in_flight", 0) is None and processes > 1:  # the default is the machine's, shared
+        edge["max_body_bytes_in_flight"] = max(default_bytes_in_flight(processes), args.max_body_bytes)
     return ServeConfig(model_name=args.served_model_name or name,
                        allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
-                       lora_roots=list(args.lora_root), api_key=args.api_key,
+                       lora_roots=list(args.lora_root), api_key=api_key(args.api_key, args.api_key_file),
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars, **edge)
 
 
 def run_ray(args) -> int:
@@ -226,13 +258,13 @@ def run_ray(args) -> int:
     try:
         config = engine_config(args)
         adapters = check_options(args)
+        served = dataclasses.asdict(serve_config(args, served_name(args.model)))
         import lorakit.ray as fleet
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise SystemExit(f"lorakit serve-ray: {e}") from None
     device = None if args.device == "auto" else args.device
-    folder, name = model_folder(args.model)
+    folder, _ = model_folder(args.model)
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    served = dataclasses.asdict(serve_config(args, name))
     served.pop("lora_roots")
     served.pop("allow_runtime_lora")
     fleet_config = fleet.FleetConfig(

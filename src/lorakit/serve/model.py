@@ -103,7 +103,12 @@ def check_model(path: str | Path | None) -> None:
 def model_folder(path: str | Path | None) -> tuple[Path, str]:
     """(folder, served name) of a transformers folder, or of the bundled default (converted once) for None."""
     check_model(path)
-    return (default_model_folder(), DEFAULT_NAME) if path is None else (Path(path), Path(path).name)
+    return (default_model_folder() if path is None else Path(path)), served_name(path)
+
+
+def served_name(path: str | Path | None) -> str:
+    """The base model's name in the API by default: its folder's, or the bundled model's (nothing is converted)."""
+    return DEFAULT_NAME if path is None else Path(path).name
 
 
 def load_tokenizer(folder: str | Path):

@@ -8,6 +8,7 @@ error type handlers raise, and ``ApiError.body()`` the one place an error takes 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -18,13 +19,13 @@ from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
-           "nth_sample", "samples", "sampling_params", "shown", "structured_param", "token_id"]
+           "nth_sample", "parse_body", "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_N = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error"}
+               408: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error"}
 
 
 def shown(value: Any, limit: int = 100) -> str:
@@ -45,6 +46,60 @@ class ApiError(Exception):
     def body(self) -> dict:
         """OpenAI's error shape, as a response body and as a stream's error event."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+# Text a tokenizer cannot take. JSON can spell a UTF-16 surrogate that is not half of a pair (\ud800), and Python's
+# json reads one, and the UTF-8 bytes of one (ED A0 80), into a str that is no Unicode text: a tokenizer (Rust), the
+# engine core's transport, a JSON response all refuse it. Found in the raw body at C speed, before parsing: a real
+# escape follows an even run of backslashes; pairs are removed first (keeping that run), then any surrogate left is
+# lone. Walking a parsed body of millions of items to look for one took seconds on the event loop.
+_PAIR = re.compile(rb"(?<!\\)((?:\\\\)*)\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_LONE = re.compile(rb"\xed[\xa0-\xbf]|(?<!\\)(?:\\\\)*\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_WALK_ITEMS = 20_000  # the most values looked at to name the field that holds one (a bound on the event loop's time)
+
+
+def parse_body(body: bytes) -> Any:
+    """A request body's JSON (json.JSONDecodeError as json.loads raises it), or an ApiError 400 for text no tokenizer
+    takes: bytes that are not UTF-8, or a lone surrogate, naming the field that holds it (``messages[0].content``)."""
+    if b"\\u" in body or b"\xed" in body:
+        lone = _LONE.search(_PAIR.sub(rb"\1", body))
+    else:
+        lone = None
+    try:
+        value = json.loads(body)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON"
+                       ) from None
+    if lone is not None:
+        where = _holding_surrogate(value)
+        raise ApiError(400, f"{where or 'the request body'}: text with a lone UTF-16 surrogate (\\ud800-\\udfff, half "
+                            f"of a pair, or the UTF-8 bytes of one) is not Unicode text; send the character, or both "
+                            f"halves of its pair", where)
+    return value
+
+
+def _holding_surrogate(value: Any) -> str | None:
+    """The path of the first string of a parsed body with a surrogate in it (or in its key), as JSON names it
+    (``messages[0].content``, ``logit_bias.<key>``); None if not found within _WALK_ITEMS values."""
+    stack = [(value, "", "")]  # a value, its container's path and its part of its own
+    for _ in range(_WALK_ITEMS):
+        if not stack:
+            return None
+        item, parent, part = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return f"{parent}{part}" or None
+        elif isinstance(item, dict):
+            path = f"{parent}{part}"
+            for key, v in reversed(list(item.items())[:_WALK_ITEMS]):
+                if _SURROGATE.search(key):
+                    return f"{path}.<key>" if path else "<key>"
+                stack.append((v, f"{path}." if path else "", key[:50]))
+        elif isinstance(item, list):
+            path = f"{parent}{part}"
+            stack.extend((item[i], path, f"[{i}]") for i in range(min(len(item), _WALK_ITEMS) - 1, -1, -1))
+    return None
 
 
 # The most items of a list or an object in a request whose size nothing else bounds (prompts of a batch, messages,

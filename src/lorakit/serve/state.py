@@ -23,6 +23,8 @@ from lorakit.engine.client import EngineClient, InProcessClient
 from lorakit.engine.core import EngineDead
 from lorakit.engine.structured import StructuredOutput
 from lorakit.layers.adapter import AdapterError
+from lorakit.serve.auth import check_key
+from lorakit.serve.edge import BodyBudget, default_bytes_in_flight
 from lorakit.serve.metrics import Metrics
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, sampling_params, structured_param
 from lorakit.serve.streaming import ConcurrencyLimit, interleave
@@ -42,7 +44,13 @@ class ServeConfig:
     request that alone runs more, 400); max_body_bytes, a request body's size (413, before it is parsed);
     max_prompt_chars, a prompt's characters (a chat's messages' together) before it is tokenized (None: 32 per
     token of the engine's max_seq_len); max_stop_strings and max_stop_chars, a request's stop strings and the
-    characters of each (each is looked for in the output at every token, on the engine thread)."""
+    characters of each (each is looked for in the output at every token, on the engine thread).
+
+    Bounds on what a connection may cost (edge.py): max_body_bytes_in_flight, the bytes of request bodies held at
+    once by this process, all connections together (503 at once for one that would pass it; None: an eighth of the
+    machine's memory, at least max_body_bytes); header_timeout, seconds a connection has to send a request's headers
+    (from its start, or its previous response's end); body_timeout, seconds a body has to arrive whole after its
+    headers (408 for either). api_key: what 'Authorization: Bearer' must carry (None: nothing)."""
 
     model_name: str = "base"
     allow_runtime_lora: bool = False
@@ -54,14 +62,35 @@ class ServeConfig:
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_body_bytes_in_flight: int | None = None
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
 
     def __post_init__(self):
         for name in ("max_tokens_limit", "max_concurrent", "max_body_bytes", "max_prompt_chars", "max_stop_strings",
-                     "max_stop_chars"):
+                     "max_stop_chars", "max_body_bytes_in_flight"):
             value = getattr(self, name)
-            if not (value is None and name == "max_prompt_chars") and not (
+            if not (value is None and name in ("max_prompt_chars", "max_body_bytes_in_flight")) and not (
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {value!r}")
+        if self.max_body_bytes_in_flight is not None and self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"ServeConfig.max_body_bytes_in_flight (--max-body-bytes-in-flight, "
+                             f"{self.max_body_bytes_in_flight}) is below max_body_bytes (--max-body-bytes, "
+                             f"{self.max_body_bytes}): no body of the largest size could ever be received; raise the "
+                             f"first or lower the second")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ServeConfig.{name} must be a number of seconds > 0, got {value!r}")
+        if self.api_key is not None:
+            check_key(self.api_key, "ServeConfig.api_key")
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """max_body_bytes_in_flight, or its default for this machine."""
+        if self.max_body_bytes_in_flight is not None:
+            return self.max_body_bytes_in_flight
+        return max(default_bytes_in_flight(), self.max_body_bytes)
 
 
 class Result:
@@ -90,6 +119,7 @@ class ServerState:
         self.config = config
         self.metrics = Metrics(self.engine, self.config.model_name)
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
+        self.bodies = BodyBudget(config.bytes_in_flight)  # request bodies held, all connections together
         self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
         # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.ray): listed
         # by /v1/models and in 404s beside the registered ones.
