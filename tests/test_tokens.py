@@ -98,6 +98,32 @@ def check_rows_match_peft(base, model, handle, folders: dict, adds: dict, device
     return names, input_ids, ours
 
 
+def soft_capped(tied: bool):
+    """A Gemma 2 that soft-caps its logits at 3 (small, so the cap shapes the logits of this tiny model)."""
+    config = transformers.Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       tie_word_embeddings=tied, max_position_embeddings=64,
+                                       final_logit_softcapping=3.0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_soft_capped_logits_keep_other_adapters_added_tokens_at_minus_inf(tied, tmp_path):
+    """Issue 29: on Gemma 2 an added token of another adapter came out at -30 (the soft cap of -inf), not -inf, so
+    it kept a small probability. The head now caps, then masks: every row still equals PEFT (the cap included),
+    and another adapter's added ids are -inf."""
+    base = soft_capped(tied)
+    folders = adapters_for(base, tmp_path, tied)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4)
+    for name, folder in folders.items():
+        handle.load_adapter(name, folder)
+    _, _, ours = check_rows_match_peft(base, model, handle, folders, ADDS, "cpu")
+    finite = ours[torch.isfinite(ours)]
+    assert finite.abs().max() <= 3.0 and finite.abs().max() > 1.0  # capped, once
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_token_rows_match_peft_per_row(tied, device, tmp_path):

@@ -114,6 +114,7 @@ class LoraLinear(_LinearSlots):
         super().__init__([base_layer], ctx, num_slots, rank_multiple)
         self.base_layer = base_layer
         self.tokens: TokenRows | None = None  # per-slot token rows, on the model's output head (see patch)
+        self.softcap: float | None = None  # the head of a soft-capped model: the cap, applied here (see patch)
 
     # Code that reads the wrapped module's parameters (tied weights, get_output_embeddings) still works.
     @property
@@ -129,6 +130,14 @@ class LoraLinear(_LinearSlots):
         return self.out_sizes[0]
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        y = self._forward(x, *args, **kwargs)
+        if self.softcap is None:
+            return y
+        # as the model's own soft cap computes it, and after it the ids a row may not take stay -inf (a cap of
+        # -inf is -cap: a small probability for another adapter's added tokens)
+        return torch.where(torch.isneginf(y), y, torch.tanh(y / self.softcap) * self.softcap)
+
+    def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         rows = self.tokens if self.tokens is not None and self.tokens.k_max else None
         meta = self.ctx.meta_for(x.shape[:-1]) if self.r_max or rows is not None else None
         if meta is None:

@@ -107,6 +107,8 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             vocab, dim = features if role == "input" else features[::-1]
             layer.tokens = TokenRows(config.max_loras, vocab, dim, layer.dtype, layer.lora_B.device,
                                      config.rank_multiple)
+            if role == "output" and type(layer) is LoraLinear:
+                _take_softcap(model, layer)
     for name, wrapper in layers.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
@@ -116,6 +118,24 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
+
+
+def _take_softcap(model: nn.Module, head: LoraLinear) -> None:
+    """A model that soft-caps its logits (Gemma 2: ``final_logit_softcapping``) has the head do it instead, so the
+    columns a row may not take (another adapter's added tokens) are masked after the cap, not capped to -cap.
+    The values are the model's own: the same operations on the same logits."""
+    configs = {id(c): c for c in (getattr(model, "config", None), _text_config(model)) if c is not None}
+    caps = {getattr(c, "final_logit_softcapping", None) for c in configs.values()} - {None}
+    if len(caps) == 1:
+        head.softcap = float(caps.pop())
+        for c in configs.values():
+            if getattr(c, "final_logit_softcapping", None) is not None:
+                c.final_logit_softcapping = None
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else None
 
 
 def _token_modules(model: nn.Module) -> dict[str, str]:
