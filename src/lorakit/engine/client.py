@@ -9,13 +9,17 @@ which one it holds.
 The client answers lookups at once, from the caller's thread (registered adapters, a tokenizer, the context),
 and everything that changes the engine (a request, an abort, a load, an unload) goes to the engine's own thread
 or process. ``stats()`` is what the metrics read: plain numbers, as of the last step.
+
+Failure: an engine that cannot step any more (its core process exited, a tensor-parallel worker died) fails every
+request in flight with ``EngineDead`` and every later one too; ``health`` says why, ``crashed`` turns true and
+``on_death`` (the server's: it exits non-zero) is called once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -64,9 +68,16 @@ class EngineClient(Protocol):
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]: ...
 
+    crashed: bool  # the engine died on its own (not stopped)
+    on_death: Callable[[], None] | None  # called once when it does (from any thread)
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+    def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (see the implementations); None: it can
+
+    def end_requests(self, reason: str) -> None: ...  # every request in flight ends now: "abort", error ``reason``
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                  ) -> AsyncIterator[RequestOutput]: ...
@@ -87,6 +98,8 @@ class InProcessClient:
         self.engine = engine
         self.vocab_size, self.max_seq_len, self.eos_token_id = engine.vocab_size, engine.max_seq_len, engine.eos_token_id
         self.async_engine: AsyncEngine | None = None
+        self.crashed = False
+        self.on_death: Callable[[], None] | None = None
         self._reading: asyncio.Lock | None = None  # one adapter read at a time: each holds a whole adapter in memory
 
     @property
@@ -104,11 +117,25 @@ class InProcessClient:
         return self.engine.prompt_ids(prompt, adapter)
 
     def start(self) -> None:
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.engine, on_death=self._died)
+
+    def _died(self) -> None:
+        self.crashed = True
+        if self.on_death is not None:
+            self.on_death()
 
     def stop(self) -> None:
         if self.async_engine is not None:
             self.async_engine.shutdown()
+
+    def health(self, timeout: float) -> str | None:
+        """Why the engine cannot serve now (it failed for good), or None. ``timeout`` is for an engine in another
+        process; this one's thread shares the server's process."""
+        return self.async_engine.dead if self.async_engine is not None else None
+
+    def end_requests(self, reason: str) -> None:
+        if self.async_engine is not None:
+            self.async_engine.end_requests(reason)
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[RequestOutput]:
         return self.async_engine.generate(prompt, params, adapter)

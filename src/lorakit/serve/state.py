@@ -11,6 +11,7 @@ engine's thread or process, which reads and checks an adapter's files while it k
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +42,12 @@ class ServeConfig:
     request that alone runs more, 400); max_body_bytes, a request body's size (413, before it is parsed);
     max_prompt_chars, a prompt's characters (a chat's messages' together) before it is tokenized (None: 32 per
     token of the engine's max_seq_len); max_stop_strings and max_stop_chars, a request's stop strings and the
-    characters of each (each is looked for in the output at every token, on the engine thread)."""
+    characters of each (each is looked for in the output at every token, on the engine thread).
+
+    Life and death: health_timeout, the seconds without a word from an engine core process (it beats every 0.5 s from
+    a thread of its own, whatever its loop does, so a long step or graph capture does not count) after which
+    ``/health`` answers 503; shutdown_grace, the seconds requests in flight get to finish at Ctrl-C or SIGTERM,
+    after which each still running ends with a 503 (a stream: an error event, then ``[DONE]``)."""
 
     model_name: str = "base"
     allow_runtime_lora: bool = False
@@ -53,6 +59,8 @@ class ServeConfig:
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    health_timeout: float = 10.0
+    shutdown_grace: float = 30.0
 
     def __post_init__(self):
         for name in ("max_tokens_limit", "max_concurrent", "max_body_bytes", "max_prompt_chars", "max_stop_strings",
@@ -61,6 +69,12 @@ class ServeConfig:
             if not (value is None and name == "max_prompt_chars") and not (
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {value!r}")
+        for name, zero in (("health_timeout", False), ("shutdown_grace", True)):  # zero: may it be 0
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not (value >= 0 if zero else value > 0):
+                raise ValueError(f"ServeConfig.{name} must be a finite number of seconds {'>=' if zero else '>'} 0, "
+                                 f"got {value!r}")
 
 
 class Result:
@@ -102,6 +116,15 @@ class ServerState:
     def stop(self) -> None:
         self.engine.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (gone, or a core not heard from for ``health_timeout`` s); None: it can."""
+        return self.engine.health(self.config.health_timeout)
+
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight now: each gets a 503 with ``reason`` (a stream: an error event, then
+        ``[DONE]``)."""
+        self.engine.end_requests(reason)
 
     # Lookups, on the event loop.
 
