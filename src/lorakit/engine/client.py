@@ -75,7 +75,7 @@ class EngineClient(Protocol):
 
     def stop(self) -> None: ...
 
-    def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (see the implementations); None: it can
+    def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (None: it can)
 
     def end_requests(self, reason: str) -> None: ...  # every request in flight ends now: "abort", error ``reason``
 
