@@ -40,8 +40,7 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
         share_across_processes(metrics)
     app = create_app(engine, config)
     state = app.state.server
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info"), state.config.shutdown_grace,
-                    state.end_requests)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="info"), state)
     client = state.engine
     client.on_death = lambda: setattr(server, "should_exit", True)  # from any thread: uvicorn looks every 0.1 s
     if api_servers == 1:
@@ -85,6 +84,6 @@ def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None
     client = CoreClient(None, tokenizer() if tokenizer is not None else None)
     client.attach(addresses, index, core_pid)
     app = create_app(client, config)
-    server = Server(uvicorn.Config(app, log_level="warning"), config.shutdown_grace, app.state.server.end_requests)
+    server = Server(uvicorn.Config(app, log_level="warning"), app.state.server)
     client.on_death = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[_listen(host, port)])

@@ -4,7 +4,9 @@ At SIGINT (Ctrl-C) or SIGTERM it stops accepting connections and lets the reques
 seconds; then it ends every one still running through the engine client (``end_requests``): each gets a 503, a
 stream an error event and then ``[DONE]``, written before its connection closes. uvicorn's own graceful timeout,
 which cancels the request tasks and so cuts a stream without a word, is left as a backstop ``END_SECONDS`` later.
-A second Ctrl-C stops waiting at once. Then the app's lifespan stops the engine.
+Then the app's lifespan stops the engine. A second Ctrl-C stops waiting at once: the requests still running end
+then, and the engine is stopped here (uvicorn skips the lifespan's shutdown then, and the interpreter's exit would
+wait forever for a core process that ignores SIGINT and SIGTERM).
 
 Unlike ``uvicorn.Server``, it does not raise the signal it handled again once it has stopped: ``run`` returns, and
 ``lorakit serve`` exits with its own status (0, or 1 for an engine that died). uvicorn's re-raise lands in asyncio's
@@ -20,9 +22,11 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import uvicorn
+
+from lorakit.serve.state import ServerState
 
 __all__ = ["END_SECONDS", "Server"]
 
@@ -32,13 +36,13 @@ END_SECONDS = 5.0  # after the grace: for the ended requests to write their last
 
 
 class Server(uvicorn.Server):
-    """``uvicorn.Server`` with the shutdown above. ``config``: uvicorn's (its ``timeout_graceful_shutdown`` is set
-    here); ``end_requests(reason)``: ends every request in flight (``ServerState.end_requests``)."""
+    """``uvicorn.Server`` with the shutdown above, for the app whose ``ServerState`` is ``state`` (its grace:
+    ``state.config.shutdown_grace``). ``config``: uvicorn's (its ``timeout_graceful_shutdown`` is set here)."""
 
-    def __init__(self, config: uvicorn.Config, grace: float, end_requests: Callable[[str], None]):
-        config.timeout_graceful_shutdown = grace + END_SECONDS
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        self.state, self.grace = state, state.config.shutdown_grace
+        config.timeout_graceful_shutdown = self.grace + END_SECONDS
         super().__init__(config)
-        self.grace, self.end_requests = grace, end_requests
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -64,9 +68,12 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             ending.cancel()
+        if self.force_exit:  # the lifespan's shutdown may have been skipped: the engine stops here (once)
+            self.state.end_requests("the server was stopped at once (a second Ctrl-C)")
+            self.state.stop()
 
     def _grace_over(self) -> None:
         logger.warning("shutting down: the %g s grace for the requests in flight is over; ending those still running",
                        self.grace)
-        self.end_requests(f"the server is shutting down, and the {self.grace:g} s it gives the requests in flight "
-                          f"(--shutdown-grace) ran out")
+        self.state.end_requests(f"the server is shutting down, and the {self.grace:g} s it gives the requests in "
+                                f"flight (--shutdown-grace) ran out")

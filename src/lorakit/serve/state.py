@@ -109,11 +109,16 @@ class ServerState:
         self.on_request: Callable[[], Sequence[str]] | None = None
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
+        self._stopped = False
 
     def start(self) -> None:
         self.engine.start()
 
     def stop(self) -> None:
+        """Once; a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.engine.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
