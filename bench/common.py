@@ -296,12 +296,17 @@ def free_port() -> int:
 def lorakit_server(serve_args: list[str], log: Path, ready_timeout_s: float = 900.0):
     """``python -m lorakit serve SERVE_ARGS --port P`` as a child process, its output in ``log``; yields its base
     URL once ``/health`` answers. Whatever happens inside (an exception, Ctrl-C), the server is stopped on the way
-    out: terminated, given 30 s to drain, then killed."""
+    out: terminated, given 30 s to drain, then killed. A benchmark killed outright (SIGKILL: no ``finally`` runs)
+    takes the server with it: the kernel kills it with this process (``lifeline.parent_death_signal``, where there is
+    one), and its engine core dies with it in turn. Call it from the main thread: the kernel's signal follows the
+    thread that started the server."""
+    from lorakit.engine.lifeline import parent_death_signal
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as log_file:
         server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", *serve_args, "--port", str(port)],
-                                  stdout=log_file, stderr=subprocess.STDOUT)
+                                  stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=parent_death_signal())
         try:
             deadline = time.monotonic() + ready_timeout_s
             while True:

@@ -1,8 +1,10 @@
 """A tiny model, tokenizer and adapters for server tests, and `lorakit serve` live on loopback over them."""
 
 import copy
+import os
 import threading
 import time
+from pathlib import Path
 
 import openai
 import torch
@@ -125,3 +127,49 @@ class Bystander:
         assert self.error is None, f"the bystander stream failed: {self.error!r}"
         assert self.text == self.solo, "the bystander's text differs from its solo run"
         assert max(self.gaps, default=0.0) < self.max_gap, f"the bystander waited {max(self.gaps):.1f} s for a chunk"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), None for no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie nobody reaped yet counts: it runs no more)."""
+    fields = _stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the live processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields is not None and int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
+
+
+def wait_gone(pids, within: float) -> float:
+    """Seconds until every process of ``pids`` has ended; fails the test if one still runs after ``within``."""
+    start = time.monotonic()
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() - start < within, f"still running after {within} s: " \
+                                                  f"{[pid for pid in pids if not gone(pid)]}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def engine_pid(url: str) -> int:
+    """The engine core's pid, as a server's /metrics gives it."""
+    import httpx
+
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    pid = int(float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("lorakit_engine_pid "))))
+    assert pid > 0 and pid != os.getpid()  # (0 would signal this test's own group)
+    return pid

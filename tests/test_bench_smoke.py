@@ -1,15 +1,24 @@
 """The benchmarks on the CPU: every script in bench/ imports (so a moved lorakit name fails here, not on the GPU
 machine), and bench_pool's smoke run (a tiny model, no timing value) writes the report the H200 results in
-bench/results have: the same JSON keys and the same table rows."""
+bench/results have: the same JSON keys and the same table rows. A server a benchmark starts dies with it.
+
+The runs here take under a minute alone; their subprocess timeouts (HANG_S) only catch a hang, far past what a
+loaded CI machine takes, and a run they stop takes the ``lorakit serve`` it started with it."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
+from _serve_helpers import children, engine_pid, gone, wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
+HANG_S = 900  # a subprocess timeout: a hang, not a slow machine (the runs take well under a minute alone)
 
 
 def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
@@ -18,7 +27,7 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
               "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
 
     reference = sorted(BENCH.glob("results/bench_pool_*.json"))[-1]
@@ -39,7 +48,7 @@ def test_bench_traffic_smoke_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, str(BENCH / "bench_traffic.py"), "--out", str(tmp_path), "--tiny", "--device", "cpu",
                "--requests", "6", "--rate", "4"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
     result = json.loads((tmp_path / "bench_traffic.json").read_text())
@@ -59,8 +68,47 @@ def test_bench_step_smoke_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(BENCH / "bench_step.py"), "--out", str(tmp_path), "--device", "cpu",
                            "--tiny", "--batches", "4", "--steps", "3"], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
     assert [(r["batch"], r["mode"]) for r in rows] == [(4, "mixed eager")] and rows[0]["eager_steps"] > 0
     assert rows[0]["stream_ms"] > 0
+
+
+# A benchmark's part: a tiny model folder, then ``common.lorakit_server`` over it, its URL printed, then a wait (to be
+# killed outright: no ``finally`` of its runs).
+BENCH_SERVER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+import common
+folder = Path({folder!r})
+common.make_model(2, True, "cpu").save_pretrained(folder)
+common.word_tokenizer(256).save_pretrained(folder)
+args = ["--model", str(folder), "--device", "cpu", "--block-size", "4"]
+with common.lorakit_server(args, folder / "serve.log") as url:
+    print(url, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_server_a_benchmark_started_dies_with_it(tmp_path):
+    """The benchmark SIGKILLed (as a test's timeout kills it): its ``lorakit serve`` and that server's engine core
+    are gone within 2 s, instead of running on holding their memory."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    code = BENCH_SERVER.format(bench=str(BENCH), folder=str(tmp_path / "model"))
+    bench = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    server = core = None
+    try:
+        url = bench.stdout.readline().strip()
+        assert url.startswith("http://"), (bench.poll(), (tmp_path / "model" / "serve.log").read_text()[-3000:])
+        [server] = children(bench.pid)
+        core = engine_pid(url)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        bench.kill()
+        bench.wait(10)
+        wait_gone([server, core], within=2.0)
+    finally:
+        for pid in (server, core):
+            if pid is not None and not gone(pid):
+                os.kill(pid, signal.SIGKILL)

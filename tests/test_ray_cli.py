@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'lorakit[ray]'")
 
 from _serve_helpers import build_world  # noqa: E402
+from lorakit.engine.lifeline import parent_death_signal  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
 
@@ -21,7 +22,8 @@ SRC = os.path.join(os.path.dirname(__file__), os.pardir, "src")
 def lorakit(*args: str, **kwargs) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "lorakit", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=parent_death_signal(), **kwargs)  # dies with this test process
 
 
 def test_bad_options_stop_it_before_ray_starts(tmp_path):

@@ -226,8 +226,11 @@ def test_lorakit_serve_with_no_arguments_answers_in_english():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from lorakit.engine.lifeline import parent_death_signal
+
     proc = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=parent_death_signal())  # dies with this test process, killed or not
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         for _ in range(600):

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from lorakit.engine.lifeline import parent_death_signal
 from lorakit.serve.model import bundled_gguf
 
 pytestmark = [pytest.mark.gpu,
@@ -29,7 +30,8 @@ def url(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--port", str(port)],
-                                stdout=sink, stderr=subprocess.STDOUT)
+                                stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=parent_death_signal())  # dies with this test process, killed or not
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):

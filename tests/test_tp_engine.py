@@ -8,16 +8,23 @@ the gaps between the tiny model's logits."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import threading
 
+import httpx
 import pytest
 import torch
 import transformers
 from _peft_models import VOCAB, _cfg, save_adapter
+from _serve_helpers import LiveServer
 from peft import LoraConfig
 
 from lorakit.engine import Engine, SamplingParams
+from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.snapshot import image_bytes
 from lorakit.engine.tp import TensorParallelError
+from lorakit.serve import ServeConfig, create_app
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
@@ -130,3 +137,60 @@ def test_tp2_worker_failure_is_reported(saved):
     with pytest.raises(TensorParallelError, match="(?s)rank 1 .*no such checkpoint on this rank"):
         Engine(functools.partial(fail_on_worker, folder), adapters={"all7": paths["all7"]}, tensor_parallel_size=2,
                **SETTINGS)
+
+
+def _kill_worker(engine: Engine) -> None:
+    """SIGKILL rank 1 and wait until it is gone."""
+    [worker] = engine._workers._procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(30)
+
+
+def test_a_dead_worker_is_the_engines_failure_not_a_requests(saved):
+    """Rank 1 killed between steps: the next step raises TensorParallelError (a FatalEngineError), instead of
+    ending every request as if each had caused it (finish_reason "error") and stepping on."""
+    folder, _ = saved
+    engine = Engine(functools.partial(load, folder), tensor_parallel_size=2, **SETTINGS)
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        for prompt in ([5, 6, 7], [8, 9]):
+            engine.add_request(prompt, params)
+        engine.step()
+        _kill_worker(engine)
+        with pytest.raises(TensorParallelError, match="rank 1") as e:
+            engine.step()
+        assert isinstance(e.value, FatalEngineError)
+    finally:
+        engine.close()
+
+
+def test_in_process_a_dead_worker_fails_the_streams_with_503_and_health(saved):
+    """The server over the engine on a thread (``--engine-in-process``): the stream in flight ends with a 503 error
+    event, /health answers 503, new requests get 503, and the server is told to exit (``on_death``; it then exits 1)."""
+    folder, _ = saved
+    engine = Engine(functools.partial(load, folder), tensor_parallel_size=2, **SETTINGS)
+    app = create_app(engine, ServeConfig(model_name="base"))
+    died = threading.Event()
+    app.state.server.engine.on_death = died.set
+    live = LiveServer(app)
+    try:
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        body = {"model": "base", "prompt": [5, 6, 7], "max_tokens": 40, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        lines = []
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    os.kill(engine._workers._procs[0].pid, signal.SIGSTOP)  # the stream cannot finish first
+                    _kill_worker(engine)
+                lines += [line] if line else []
+        assert lines[-1] == "data: [DONE]" and '"code": 503' in lines[-2] and "TensorParallelError" in lines[-2], \
+            lines[-2:]
+        assert died.wait(10) and app.state.server.engine.crashed
+        health = httpx.get(f"{live.url}/health")
+        assert health.status_code == 503 and "TensorParallelError" in health.text
+        again = httpx.post(f"{live.url}/v1/completions", json={"model": "base", "prompt": [5, 6], "max_tokens": 2})
+        assert again.status_code == 503, again.text
+    finally:
+        live.close()
+        engine.close()

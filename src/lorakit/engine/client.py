@@ -11,13 +11,17 @@ and everything that changes the engine (a request, an abort, a load, an unload) 
 or process. ``compile_grammar`` has a request's structured-output grammar compiled by the engine's grammar workers
 (never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400.
 ``stats()`` is what the metrics read: plain numbers, as of the last step.
+
+Failure: an engine that cannot step any more (its core process exited, a tensor-parallel worker died) fails every
+request in flight with ``EngineDead`` and every later one too; ``health`` says why, ``crashed`` turns true and
+``on_death`` (the server's: it exits non-zero) is called once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -67,11 +71,18 @@ class EngineClient(Protocol):
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]: ...
 
+    crashed: bool  # the engine died on its own (not stopped)
+    on_death: Callable[[], None] | None  # called once when it does (from any thread)
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
     async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None: ...  # ValueError: refused
+
+    def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (None: it can)
+
+    def end_requests(self, reason: str) -> None: ...  # every request in flight ends now: "abort", error ``reason``
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
                  ) -> AsyncIterator[RequestOutput]: ...
@@ -92,6 +103,8 @@ class InProcessClient:
         self.engine = engine
         self.vocab_size, self.max_seq_len, self.eos_token_id = engine.vocab_size, engine.max_seq_len, engine.eos_token_id
         self.async_engine: AsyncEngine | None = None
+        self.crashed = False
+        self.on_death: Callable[[], None] | None = None
         self._reading: asyncio.Lock | None = None  # one adapter read at a time: each holds a whole adapter in memory
 
     @property
@@ -109,7 +122,12 @@ class InProcessClient:
         return self.engine.prompt_ids(prompt, adapter)
 
     def start(self) -> None:
-        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine = AsyncEngine(self.engine, on_death=self._died)
+
+    def _died(self) -> None:
+        self.crashed = True
+        if self.on_death is not None:
+            self.on_death()
 
     def stop(self) -> None:
         if self.async_engine is not None:
@@ -117,6 +135,15 @@ class InProcessClient:
 
     async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None:
         await self.engine.grammar(spec, adapter).wait_async()  # on the engine's grammar workers, not its thread
+
+    def health(self, timeout: float) -> str | None:
+        """Why the engine cannot serve now (it failed for good), or None. ``timeout`` is for an engine in another
+        process; this one's thread shares the server's process."""
+        return self.async_engine.dead if self.async_engine is not None else None
+
+    def end_requests(self, reason: str) -> None:
+        if self.async_engine is not None:
+            self.async_engine.end_requests(reason)
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[RequestOutput]:
         return self.async_engine.generate(prompt, params, adapter)

@@ -33,9 +33,13 @@ folders are read on a worker thread of the core while it keeps stepping, then in
 
 Failure: a core that exits (killed, out of memory, a crash) is seen at once through its process sentinel: every
 waiting request gets ``EngineDead``, calls fail, and ``on_death`` tells the server to exit (non-zero: a supervisor
-restarts it); the other servers watch the core's pid and fail theirs within half a second. A core whose parent is
-gone exits within a second. The core ignores SIGINT and SIGTERM (the whole process group gets Ctrl-C): the server
-lets the requests in flight finish, then stops it.
+restarts it); the other servers watch the core's pid and fail theirs within half a second. An engine that cannot
+step any more (a ``FatalEngineError``: a tensor-parallel worker died) makes the core tell every server why
+(``Failed``) and exit with status 1, the same death. A thread of the core sends every server a ``Beat`` every
+``BEAT_SECONDS``, whatever the loop is doing (a long step, a graph capture), so ``health`` tells a core that stopped
+running (SIGSTOP, a frozen host) from a busy one. A core whose parent is gone exits within a fraction of a second,
+a SIGKILLed parent too (``lifeline``), and so do its tensor-parallel workers. The core ignores SIGINT and SIGTERM
+(the whole process group gets Ctrl-C): the server lets the requests in flight finish, then stops it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +68,8 @@ import zmq.asyncio
 from lorakit.engine.client import EngineStats, engine_stats
 from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.engine import _NO_TEXT, Engine, RequestOutput, TokenLogprob, check_prompt, drain, fit_params
+from lorakit.engine.errors import EngineDead, FatalEngineError
+from lorakit.engine.lifeline import die_with_parent, on_main_thread
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.snapshot import read_tokenizer
 from lorakit.engine.structured import Pending, StructuredOutput
@@ -73,12 +80,9 @@ __all__ = ["CoreClient", "EngineDead", "run_core"]
 logger = logging.getLogger("lorakit.core")
 
 STATS_SECONDS = 0.25  # the core sends its stats at least this often while it steps (and once when it goes idle)
-IDLE_POLL_MS = 100  # how long an idle core waits for a message before it looks at its parent and its reads again
-
-
-class EngineDead(RuntimeError):
-    """The engine core process exited; nothing it held will answer."""
-
+IDLE_POLL_MS = 100  # how long an idle core waits for a message before it looks at its adapter reads again
+BEAT_SECONDS = 0.5  # the core's thread of beats sends one to every server this often
+BEAT_QUEUE = 8  # beats queued for a server that does not read; later ones are dropped
 
 # The wire: what the client sends ...
 
@@ -158,12 +162,18 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The engine could not be built (instead of Ready), or it cannot step any more (then the core exits)."""
+
     message: str
     kind: str
 
 
+class Beat(msgspec.Struct, tag=True, array_like=True):
+    """The core runs (sent by a thread of its own every ``BEAT_SECONDS``)."""
+
+
 ToCore = Add | Abort | Call
-FromCore = Step | Reply | Adapters | Ready | Failed
+FromCore = Step | Reply | Adapters | Ready | Failed | Beat
 _ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError}
 
 
@@ -174,11 +184,14 @@ def _facts(engine: Engine, name: str) -> AdapterFacts:
 
 # The core process.
 
-def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int) -> None:
-    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop. It
-    ignores SIGINT and SIGTERM: Ctrl-C in a terminal and a supervisor's stop reach the whole process group, and the
-    server, which gets them too, lets the requests in flight finish and then stops the core (or, gone, makes it exit
-    within a second)."""
+def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int,
+             kernel: bool = True) -> None:
+    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop; exits
+    with status 1 (after a Failed to every server) when the engine cannot step any more. It ignores SIGINT and
+    SIGTERM: Ctrl-C in a terminal and a supervisor's stop reach the whole process group, and the server, which gets
+    them too, lets the requests in flight finish and then stops the core. It exits when the server ``parent_pid`` is
+    gone (``kernel``: the kernel may kill it then, see ``lifeline``)."""
+    die_with_parent(parent_pid, "the engine core", kernel=kernel)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,
@@ -207,17 +220,54 @@ def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], 
                          [_facts(engine, name) for name in sorted(engine.pool.adapters)]))
     for outbox in outboxes:
         outbox.send(ready)
-    _Core(engine, inbox, outboxes, parent_pid).run()
-    for outbox in outboxes:
-        outbox.close(linger=5000)
-    inbox.close(linger=0)
+    stop_beats = threading.Event()
+    beats = threading.Thread(target=_beat, args=(context, from_core, stop_beats), name="lorakit-core-beat",
+                             daemon=True)
+    beats.start()
+    status = 0
+    try:
+        _Core(engine, inbox, outboxes).run()
+    except FatalEngineError as e:
+        logger.exception("the engine cannot step any more; the engine core exits")
+        failed = encode(Failed(f"the engine cannot run any more steps ({type(e).__name__}: {e})", type(e).__name__))
+        for outbox in outboxes:
+            outbox.send(failed)
+        status = 1
+    finally:
+        stop_beats.set()
+        beats.join()
+        for outbox in outboxes:
+            outbox.close(linger=5000)
+        inbox.close(linger=0)
+    if status:
+        raise SystemExit(status)
+
+
+def _beat(context: zmq.Context, addresses: list[str], stop: threading.Event) -> None:
+    """The core's beats, on a thread of their own (and sockets of their own: a socket belongs to one thread): one to
+    every server every BEAT_SECONDS until ``stop``, dropped for a server that does not read."""
+    beat = msgspec.msgpack.Encoder().encode(Beat())
+    sockets = []
+    for address in addresses:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, BEAT_QUEUE)
+        socket.connect(address)
+        sockets.append(socket)
+    try:
+        while not stop.wait(BEAT_SECONDS):
+            for socket in sockets:
+                with contextlib.suppress(zmq.Again):
+                    socket.send(beat, zmq.NOBLOCK)
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
 
 
 class _Core:
     """The core's loop: drain the inbox, install finished adapter reads, step, send the step's outputs."""
 
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outboxes: list[zmq.Socket], parent_pid: int):
-        self.engine, self.inbox, self.outboxes, self.parent_pid = engine, inbox, outboxes, parent_pid
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outboxes: list[zmq.Socket]):
+        self.engine, self.inbox, self.outboxes = engine, inbox, outboxes
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder(ToCore).decode
         self.pending: list[Out] = []  # outputs that go with the next message (refused requests)
@@ -230,7 +280,8 @@ class _Core:
         self.shutdown_call: int | None = None
 
     def run(self) -> None:
-        engine, checked_parent = self.engine, time.monotonic()
+        """Until a shutdown call has been answered; raises a ``FatalEngineError`` from a step."""
+        engine = self.engine
         while True:
             busy = engine.has_unfinished() or self.pending
             if self.inbox.poll(0 if busy else (5 if self.reads or self.compiling else IDLE_POLL_MS)):
@@ -258,11 +309,6 @@ class _Core:
             elif self.stats_at and time.monotonic() - self.stats_at > STATS_SECONDS:
                 self.send_step([], self.stats())  # idle now: the last numbers
                 self.stats_at = 0.0
-            if time.monotonic() - checked_parent > 1.0:
-                checked_parent = time.monotonic()
-                if os.getppid() != self.parent_pid:
-                    logger.error("the server process %d is gone; the engine core exits", self.parent_pid)
-                    return
 
     def handle(self, message: ToCore) -> None:
         engine = self.engine
@@ -352,6 +398,8 @@ class _Core:
     def answer(self, call: Call, fn: Callable[[], Any]) -> None:
         try:
             result = fn()
+        except FatalEngineError:
+            raise
         except Exception as e:  # noqa: BLE001 - the caller gets it
             self.send(Reply(call.call_id, error=(type(e).__name__, str(e))), call.server)
         else:
@@ -364,6 +412,8 @@ class _Core:
         stepped = engine.has_unfinished()
         try:
             results = engine.step() if stepped else []
+        except FatalEngineError:
+            raise  # the core exits (run_core)
         except Exception as e:  # noqa: BLE001 - not a request's fault (``Engine.step`` isolates those): all end
             logger.exception("a step failed")
             results = []
@@ -433,7 +483,8 @@ class CoreClient:
 
     ``factory``: a picklable callable that builds the ``Engine`` in the child. ``tokenizer``: the base model's, for
     this process's tokenizing and detokenizing. ``launch()`` starts the core and waits until it is ready (before the
-    server listens); ``start()``, on the event loop, starts reading its outputs."""
+    server listens); ``start()``, on the event loop, starts reading its outputs. ``health`` says whether the core is
+    alive and heard from (any message, its beats included)."""
 
     def __init__(self, factory: Callable[[], Engine] | None, tokenizer=None, servers: int = 1):
         self.factory, self.tokenizer, self.servers = factory, tokenizer, servers
@@ -451,6 +502,7 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._ids, self._call_ids = itertools.count(), itertools.count()
         self._stats = EngineStats()
+        self._heard = 0.0  # time.monotonic() of the core's last message
         self._folder: str | None = None
         self._context = zmq.Context()
         self._to_core = self._from_core = None
@@ -473,8 +525,8 @@ class CoreClient:
                           [f"ipc://{self._folder}/from-core-{i}" for i in range(self.servers)])
         self._connect()
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
-        self.process = spawn.Process(target=run_core, args=(self.factory, *self.addresses, os.getpid()),
-                                     name="lorakit-core", daemon=True)
+        self.process = spawn.Process(target=run_core, args=(self.factory, *self.addresses, os.getpid(),
+                                                            on_main_thread()), name="lorakit-core", daemon=True)
         self.process.start()
         self.core_pid = self.process.pid
         logger.info("engine core started (pid %d); waiting for it to load the model", self.process.pid)
@@ -510,6 +562,8 @@ class CoreClient:
                 self._cleanup()
                 raise EngineDead(f"the engine core did not start within {timeout} s")
         message = self._decode(self._from_core.recv())
+        while isinstance(message, Beat):  # the beats start after Ready, on sockets of their own: one may overtake it
+            message = self._decode(self._from_core.recv())
         if isinstance(message, Failed):
             if process is not None:
                 process.join(10)
@@ -518,6 +572,7 @@ class CoreClient:
         self.vocab_size, self.max_seq_len, self.eos_token_id = message.vocab_size, message.max_seq_len, \
             message.eos_token_id
         self._stats = EngineStats(pid=message.pid)
+        self._heard = time.monotonic()
         for facts in message.adapters:
             self._adapters[facts.name] = _Adapter(facts, frozenset(facts.added_tokens),
                                                   read_tokenizer(facts.name, facts.path))
@@ -538,18 +593,13 @@ class CoreClient:
         while True:
             await asyncio.sleep(0.5)
             if os.getppid() != parent:
-                self.dead = "the server process that started the engine core is gone"
                 break
             try:
                 os.kill(self.core_pid, 0)
             except ProcessLookupError:
-                self.dead = f"the engine core (pid {self.core_pid}) exited"
-                break
-        self.crashed = True
-        logger.error("%s; failing %d requests in flight", self.dead, len(self._streams))
-        self._fail_all(EngineDead(f"{self.dead}; the server restarts, send the request again"))
-        if self.on_death is not None:
-            self.on_death()
+                self._died(f"the engine core (pid {self.core_pid}) exited")
+                return
+        self._died("the server process that started the engine core is gone")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the core: running requests get ``timeout`` seconds, then end (abort); waits for the process."""
@@ -571,6 +621,8 @@ class CoreClient:
                 pass
             self._send(Call(next(self._call_ids), "shutdown", [timeout], self.index))
             self.process.join(timeout + 10)
+        elif self.crashed:  # it said it cannot step any more, and is exiting
+            self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
@@ -591,12 +643,41 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.process.sentinel)
         self.process.join(1)
-        self.dead = f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}"
-        self.crashed = True
-        logger.error("%s; failing %d requests in flight", self.dead, len(self._streams))
-        self._fail_all(EngineDead(f"{self.dead}; the server restarts, send the request again"))
+        self._died(f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}")
+
+    def _died(self, reason: str) -> None:
+        """The core is gone, or going (it said so: ``Failed``): everything waiting fails with ``reason``, so does
+        everything asked from now on, and the server is told, once."""
+        if self.crashed:
+            return
+        self.dead, self.crashed = reason, True
+        logger.error("%s; failing %d requests in flight", reason, len(self._streams))
+        self._fail_all(EngineDead(f"{reason}; the server restarts, send the request again"))
         if self.on_death is not None:
             self.on_death()
+
+    def health(self, timeout: float) -> str | None:
+        """Why the core cannot serve now: it is gone, or nothing came from it for more than ``timeout`` seconds (its
+        beats come every BEAT_SECONDS from a thread of their own, so a long step does not count: a stopped, frozen or
+        starved process does). None: it can."""
+        if self.dead is not None:
+            return self.dead
+        silent = time.monotonic() - self._heard
+        if silent > timeout:
+            return (f"the engine core (pid {self.core_pid}) has sent nothing for {silent:.1f} s, more than the "
+                    f"{timeout:g} s health timeout: it is stopped, frozen or starved of CPU")
+        return None
+
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight now: each stream gets a last output, finish_reason "abort" with ``reason`` as
+        its error (whatever the core is doing), and the core is told to drop them."""
+        streams, self._streams = self._streams, {}
+        if not streams:
+            return
+        if self.dead is None:
+            self._send(Abort(list(streams)))
+        for request_id, stream in streams.items():
+            stream.queue.put_nowait(RequestOutput(request_id, "", [], True, "abort", error=reason))
 
     def _fail_all(self, error: Exception) -> None:
         streams, self._streams = self._streams, {}
@@ -691,6 +772,7 @@ class CoreClient:
     async def _read(self) -> None:
         while True:
             message = self._decode(await self._from_core.recv())
+            self._heard = time.monotonic()
             if isinstance(message, Step):
                 for out in message.outputs:
                     self._deliver(out)
@@ -708,6 +790,8 @@ class CoreClient:
                         logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.name, e)
                         continue
                     self._adapters[facts.name] = _Adapter(facts, frozenset(facts.added_tokens), tokenizer)
+            elif isinstance(message, Failed):  # its engine cannot step any more: it exits
+                self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}")
             elif isinstance(message, Reply):
                 future = self._calls.pop(message.call_id, None)
                 if future is None or future.done():

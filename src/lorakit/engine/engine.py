@@ -33,6 +33,7 @@ from torch import nn
 from lorakit.engine import tp
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.errors import EngineDead, FatalEngineError
 from lorakit.engine.pool import AdapterPool
 from lorakit.engine.runner import Fill, ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
@@ -365,7 +366,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, sample, and return what each request gained. A request whose part of the
-        step fails ends alone (finish_reason "error"); the step runs again without it (see ``_isolate``).
+        step fails ends alone (finish_reason "error"); the step runs again without it (see ``_isolate``). A
+        ``FatalEngineError`` (a tensor-parallel worker gone, say) is raised as it is: the engine cannot step any more.
 
         With ``async_scheduling`` the step is queued on the device and this call returns what the step before it
         gained: the host schedules and queues step N + 1 while the device runs step N, whose sampled tokens reach
@@ -492,13 +494,18 @@ class Engine:
     def _isolate(self, plan: StepPlan, error: Exception, outputs: list[RequestOutput]):
         """The step failed: run each request's part alone to find those that fail, end them (finish_reason "error"),
         and run the step again without them, so everyone else continues as if they had never come. When no request
-        fails alone, the failure is not a request's: it is raised."""
+        fails alone, the failure is not a request's: it is raised. A ``FatalEngineError`` is raised at once, from the
+        step or from any of the runs alone: it is no request's."""
+        if isinstance(error, FatalEngineError):
+            raise error
         logger.warning("a step of %d requests failed (%s: %s); looking for the request that causes it",
                        len(plan.items), type(error).__name__, error)
         culprits = {}
         for item in plan.items:
             try:
                 self._compute(StepPlan([item], []))
+            except FatalEngineError:
+                raise
             except Exception as e:  # noqa: BLE001 - the request's own failure, reported to it
                 culprits[item.request] = e
         if not culprits:
@@ -679,10 +686,16 @@ class AsyncEngine:
     Only the engine thread touches the engine. Callers post commands (add a request, abort one, register an
     adapter) to an inbox the thread drains between steps, and await their results as futures, so the event
     loop never blocks on a step. Each step's outputs reach each event loop in one wake-up.
+
+    A ``FatalEngineError`` from a step (a tensor-parallel worker gone) ends the thread: every waiting stream and
+    call gets ``EngineDead``, so does everything asked afterwards, ``dead`` says why, and ``on_death`` is called
+    once, from the engine thread.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_death: Callable[[], None] | None = None):
         self.engine = engine
+        self.on_death = on_death
+        self.dead: str | None = None  # why the engine cannot step any more, once it cannot
         self._cond = threading.Condition()
         self._inbox: list[tuple[Callable, tuple, concurrent.futures.Future | None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -695,6 +708,8 @@ class AsyncEngine:
     def _post(self, fn: Callable, *args, wait: bool = True) -> concurrent.futures.Future | None:
         future = concurrent.futures.Future() if wait else None
         with self._cond:
+            if self.dead is not None and wait:
+                raise EngineDead(self.dead)
             if self._stopping and wait:
                 raise RuntimeError("the engine is shutting down")
             self._inbox.append((fn, args, future))
@@ -751,10 +766,39 @@ class AsyncEngine:
                 self.engine.abort(request_id)
         self._fail_all(RuntimeError("the engine shut down before this request finished"))
 
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight now (from any thread): each stream gets a last output, finish_reason "abort"
+        with ``reason`` as its error, and the engine drops them between steps."""
+        streams, self._streams = self._streams, {}
+        for request_id, (loop, queue) in streams.items():
+            loop.call_soon_threadsafe(queue.put_nowait, RequestOutput(request_id, "", [], True, "abort", error=reason))
+
+        def abort():
+            for request_id in streams:
+                self.engine.abort(request_id)
+        if streams:
+            self._post(abort, wait=False)
+
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for loop, queue in streams.values():
             loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def _die(self, error: FatalEngineError) -> None:
+        """The engine cannot step any more: everything waiting fails with ``EngineDead``, and so will everything
+        asked from now on."""
+        logger.error("the engine cannot step any more (%s: %s); failing %d requests in flight", type(error).__name__,
+                     error, len(self._streams))
+        with self._cond:
+            self.dead = f"the engine failed and cannot run any more steps ({type(error).__name__}: {error})"
+            pending, self._inbox = self._inbox, []
+        dead = EngineDead(f"{self.dead}; the server restarts, send the request again")
+        for *_, future in pending:
+            if future is not None:
+                future.set_exception(dead)
+        self._fail_all(dead)
+        if self.on_death is not None:
+            self.on_death()
 
     def _run(self) -> None:
         engine = self.engine
@@ -781,6 +825,9 @@ class AsyncEngine:
             start = time.perf_counter()
             try:
                 outputs = engine.step()
+            except FatalEngineError as e:
+                self._die(e)
+                return
             except Exception as e:  # noqa: BLE001 - every waiting stream gets it
                 logger.exception("a step failed")
                 for request_id in list(engine._requests):

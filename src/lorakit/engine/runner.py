@@ -37,6 +37,7 @@ is reading the sampled tokens; the device time of each step is measured with CUD
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -52,6 +53,7 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
+from lorakit.engine.errors import FatalEngineError, TensorParallelError
 from lorakit.engine.scheduler import Request, StepPlan
 from lorakit.layers.context import StepContext
 from lorakit.ops import cdiv, no_adapter_tokens, paged_attention, write_kv
@@ -181,6 +183,20 @@ def _split(buf, rows: int, tokens: int, max_blocks: int, int64, int32) -> dict:
     parts.update(keep=a[4 * tokens:], seq_lens=b[:rows], query_start=b[rows: 2 * rows + 1],
                  block_tables=b[2 * rows + 1:].reshape(rows, max_blocks))
     return parts
+
+
+@contextlib.contextmanager
+def _ranks_in_step():
+    """Rank 0 of a tensor-parallel group, from the moment a step goes to the workers until its forward returns: the
+    ranks are in it together, so a failure here (a peer gone mid-collective surfaces as gloo's RuntimeError, or
+    anything else) leaves them out of step. It is a ``TensorParallelError``, never one request's fault."""
+    try:
+        yield
+    except FatalEngineError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever it was, the ranks no longer agree on where they are
+        raise TensorParallelError(f"rank 0's part of a tensor-parallel step failed once the workers had it "
+                                  f"({type(e).__name__}: {e}); the ranks are out of step") from e
 
 
 class ModelRunner:
@@ -410,7 +426,9 @@ class ModelRunner:
             with no_adapter_tokens(base):
                 return self._bucket_forward(m, bucket)[m["keep"][:keep]]
         if self.mirror is not None:
-            self._send_step(packed, keep, bucket, fill)
+            with _ranks_in_step():
+                self._send_step(packed, keep, bucket, fill)
+                return self._replay(packed, keep, bucket, fill)
         return self._replay(packed, keep, bucket, fill)
 
     def _send_step(self, packed: torch.Tensor, keep: int, shape: Bucket | tuple[int, int], fill: Fill | None) -> None:
@@ -458,7 +476,9 @@ class ModelRunner:
             return self._run_bucket(plan, bucket, replay=True, fill=fill)
         packed, keep = self._pack(plan, n, t, per_sequence=False)
         if self.mirror is not None:
-            self._send_step(packed, keep, (n, t), fill)
+            with _ranks_in_step():
+                self._send_step(packed, keep, (n, t), fill)
+                return self._eager(packed, keep, n, t, fill)
         return self._eager(packed, keep, n, t, fill)
 
     def _eager(self, packed: torch.Tensor, keep: int, rows: int, tokens: int, fill: Fill | None = None):

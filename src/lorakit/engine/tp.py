@@ -22,8 +22,12 @@ a step's placeholder tokens (sampled by the step before, on rank 0's device) fol
 (``ModelRunner._send_step`` / ``run_packed``).
 
 Failure: a worker that raises reports the traceback on its pipe and exits; rank 0 checks its workers before each
-message and raises ``TensorParallelError`` (the engine is then unusable: the server's core exits and a supervisor
-restarts it). Workers exit when rank 0's end of the pipe closes (rank 0 exited or the engine was collected).
+message and raises ``TensorParallelError``, a ``FatalEngineError``: the engine cannot step any more, it is never
+taken for a request's fault (the server's core exits non-zero and a supervisor restarts it). So does a pipe that
+breaks, and anything that fails on rank 0 once a step has gone to the workers (``ModelRunner``): the ranks are then
+out of step, whatever the cause (a peer gone mid-collective shows up as a gloo ``RuntimeError``). Workers exit when
+rank 0's end of the pipe closes (rank 0 exited or the engine was collected), and within a fraction of a second of
+rank 0's process dying, a SIGKILL too (``lifeline.die_with_parent``), even inside a collective.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lorakit.engine.errors import TensorParallelError
+from lorakit.engine.lifeline import die_with_parent, on_main_thread
+
+__all__ = ["TensorParallelError", "Workers", "mirror_slots", "model_device"]
+
 logger = logging.getLogger("lorakit.tp")
 
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer for a peer fails
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker failed or exited; the engine cannot step any more."""
 
 
 def _join(rank: int, world_size: int, init_file: str, device: str) -> torch.device:
@@ -113,10 +118,12 @@ class Workers:
         config = mp.current_process()._config
         daemonic = config.get("daemon", False)
         config["daemon"] = False
+        lifeline = (os.getpid(), on_main_thread())
         try:
             for rank in range(1, world_size):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_worker, args=(rank, world_size, init_file, factory, device, theirs),
+                proc = ctx.Process(target=_worker, args=(rank, world_size, init_file, factory, device, theirs,
+                                                         lifeline),
                                    name=f"lorakit-tp-{rank}", daemon=True)
                 proc.start()
                 theirs.close()
@@ -136,15 +143,18 @@ class Workers:
         """Send ``command`` to every worker (pickled once)."""
         self.check()
         message = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for pipe in self._pipes:
-            pipe.send_bytes(message)
+        for rank, pipe in enumerate(self._pipes, 1):
+            try:
+                pipe.send_bytes(message)
+            except OSError as e:  # its end closed: it is gone, or going
+                raise TensorParallelError(f"{self._death(rank, 'stepping')} (its pipe: {e})") from None
 
     def wait(self, what: str) -> None:
         """Wait until every worker has answered the last command that asks for an answer."""
         for rank, pipe in enumerate(self._pipes, 1):
             try:
                 reply = pipe.recv()
-            except EOFError:
+            except (EOFError, OSError):
                 raise TensorParallelError(self._death(rank, what)) from None
             if reply[0] == "error":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed while {what}:\n{reply[1]}")
@@ -157,8 +167,8 @@ class Workers:
             if pipe.poll():
                 try:
                     reply = pipe.recv()
-                except EOFError:
-                    reply = ("error", "its pipe closed")
+                except (EOFError, OSError):  # nothing said: it was killed
+                    raise TensorParallelError(self._death(rank, "stepping")) from None
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed:\n{reply[1]}")
             if not proc.is_alive():
                 raise TensorParallelError(self._death(rank, "stepping"))
@@ -222,8 +232,11 @@ class _Tenant:
     number: int
 
 
-def _worker(rank: int, world_size: int, init_file: str, factory, device: str, pipe) -> None:
-    """A worker process: join, build the shard, then run rank 0's commands until "stop" or rank 0 is gone."""
+def _worker(rank: int, world_size: int, init_file: str, factory, device: str, pipe,
+            lifeline: tuple[int, bool]) -> None:
+    """A worker process: join, build the shard, then run rank 0's commands until "stop" or rank 0 is gone
+    (``lifeline``: rank 0's pid, and whether the kernel may kill this process with it: ``die_with_parent``)."""
+    die_with_parent(lifeline[0], f"tensor-parallel rank {rank}", kernel=lifeline[1])
     what = "starting"
     try:
         import lorakit

@@ -20,14 +20,17 @@ __all__ = ["ServeConfig", "confined", "create_app", "run_server", "uvicorn_confi
 def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, *, api_servers: int = 1,
                tokenizer: Callable | None = None) -> int:
     """Serve ``engine`` (an Engine, run on a thread, or an EngineClient such as a launched ``CoreClient``) until
-    interrupted; on shutdown, requests in flight get 30 s to finish. Returns the exit status: 1 when the engine core
-    died (every request in flight got an error; a supervisor restarts the server), else 0.
+    interrupted (SIGINT, SIGTERM); on shutdown, requests in flight get ``config.shutdown_grace`` seconds to finish,
+    then those still running end with a 503 (``serve.server``). Returns the exit status: 1 when the engine died (its
+    core process exited, or it cannot step any more: every request in flight got a 503, and a supervisor restarts the
+    server), else 0, a Ctrl-C included.
 
     ``api_servers`` > 1 (a ``CoreClient`` launched for as many servers): this process and ``api_servers`` - 1 more
     serve the same port (SO_REUSEPORT: the kernel spreads connections over them, by a hash, not evenly), each with its
     own sockets to the one core and its own ``max_concurrent``, and ``/metrics`` of any of them adds up all of
     theirs; ``tokenizer``: a picklable callable that loads the base tokenizer in each of them."""
-    import uvicorn
+
+    from lorakit.serve.server import Server
 
     metrics = None
     if api_servers > 1:
@@ -36,10 +39,10 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
         metrics = tempfile.mkdtemp(prefix="lorakit-metrics-")
         share_across_processes(metrics)
     app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn_config(app, host, port, timeout_graceful_shutdown=30, log_level="info"))
-    client = app.state.server.engine
-    if hasattr(client, "on_death"):
-        client.on_death = lambda: setattr(server, "should_exit", True)
+    state = app.state.server
+    server = Server(uvicorn_config(app, host, port, log_level="info"), state)
+    client = state.engine
+    client.on_death = lambda: setattr(server, "should_exit", True)  # from any thread: uvicorn looks every 0.1 s
     if api_servers == 1:
         server.run()
     else:
@@ -56,7 +59,7 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
             server.run(sockets=[listening])
         finally:
             shutil.rmtree(metrics, ignore_errors=True)
-    return 1 if getattr(client, "crashed", False) else 0
+    return 1 if client.crashed else 0
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -71,15 +74,14 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None, config: ServeConfig, host: str,
                 port: int) -> None:
     """One more API server process: server ``index`` of the core that the first one launched."""
-    import uvicorn
-
     from lorakit.engine.core import CoreClient
+    from lorakit.serve.server import Server
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     client = CoreClient(None, tokenizer() if tokenizer is not None else None)
     client.attach(addresses, index, core_pid)
-    server = uvicorn.Server(uvicorn_config(create_app(client, config), host, port, timeout_graceful_shutdown=30,
-                                           log_level="warning"))
+    app = create_app(client, config)
+    server = Server(uvicorn_config(app, host, port, log_level="warning"), app.state.server)
     client.on_death = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[_listen(host, port)])

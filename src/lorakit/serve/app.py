@@ -73,7 +73,12 @@ def _state(request: Request) -> ServerState:
 State = Annotated[ServerState, Depends(_state)]
 
 
-async def health():
+async def health(state: State):
+    """200 while the engine can serve; 503, saying why, once it cannot (gone, or a core silent past
+    ``health_timeout``)."""
+    problem = state.health()
+    if problem is not None:
+        raise ApiError(503, problem)
     return {"status": "ok"}
 
 

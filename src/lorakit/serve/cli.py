@@ -53,6 +53,23 @@ def _positive_float(text: str) -> float:
 _positive_float.__name__ = "number"
 
 
+def _seconds(zero: bool):
+    """A parser of a finite number of seconds, > 0 (``zero``: >= 0)."""
+    bound = ">= 0" if zero else "> 0"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -80,6 +97,17 @@ def add_parser(sub) -> None:
                    help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
                         "--allow-runtime-lora (default: none)")
     add_edge_flags(p)
+    from lorakit.serve.state import ServeConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    p.add_argument("--health-timeout", type=_seconds(zero=False), default=default["health_timeout"],
+                   metavar="SECONDS",
+                   help="/health answers 503 once the engine core has sent nothing for this long (it beats every "
+                        "0.5 s from a thread of its own, so a long step does not count; a stopped or frozen core "
+                        "does) (default: %(default)s)")
+    p.add_argument("--shutdown-grace", type=_seconds(zero=True), default=default["shutdown_grace"], metavar="SECONDS",
+                   help="at Ctrl-C or SIGTERM, how long requests in flight get to finish; then each still running "
+                        "ends with a 503 (a stream: an error event, then [DONE]) (default: %(default)s)")
 
 
 def add_ray_parser(sub) -> None:
@@ -249,7 +277,9 @@ def serve_config(args, name: str):
                        lora_roots=list(args.lora_root), api_key=api_key(args.api_key, args.api_key_file),
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars, **edge)
+                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars, **edge,
+                       **{name: getattr(args, name) for name in ("health_timeout", "shutdown_grace")
+                          if hasattr(args, name)})  # lorakit serve's alone
 
 
 def run_ray(args) -> int:

@@ -11,6 +11,7 @@ engine's thread or process, which reads and checks an adapter's files while it k
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,7 +51,12 @@ class ServeConfig:
     once by this process, all connections together (503 at once for one that would pass it; None: an eighth of the
     machine's memory, at least max_body_bytes); header_timeout, seconds a connection has to send a request's headers
     (from its start, or its previous response's end); body_timeout, seconds a body has to arrive whole after its
-    headers (408 for either). api_key: what 'Authorization: Bearer' must carry (None: nothing)."""
+    headers (408 for either). api_key: what 'Authorization: Bearer' must carry (None: nothing).
+
+    Life and death: health_timeout, the seconds without a word from an engine core process (it beats every 0.5 s from
+    a thread of its own, whatever its loop does, so a long step or graph capture does not count) after which
+    ``/health`` answers 503; shutdown_grace, the seconds requests in flight get to finish at Ctrl-C or SIGTERM,
+    after which each still running ends with a 503 (a stream: an error event, then ``[DONE]``)."""
 
     model_name: str = "base"
     allow_runtime_lora: bool = False
@@ -65,6 +71,8 @@ class ServeConfig:
     max_body_bytes_in_flight: int | None = None
     header_timeout: float = 10.0
     body_timeout: float = 60.0
+    health_timeout: float = 10.0
+    shutdown_grace: float = 30.0
 
     def __post_init__(self):
         for name in ("max_tokens_limit", "max_concurrent", "max_body_bytes", "max_prompt_chars", "max_stop_strings",
@@ -84,6 +92,12 @@ class ServeConfig:
                 raise ValueError(f"ServeConfig.{name} must be a number of seconds > 0, got {value!r}")
         if self.api_key is not None:
             check_key(self.api_key, "ServeConfig.api_key")
+        for name, zero in (("health_timeout", False), ("shutdown_grace", True)):  # zero: may it be 0
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not (value >= 0 if zero else value > 0):
+                raise ValueError(f"ServeConfig.{name} must be a finite number of seconds {'>=' if zero else '>'} 0, "
+                                 f"got {value!r}")
 
     @property
     def bytes_in_flight(self) -> int:
@@ -126,13 +140,27 @@ class ServerState:
         self.on_request: Callable[[], Sequence[str]] | None = None
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
+        self._stopped = False
 
     def start(self) -> None:
         self.engine.start()
 
     def stop(self) -> None:
+        """Once; a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.engine.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (gone, or a core not heard from for ``health_timeout`` s); None: it can."""
+        return self.engine.health(self.config.health_timeout)
+
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight now: each gets a 503 with ``reason`` (a stream: an error event, then
+        ``[DONE]``)."""
+        self.engine.end_requests(reason)
 
     # Lookups, on the event loop.
 

@@ -1,0 +1,24 @@
+"""The engine's failures that are not a request's: ``FatalEngineError`` (the engine cannot step any more) and
+``EngineDead`` (what a caller gets once it is gone).
+
+A request's own failure (a grammar that fails, an adapter that cannot load) ends that request alone; the engine finds
+it by running the failed step's requests one by one (``Engine._isolate``). A ``FatalEngineError`` is never looked at
+that way: it means every request the engine holds is lost, and whatever carries the engine (the core process, the
+in-process thread) stops and says so, so that a supervisor can start it again.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EngineDead", "FatalEngineError", "TensorParallelError"]
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot step any more: no request caused it, and none it holds can finish."""
+
+
+class TensorParallelError(FatalEngineError):
+    """A tensor-parallel worker failed or exited, or the ranks fell out of step; the engine cannot step any more."""
+
+
+class EngineDead(RuntimeError):
+    """The engine is gone (its core process exited, or it failed for good); nothing it held will answer."""

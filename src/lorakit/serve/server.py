@@ -1,0 +1,79 @@
+"""The uvicorn server ``lorakit serve`` runs, and how it stops.
+
+At SIGINT (Ctrl-C) or SIGTERM it stops accepting connections and lets the requests in flight run for ``grace``
+seconds; then it ends every one still running through the engine client (``end_requests``): each gets a 503, a
+stream an error event and then ``[DONE]``, written before its connection closes. uvicorn's own graceful timeout,
+which cancels the request tasks and so cuts a stream without a word, is left as a backstop ``END_SECONDS`` later.
+Then the app's lifespan stops the engine. A second Ctrl-C stops waiting at once: the requests still running end
+then, and the engine is stopped here (uvicorn skips the lifespan's shutdown then, and the interpreter's exit would
+wait forever for a core process that ignores SIGINT and SIGTERM).
+
+Unlike ``uvicorn.Server``, it does not raise the signal it handled again once it has stopped: ``run`` returns, and
+``lorakit serve`` exits with its own status (0, or 1 for an engine that died). uvicorn's re-raise lands in asyncio's
+runner, which cancels the main task and turns the CancelledError into a KeyboardInterrupt only when that task's
+count of cancel requests comes back to exactly zero: a traceback at every Ctrl-C, and exit status 1 (a bare
+CancelledError) when anything else cancelled it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from lorakit.serve.state import ServerState
+
+__all__ = ["END_SECONDS", "Server"]
+
+logger = logging.getLogger("lorakit.serve")
+
+END_SECONDS = 5.0  # after the grace: for the ended requests to write their last event, before uvicorn cuts them
+
+
+class Server(uvicorn.Server):
+    """``uvicorn.Server`` with the shutdown above, for the app whose ``ServerState`` is ``state`` (its grace:
+    ``state.config.shutdown_grace``). ``config``: uvicorn's (its ``timeout_graceful_shutdown`` is set here)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        self.state, self.grace = state, state.config.shutdown_grace
+        config.timeout_graceful_shutdown = self.grace + END_SECONDS
+        super().__init__(config)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        handled = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handled.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        ending = asyncio.get_running_loop().call_later(self.grace, self._grace_over)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+        if self.force_exit:  # the lifespan's shutdown may have been skipped: the engine stops here (once)
+            self.state.end_requests("the server was stopped at once (a second Ctrl-C)")
+            self.state.stop()
+
+    def _grace_over(self) -> None:
+        logger.warning("shutting down: the %g s grace for the requests in flight is over; ending those still running",
+                       self.grace)
+        self.state.end_requests(f"the server is shutting down, and the {self.grace:g} s it gives the requests in "
+                                f"flight (--shutdown-grace) ran out")
