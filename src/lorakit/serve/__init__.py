@@ -29,7 +29,6 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
     serve the same port (SO_REUSEPORT: the kernel spreads connections over them, by a hash, not evenly), each with its
     own sockets to the one core and its own ``max_concurrent``, and ``/metrics`` of any of them adds up all of
     theirs; ``tokenizer``: a picklable callable that loads the base tokenizer in each of them."""
-
     from lorakit.serve.server import Server
 
     metrics = None
