@@ -220,7 +220,7 @@ def _core(world) -> tuple[_Core, list]:
     base, tokenizer, _, _ = world
     outbox = _Outbox()
     llm = LLM(copy.deepcopy(base), tokenizer, max_loras=1, block_size=4)
-    return _Core(llm.engine, None, [outbox], parent_pid=0), outbox.messages
+    return _Core(llm.engine, None, [outbox]), outbox.messages
 
 
 def test_the_core_compiles_once_and_steps_while_a_grammar_compiles(world):
