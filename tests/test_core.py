@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (``lorakit.engine.core``): the server over a ``CoreClient`` answers what
+"""The engine core in a process of its own (``lorakit.frontend.core``): the server over a ``CoreClient`` answers what
 the in-process engine answers (text, stop strings found in the server process, logprobs, n, chat, runtime loads,
 hot-swaps and unloads), a core that cannot start says why, and a core that dies fails every waiting request and
 makes ``lorakit serve`` exit non-zero instead of hanging."""
@@ -19,7 +19,7 @@ import pytest
 
 from _serve_helpers import LiveServer, build_world, children, engine_pid, gone, reference, wait_gone
 from lorakit.engine import EngineConfig
-from lorakit.engine.core import CoreClient
+from lorakit.frontend.core_client import CoreClient
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve import ServeConfig, create_app

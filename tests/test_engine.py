@@ -176,7 +176,7 @@ def test_other_architectures_equal_generate(arch, tmp_path):
 def test_async_engine_streams_and_aborts_when_the_client_leaves(setup):
     import asyncio
 
-    from lorakit.engine import AsyncEngine
+    from lorakit import AsyncEngine
 
     base, saved = setup
     engine = Engine(copy.deepcopy(base), max_loras=2, adapters={n: a.path for n, a in saved.items()}, block_size=4)
@@ -289,7 +289,13 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):
 
 
 def test_a_stream_that_falls_behind_catches_up_in_one_output():
-    from lorakit.engine.engine import RequestOutput, TokenLogprob, drain
+    from lorakit.engine.outputs import OutputProcessor, RequestOutput, TokenLogprob
+    from lorakit.engine.sampling import SamplingParams as Params
+    from lorakit.frontend.streams import stream
+
+    class Letters:  # token t reads "a" or "b"
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("ab"[t % 2] for t in ids)
 
     async def consume(items):
         queue = asyncio.Queue()
@@ -297,17 +303,16 @@ def test_a_stream_that_falls_behind_catches_up_in_one_output():
             queue.put_nowait(item)
         got = []
         try:
-            async for out in drain(queue):
+            async for out in stream(queue, OutputProcessor("r", [], Params(), Letters()), lambda: None):
                 got.append(out)
         except RuntimeError as e:
             got.append(e)
         return got
 
     lp = [TokenLogprob(t, -0.5, {}) for t in range(4)]
-    outs = [RequestOutput("r", "ab"[:t % 2 + 1], [t], t == 3, "stop" if t == 3 else None, [lp[t]], 5, t + 1)
-            for t in range(4)]
-    (merged,) = asyncio.run(consume(outs))
-    assert merged.token_ids == [0, 1, 2, 3] and merged.text == "aabaab" and merged.finish_reason == "stop"
+    outs = [RequestOutput("r", "", [t], t == 3, "stop" if t == 3 else None, [lp[t]], 5, t + 1) for t in range(4)]
+    (merged,) = asyncio.run(consume(outs))  # the last token stops it (a stop token: its text is not shown)
+    assert merged.token_ids == [0, 1, 2, 3] and merged.text == "aba" and merged.finish_reason == "stop"
     assert merged.logprobs == lp and merged.num_output_tokens == 4 and merged.finished
     # An error behind outputs: they come first, merged, then the error is raised.
     got = asyncio.run(consume([outs[0], outs[1], RuntimeError("gone")]))

@@ -20,7 +20,9 @@ import pytest
 from _serve_helpers import LiveServer, build_world, reference, start
 from lorakit.engine import LLM, EngineConfig, SamplingParams
 from lorakit.engine import structured
-from lorakit.engine.core import Add, Call, CoreClient, FromCore, Step, _Core
+from lorakit.frontend.core import _Core
+from lorakit.frontend.core_client import CoreClient
+from lorakit.frontend.wire import Add, Call, FromCore, Step
 from lorakit.engine.structured import GrammarError, StructuredOutput
 from lorakit.serve import ServeConfig, create_app
 from lorakit.serve.model import load_engine, load_tokenizer
@@ -236,15 +238,15 @@ def test_the_core_compiles_once_and_steps_while_a_grammar_compiles(world):
     assert "s0-r1" not in engine._requests and len(core.compiling) == 1  # waiting outside the scheduler
     steps_before = 0
     while core.compiling:
-        core.step()
+        core.loop.step()
         steps_before += 1 if core.compiling else 0
-        core.admit_compiled()
+        core.loop.run_ready()
     assert steps_before >= 1 and "s0-r1" in engine._requests
     for k in range(8):
         core.handle(Add(f"s0-r{2 + k}", [3, 4], params, None))
         assert f"s0-r{2 + k}" in engine._requests  # compiled already: queued at once
     while engine.has_unfinished():
-        core.step()
+        core.loop.step()
     assert engine.grammars.compiles == 1
     outs = [o for m in sent if isinstance(m, Step) for o in m.outputs]
     assert not [o for o in outs if o.error], [o.error for o in outs if o.error]
@@ -255,11 +257,11 @@ def test_the_core_compiles_once_and_steps_while_a_grammar_compiles(world):
     assert not core.compiling and "s0-r99" not in engine._requests
     reply = next(m for m in sent if getattr(m, "call_id", None) == 7)
     assert reply.error[0] == "ValueError" and "--max-grammar-bytes" in reply.error[1]
-    assert [o.finish_reason for o in core.pending if o.request_id == "s0-r99"] == ["error"]
+    assert [o.finish_reason for o in core.loop.pending if o.request_id == "s0-r99"] == ["error"]
     core.handle(Call(8, "grammar", [{"json": None, "regex": "(a", "choice": None, "lark": None}, None]))
-    while core.compiling:
+    while not any(getattr(m, "call_id", None) == 8 for m in sent):
         time.sleep(0.01)
-        core.admit_compiled()
+        core.loop.run_ready()
     reply = next(m for m in sent if getattr(m, "call_id", None) == 8)
     assert "unclosed group" in reply.error[1]
 

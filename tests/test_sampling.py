@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from _tokenizers import bpe_tokenizer
 from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.outputs import stop_token_ids, token_finish
 from lorakit.engine.sampling import (SamplingBatch, SamplingParams, _mask_top_k_top_p, _random_u32, gumbel_noise,
                                      process_logits, sample)
 
@@ -412,11 +413,14 @@ def encode(tokenizer, text: str, cuts: list[int] = ()) -> list[int]:
 
 
 def run(tokenizer, ids, prompt=(), eos=None, **params):
-    """Feed ``ids`` until the request finishes: (deltas, reason, detokenizer)."""
-    det = IncrementalDetokenizer(tokenizer, list(prompt), SamplingParams(**params), eos)
+    """Feed ``ids`` until the request finishes, each with the engine's finish for it (``token_finish``), as the
+    output processor does: (deltas, reason, detokenizer)."""
+    params = SamplingParams(**params)
+    stop_ids = stop_token_ids(params, eos)
+    det = IncrementalDetokenizer(tokenizer, list(prompt), params)
     deltas, reason = [], None
-    for i in ids:
-        delta, reason = det.append(i)
+    for n, i in enumerate(ids, 1):
+        delta, reason = det.append(i, token_finish(params, stop_ids, n, i))
         deltas.append(delta)
         if reason:
             break

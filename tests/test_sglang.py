@@ -16,7 +16,13 @@ PROMPT = "What is the capital of France?"
 
 
 def mapped(body, adapters=("sql", "chat"), limit=64):
-    return jobs(GenerateBody(**body), set(adapters), "tiny", limit)
+    def resolve(name):  # as ServerState.adapter_of answers (the adapter stands for itself here)
+        if name in (None, "tiny"):
+            return None
+        if name not in adapters:
+            raise Refused(f"unknown adapter {name!r} in lora_path", "lora_path", 404)
+        return name
+    return jobs(GenerateBody(**body), resolve, limit)
 
 
 def refusal(body, **kw) -> Refused:

@@ -6,7 +6,8 @@ for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP server
 """
 
 from lorakit import ops
-from lorakit.engine import LLM, AdapterPool, AsyncEngine, Engine, EngineConfig, PoolFull, SamplingParams
+from lorakit.engine import LLM, AdapterPool, Engine, EngineConfig, PoolFull, SamplingParams
+from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.layers import LoraHandle, PatchConfig, patch
 from lorakit.layers.adapter import AdapterError
 

@@ -1,9 +1,10 @@
-"""Adapter pool, scheduler, model runner, engine and sampling (built on lorakit.layers)."""
+"""Scheduler, model runner, sampling and the engine's step (built on lorakit.layers and lorakit.adapters)."""
 
 from lorakit.engine.config import EngineConfig
-from lorakit.engine.engine import LLM, AsyncEngine, CompletionOutput, Engine, RequestOutput
+from lorakit.engine.engine import LLM, Engine
+from lorakit.engine.outputs import CompletionOutput, RequestOutput
 from lorakit.engine.pool import AdapterPool, PoolFull
 from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "AdapterPool", "AsyncEngine", "CompletionOutput", "Engine", "EngineConfig", "PoolFull", "RequestOutput",
+__all__ = ["LLM", "AdapterPool", "CompletionOutput", "Engine", "EngineConfig", "PoolFull", "RequestOutput",
            "SamplingParams"]

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop conditions: one request's tokens in, safe-to-show text deltas out.
+"""Incremental detokenization with stop strings: one request's tokens in, safe-to-show text deltas out.
 
 Text is emitted only once it is final: a character whose bytes are not all decoded yet, and any tail of the
 text that could still become a stop string, are held back until they complete or can no longer match.
@@ -23,15 +23,14 @@ _UTF8_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    """Decodes one request's generated tokens as they come and decides when it finishes.
+    """Decodes one request's generated tokens as they come and finds its stop strings.
 
-    ``append(token_id)`` returns the text that became final with this token and a finish reason: "stop" for
-    eos (unless ``params.ignore_eos``), a ``params.stop_token_ids`` token or a ``params.stop`` string; "length"
-    at ``params.max_tokens`` tokens; else None. A stop token is kept in ``token_ids`` but its text is not
-    emitted; a stop string and everything after it are dropped. Before ``params.min_tokens`` tokens nothing
-    stops: eos and stop tokens count only from token ``min_tokens + 1`` on (as in vLLM), stop strings are
-    looked for from token ``min_tokens`` on. On finishing, all held-back text not cut by a stop string is
-    emitted, an incomplete character as "\\ufffd".
+    ``append(token_id, finish_reason)`` takes the next token and the engine's finish for it (``token_finish``:
+    "stop" for a stop token, "length" at max_tokens, None while it runs) and returns the text that became final
+    with it and the request's finish reason: the engine's, or "stop" for a ``params.stop`` string. A stop token is
+    kept in ``token_ids`` but its text is not emitted; a stop string and everything after it are dropped. Stop
+    strings are looked for from token ``params.min_tokens`` on. On finishing, all held-back text not cut by a stop
+    string is emitted, an incomplete character as "\\ufffd". ``tokenizer`` None: no text, no stop strings.
 
     Decoding follows vLLM: ``tokenizer.decode(ids, skip_special_tokens=True)`` of a short window of recent
     tokens, diffed against the decode of the window without the newest ones; the window moves on once its
@@ -42,13 +41,9 @@ class IncrementalDetokenizer:
     bounded number of decodes of a bounded window, whatever the bytes.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_id: int | list[int] | None):
-        self._decode = _decoder(tokenizer)
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self._decode = _decoder(tokenizer) if tokenizer is not None else None
         self._params = params
-        eos = [] if eos_token_id is None or params.ignore_eos else (
-            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
         self._ids: list[int] = []
         self._window = list(prompt_ids[-_PROMPT_CONTEXT:])  # tokens from the decode window's start on
         self._read = len(self._window)  # window[:read] is already in self._decoded
@@ -72,22 +67,24 @@ class IncrementalDetokenizer:
         """"stop", "length", or None while the request runs."""
         return self._finish_reason
 
-    def append(self, token_id: int) -> tuple[str, str | None]:
-        """Add the next generated token; return (text delta safe to emit now, finish reason or None)."""
+    def append(self, token_id: int, finish_reason: str | None = None) -> tuple[str, str | None]:
+        """Add the next generated token and the engine's finish for it; return (text delta safe to emit now, finish
+        reason or None)."""
         if self._finish_reason is not None:
             raise RuntimeError(
                 f"IncrementalDetokenizer.append({token_id}) after the request finished "
                 f"({self._finish_reason!r}); start a new detokenizer for a new request"
             )
         self._ids.append(token_id)
-        n = len(self._ids)
-        stop_token = n > self._params.min_tokens and token_id in self._stop_ids
-        if not stop_token:
+        reason = finish_reason
+        if self._decode is None:
+            self._finish_reason = reason
+            return "", reason
+        if reason != "stop":  # a stop token's text is never shown
             self._window.append(token_id)
-        reason = "stop" if stop_token else "length" if n >= self._params.max_tokens else None
         self._decoded += self._decode_new(flush=reason is not None)
         end = len(self._decoded)
-        if n >= self._params.min_tokens:
+        if len(self._ids) >= self._params.min_tokens:
             cut = self._find_stop_string()
             if cut is not None:
                 end, reason = cut, "stop"

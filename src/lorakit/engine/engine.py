@@ -3,8 +3,8 @@
 ``Engine`` owns the patched model, the adapter pool, the scheduler and the runner. ``add_request`` queues a
 prompt for an adapter (or the base model); each ``step()`` schedules a batch, runs it, samples one token
 per finishing position on the device, and returns what each request gained (``RequestOutput``).
-``AsyncEngine`` runs the steps on a thread and streams outputs to asyncio code (the server); ``LLM`` is the
-offline front door::
+``lorakit.engine.loop`` drives the steps wherever the engine lives (a thread, the engine core process); ``LLM``
+is the offline front door::
 
     llm = LLM("path/to/model", max_loras=8, adapters={"sql": "/adapters/sql"})
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=64, temperature=0.0), adapters=["sql", None])
@@ -12,18 +12,13 @@ offline front door::
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import logging
 import random
 import sys
-import threading
-import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,15 +27,16 @@ from torch import nn
 
 from lorakit.engine import tp
 from lorakit.engine.config import EngineConfig
-from lorakit.engine.detokenize import IncrementalDetokenizer
-from lorakit.engine.errors import EngineDead, FatalEngineError
-from lorakit.engine.pool import AdapterPool
+from lorakit.engine.errors import FatalEngineError
+from lorakit.engine.outputs import CompletionOutput, OutputProcessor, RequestOutput, TokenLogprob, stop_token_ids, \
+    token_finish
+from lorakit.engine.pool import AdapterPool, AdapterRef
 from lorakit.engine.runner import Fill, ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.engine.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
-from lorakit.layers.adapter import AdapterError, activation_start
+from lorakit.layers.adapter import activation_start
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch
 from lorakit.ops import cdiv
@@ -50,84 +46,7 @@ logger = logging.getLogger("lorakit.engine")
 # adapter never applies (its slot is held all the same).
 NOT_INVOKED = sys.maxsize
 
-__all__ = ["AsyncEngine", "CompletionOutput", "Engine", "LLM", "RequestOutput"]
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: dict[int, float]  # the top tokens' logprobs (empty unless asked for)
-
-
-@dataclass
-class RequestOutput:
-    """What one request gained in one step: new text and tokens, and whether it finished."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None  # why, when finish_reason is "error"
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-    def merged(self, later: RequestOutput) -> RequestOutput:
-        """This output and the same request's next one, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                             later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
-                             later.error, later.num_cached_tokens)
-
-
-@dataclass
-class CompletionOutput:
-    """A finished request, as ``LLM.generate`` returns it."""
-
-    request_id: str
-    adapter: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-
-
-async def drain(queue: asyncio.Queue, abort: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
-    """One request's outputs from ``queue`` until the finished one (an exception in the queue is raised); a consumer
-    that leaves before then (a client gone) calls ``abort``. Outputs already waiting when one is taken are merged into
-    it: a stream that fell behind (a busy event loop) catches up in one output, not one per token."""
-    pending, finished = None, False
-    try:
-        while not finished:
-            out, pending = (pending if pending is not None else await queue.get()), None
-            if isinstance(out, BaseException):
-                raise out
-            while not out.finished and not queue.empty():
-                later = queue.get_nowait()
-                if isinstance(later, BaseException):
-                    pending = later
-                    break
-                out = out.merged(later)
-            finished = out.finished
-            yield out
-    finally:
-        if not finished and abort is not None:
-            abort()
-
-
-class _NoText:
-    """The tokenizer of an engine given none: token ids only, no text (stop strings never match)."""
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return ""
-
-
-_NO_TEXT = _NoText()
+__all__ = ["CheckedAdapter", "CompletionOutput", "Engine", "LLM", "RequestOutput", "check_prompt", "fit_params"]
 
 
 @dataclass(frozen=True)
@@ -167,7 +86,7 @@ class _Sampled:
 
 @dataclass
 class _State:
-    detok: IncrementalDetokenizer
+    stop_ids: frozenset[int]  # the tokens that end it (its stop_token_ids, the model's eos)
     logprobs: list[TokenLogprob] | None = field(default=None)
     constraint: Constraint | None = None  # structured output: the tokens allowed next
     sync: bool = False  # its next step needs its last token on the host (grammar, penalties, logit bias)
@@ -240,9 +159,6 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._flight: _Flight | None = None  # the step queued on the device, not yet resolved (async scheduling)
         self._ids = itertools.count()
-        # False: outputs carry token ids only (no text, stop strings not looked for): the engine core process, whose
-        # client detokenizes in the server process.
-        self.detokenize = True
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
 
@@ -271,58 +187,53 @@ class Engine:
     # Requests.
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None, grammar: Grammar | None = None) -> str:
+                    adapter: AdapterRef | str | None = None, request_id: str | None = None,
+                    grammar: Grammar | None = None) -> str:
         """Queue a request; returns its id. Bad requests raise ValueError (or AdapterError) and change nothing.
 
-        ``grammar``: the request's structured output compiled already (``self.grammar(...)``, off this thread); a
-        request with structured output and no grammar (or one compiled for another tokenizer) is compiled here
-        first, this thread waiting (within the grammar budget)."""
+        ``adapter``: the version a server resolved the request's model to (``AdapterRef``: it must still be the
+        current one), or a registered name (its current version), or None for the base model. ``grammar``: the
+        request's structured output compiled already (``self.grammar(...)``, off this thread); a request with
+        structured output and no grammar (or one compiled for another tokenizer) is compiled here first, this thread
+        waiting (within the grammar budget)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if adapter is not None and adapter not in self.pool.adapters:
-            raise AdapterError(f"unknown adapter {adapter!r}; registered: {sorted(self.pool.adapters) or 'none'}")
-        prompt_ids = self.prompt_ids(prompt, adapter)
-        constraint = self._check_logits_params(params, adapter, grammar)
+        snapshot = None if adapter is None else self.pool.resolve(adapter)  # the request's one lookup of its adapter
+        name = None if snapshot is None else snapshot.name
+        info = None if snapshot is None else snapshot.info
+        tokenizer = self._tokenizer_of(snapshot)
+        added = frozenset() if info is None else info.added_tokens
+        prompt_ids = check_prompt(prompt, tokenizer, self.vocab_size, added, self.max_seq_len, name)
+        constraint = self._check_logits_params(params, added, tokenizer, grammar, name)
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, prompt_ids, adapter, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed, lora_start=self._lora_start(prompt_ids, adapter))
-        tokenizer = self.tokenizer_for(adapter) if self.detokenize else None
-        detok = IncrementalDetokenizer(tokenizer or _NO_TEXT, prompt_ids, limited, self.eos_token_id)
-        request.state = _State(detok, [] if params.logprobs is not None else None, constraint,
+        request = Request(request_id, prompt_ids, name, limited.max_tokens, self.scheduler.next_seq(),
+                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info))
+        request.state = _State(stop_token_ids(limited, self.eos_token_id),
+                               [] if params.logprobs is not None else None, constraint,
                                sync=constraint is not None or params.penalized or bool(params.logit_bias))
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
-    def _lora_start(self, prompt_ids: list[int], adapter: str | None) -> int:
-        """The first position an activated LoRA applies to: where its invocation last starts in the prompt, or
-        ``NOT_INVOKED`` (never: PEFT runs the base model throughout) when the prompt lacks it; 0 for other adapters."""
-        invocation = self.pool.info(adapter).invocation_tokens if adapter is not None else None
-        if invocation is None:
-            return 0
-        start = activation_start(prompt_ids, invocation)
-        return NOT_INVOKED if start is None else start
-
-    def _check_logits_params(self, params: SamplingParams, adapter: str | None, grammar: Grammar | None
-                             ) -> Constraint | None:
+    def _check_logits_params(self, params: SamplingParams, added: frozenset[int], tokenizer, grammar: Grammar | None,
+                             adapter: str | None) -> Constraint | None:
         """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint, a
         copy of ``grammar``'s matcher (compiled here first when it is None or for another tokenizer)."""
-        added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size and t not in added]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.structured_output is None:
             return None
-        if grammar is None or grammar.tokenizer is not self.tokenizer_for(adapter):
+        if grammar is None or grammar.tokenizer is not tokenizer:
             grammar = self.grammar(params.structured_output, adapter).wait()
         return grammar.constraint()
 
-    def grammar(self, spec: StructuredOutput, adapter: str | None = None) -> Pending:
+    def grammar(self, spec: StructuredOutput, adapter: AdapterRef | str | None = None) -> Pending:
         """``spec`` compiled for ``adapter``'s tokenizer, on a worker thread (see ``Grammars.compile``): returns at
         once, safe from any thread; ValueError if the engine has no tokenizer."""
         tokenizer = self.tokenizer_for(adapter)
@@ -330,24 +241,26 @@ class Engine:
             raise ValueError("structured output needs a tokenizer; give the engine one")
         return self.grammars.compile(spec, tokenizer, self.vocab_size)
 
-    def tokenizer_for(self, adapter: str | None):
+    def tokenizer_for(self, adapter: AdapterRef | str | None):
         """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,
         safe from any thread (``read_adapter`` reads an adapter's tokenizer when it is registered)."""
-        if adapter is None:
-            return self.tokenizer
-        snapshot = self.pool.snapshot(adapter)
+        return self._tokenizer_of(None if adapter is None else self.pool.resolve(adapter))
+
+    def _tokenizer_of(self, snapshot: Snapshot | None):
         if snapshot is None:
             return self.tokenizer
         tokenizer = self._tokenizers.get(snapshot)
         if tokenizer is None:  # registered on the pool directly: read it now
-            tokenizer = self._tokenizers[snapshot] = read_tokenizer(adapter, snapshot.info.path)
+            tokenizer = self._tokenizers[snapshot] = read_tokenizer(snapshot.name, snapshot.info.path)
         return tokenizer or self.tokenizer
 
-    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None = None) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: AdapterRef | str | None = None) -> list[int]:
         """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked by
         ``check_prompt``."""
-        added = self.pool.info(adapter).added_tokens if adapter is not None else frozenset()
-        return check_prompt(prompt, self.tokenizer_for(adapter), self.vocab_size, added, self.max_seq_len, adapter)
+        snapshot = None if adapter is None else self.pool.resolve(adapter)
+        added = frozenset() if snapshot is None else snapshot.info.added_tokens
+        return check_prompt(prompt, self._tokenizer_of(snapshot), self.vocab_size, added, self.max_seq_len,
+                            None if snapshot is None else snapshot.name)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its last output (finish_reason 'abort') comes with the next step."""
@@ -358,6 +271,23 @@ class Engine:
         self._aborted.append(RequestOutput(request.request_id, "", [], True, "abort",
                                            num_prompt_tokens=len(request.prompt_ids),
                                            num_output_tokens=len(request.output_ids)))
+
+    def abort_all(self) -> None:
+        """Abort every request (a shutdown's end); their last outputs come with the next step."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """End every request now with ``reason`` (a step failed and no request was found to cause it): their last
+        outputs, finish_reason "abort" (the server's fault, not theirs), returned here rather than by a step."""
+        outputs = [RequestOutput(r.request_id, "", [], True, "abort", num_prompt_tokens=len(r.prompt_ids),
+                                 num_output_tokens=len(r.output_ids), error=reason) for r in self._requests.values()]
+        for request in list(self._requests.values()):
+            self.scheduler.abort(request)
+        self._requests.clear()
+        self._aborted.clear()
+        self._flight = None
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted)  # a step in flight with no request left is not work
@@ -465,31 +395,20 @@ class Engine:
         return self._collect(self._launch(plan))
 
     def _resolve(self) -> list[RequestOutput]:
-        """The step in flight, finished: each request's token in place of its placeholder, then its grammar, text,
-        logprobs and finish, as ``_commit`` does for a synchronous step. Requests that ended meanwhile (aborted,
-        failed) are skipped."""
+        """The step in flight, finished: each request's token in place of its placeholder, then through
+        ``_advance``, as ``_commit`` does for a synchronous step. Requests that ended meanwhile (aborted, failed) are
+        skipped."""
         flight, self._flight = self._flight, None
         result = None if flight is None else self._collect(flight)
         if result is None:
             return []
-        outputs = []
+        rows = []
         for row, request in enumerate(result.requests):
-            if self._requests.get(request.request_id) is not request:
-                continue
-            token, index = result.token_ids[row], flight.rows[request][1]
-            request.output_ids[index] = token
-            request.num_pending -= 1
-            try:
-                out = self._advance(request, token, row, result, index + 1)
-            except Exception as e:  # noqa: BLE001 - this request alone ends
-                logger.exception("request %s failed after its step", request.request_id)
-                out = self._fail(request, f"{type(e).__name__}: {e}")
-            if out.finished:  # running, or preempted by the step after it: wherever it is, it ends
-                request.finish_reason = out.finish_reason
-                self.scheduler.abort(request)
-                self._requests.pop(request.request_id, None)
-            outputs.append(out)
-        return outputs
+            if self._requests.get(request.request_id) is request:
+                index = flight.rows[request][1]
+                self.scheduler.resolve(request, index, result.token_ids[row])
+                rows.append((row, request, index + 1))
+        return self._advance_all(rows, result)
 
     def _isolate(self, plan: StepPlan, error: Exception, outputs: list[RequestOutput]):
         """The step failed: run each request's part alone to find those that fail, end them (finish_reason "error"),
@@ -518,42 +437,44 @@ class Engine:
         return plan, self._compute(plan) if plan.items else None
 
     def _commit(self, plan: StepPlan, result: _Sampled | None) -> list[RequestOutput]:
-        """Each request's new token: its grammar, text, logprobs and finish; the scheduler's bookkeeping."""
-        outputs, sampled, finished = [], {}, {}
-        for row, request in enumerate(result.requests if result is not None else []):
-            token = result.token_ids[row]
-            sampled[request] = token
+        """A synchronous step's tokens appended (the scheduler's bookkeeping), then each through ``_advance``."""
+        sampled = {} if result is None else dict(zip(result.requests, result.token_ids))
+        self.scheduler.postprocess(plan, sampled)
+        return self._advance_all([(row, r, len(r.output_ids)) for row, r in enumerate(sampled)], result)
+
+    def _advance_all(self, rows: list[tuple[int, Request, int]], result: _Sampled) -> list[RequestOutput]:
+        """Each (row, request, count) of a step: the request's ``count``-th output token, in its output_ids already,
+        through ``_advance``; a request that finishes is retired (one request's failure here ends it alone)."""
+        outputs = []
+        for row, request, count in rows:
             try:
-                out = self._advance(request, token, row, result)
+                out = self._advance(request, row, result, count)
             except Exception as e:  # noqa: BLE001 - this request alone ends
                 logger.exception("request %s failed after its step", request.request_id)
                 out = self._fail(request, f"{type(e).__name__}: {e}")
             if out.finished:
-                finished[request] = out.finish_reason
+                self.scheduler.finish(request, out.finish_reason)
                 self._requests.pop(request.request_id, None)
             outputs.append(out)
-        self.scheduler.postprocess(plan, sampled, finished)
         return outputs
 
-    def _advance(self, request: Request, token: int, row: int, result: _Sampled, count: int | None = None
-                 ) -> RequestOutput:
-        """One request's new token (its ``count``-th; default: the one after its output_ids) through its grammar,
-        detokenizer and logprobs."""
-        state = request.state
+    def _advance(self, request: Request, row: int, result: _Sampled, count: int) -> RequestOutput:
+        """A request's ``count``-th output token (row ``row`` of the step's result) through its grammar, its finish
+        by token and its logprobs."""
+        token, state = result.token_ids[row], request.state
         if state.constraint is not None:
             state.constraint.advance(token)
             if state.constraint.error is not None:  # this request alone ends
                 return self._fail(request, state.constraint.error)
-        delta, reason = state.detok.append(token)
+        reason = token_finish(request.params, state.stop_ids, count, token)
         logprobs = None
         if state.logprobs is not None:
             k = request.params.logprobs
             top = {} if not k else dict(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
             logprobs = [TokenLogprob(token, result.logprobs[row], top)]
             state.logprobs += logprobs
-        return RequestOutput(request.request_id, delta, [token], reason is not None, reason, logprobs,
-                             len(request.prompt_ids), count or len(request.output_ids) + 1,
-                             num_cached_tokens=request.num_cached or 0)
+        return RequestOutput(request.request_id, "", [token], reason is not None, reason, logprobs,
+                             len(request.prompt_ids), count, num_cached_tokens=request.num_cached or 0)
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
         """The last output of a request that ends with an error (it alone)."""
@@ -591,7 +512,7 @@ class Engine:
 
     def _forget_tokenizers(self, name: str) -> None:
         """Drop the tokenizers of ``name``'s versions but the current one (running requests keep theirs: their
-        detokenizer holds it)."""
+        output processor holds it)."""
         current = self.pool.snapshot(name)
         for snapshot in [s for s in list(self._tokenizers) if s.name == name and s is not current]:
             self._tokenizers.pop(snapshot, None)
@@ -606,6 +527,16 @@ class Engine:
             self.scheduler.abort(request)
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
                                                      f"on it; send it again with a model that is loaded"))
+
+
+def _lora_start(prompt_ids: list[int], info) -> int:
+    """The first position an activated LoRA applies to: where its invocation last starts in the prompt, or
+    ``NOT_INVOKED`` (never: PEFT runs the base model throughout) when the prompt lacks it; 0 for other adapters."""
+    invocation = None if info is None else info.invocation_tokens
+    if invocation is None:
+        return 0
+    start = activation_start(prompt_ids, invocation)
+    return NOT_INVOKED if start is None else start
 
 
 def check_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int, added: frozenset[int], max_seq_len: int,
@@ -680,179 +611,6 @@ def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.
     return dataclasses.replace(config, max_seq_len=max_seq_len, num_blocks=num_blocks)
 
 
-class AsyncEngine:
-    """Runs an Engine on a background thread and streams each request's outputs to asyncio code.
-
-    Only the engine thread touches the engine. Callers post commands (add a request, abort one, register an
-    adapter) to an inbox the thread drains between steps, and await their results as futures, so the event
-    loop never blocks on a step. Each step's outputs reach each event loop in one wake-up.
-
-    A ``FatalEngineError`` from a step (a tensor-parallel worker gone) ends the thread: every waiting stream and
-    call gets ``EngineDead``, so does everything asked afterwards, ``dead`` says why, and ``on_death`` is called
-    once, from the engine thread.
-    """
-
-    def __init__(self, engine: Engine, on_death: Callable[[], None] | None = None):
-        self.engine = engine
-        self.on_death = on_death
-        self.dead: str | None = None  # why the engine cannot step any more, once it cannot
-        self._cond = threading.Condition()
-        self._inbox: list[tuple[Callable, tuple, concurrent.futures.Future | None]] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopping = False
-        self.steps = 0            # engine steps run
-        self.step_seconds = 0.0   # wall time spent inside them (the rest of the thread's time is idle)
-        self._thread = threading.Thread(target=self._run, name="lorakit-engine", daemon=True)
-        self._thread.start()
-
-    def _post(self, fn: Callable, *args, wait: bool = True) -> concurrent.futures.Future | None:
-        future = concurrent.futures.Future() if wait else None
-        with self._cond:
-            if self.dead is not None and wait:
-                raise EngineDead(self.dead)
-            if self._stopping and wait:
-                raise RuntimeError("the engine is shutting down")
-            self._inbox.append((fn, args, future))
-            self._cond.notify()
-        return future
-
-    async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come; leaving early (a client gone) aborts it. A bad request
-        raises here, before anything is yielded. Its grammar, if any, is compiled on a worker thread while this
-        coroutine waits (``Engine.grammar``): never on the engine thread."""
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        grammar = None
-        if params is not None and params.structured_output is not None:  # compiled first, off the engine thread
-            grammar = await self.engine.grammar(params.structured_output, adapter).wait_async()
-
-        def add():
-            rid = self.engine.add_request(prompt, params, adapter, request_id, grammar)
-            self._streams[rid] = (loop, queue)
-            return rid
-
-        request_id = await asyncio.wrap_future(self._post(add))
-        async with contextlib.aclosing(drain(queue, lambda: self.abort(request_id))) as outs:  # closed (and aborted
-            async for out in outs:  # if unfinished) as soon as this generator is
-                yield out
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (from any thread; does not wait)."""
-        def abort():
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
-        self._post(abort, wait=False)
-
-    async def call(self, fn: Callable, *args):
-        """Run fn(*args) on the engine thread between steps (e.g. engine.register_adapter); its result."""
-        return await asyncio.wrap_future(self._post(fn, *args))
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Let running requests finish (up to ``timeout`` seconds), then stop; the rest get an error."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
-        with self._cond:
-            stuck = self._thread.is_alive()
-            pending, self._inbox = self._inbox, []
-        for *_, future in pending:
-            if future is not None:
-                future.set_exception(RuntimeError("the engine is shutting down"))
-        if not stuck:
-            for request_id in list(self.engine._requests):
-                self.engine.abort(request_id)
-        self._fail_all(RuntimeError("the engine shut down before this request finished"))
-
-    def end_requests(self, reason: str) -> None:
-        """End every request in flight now (from any thread): each stream gets a last output, finish_reason "abort"
-        with ``reason`` as its error, and the engine drops them between steps."""
-        streams, self._streams = self._streams, {}
-        for request_id, (loop, queue) in streams.items():
-            loop.call_soon_threadsafe(queue.put_nowait, RequestOutput(request_id, "", [], True, "abort", error=reason))
-
-        def abort():
-            for request_id in streams:
-                self.engine.abort(request_id)
-        if streams:
-            self._post(abort, wait=False)
-
-    def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for loop, queue in streams.values():
-            loop.call_soon_threadsafe(queue.put_nowait, error)
-
-    def _die(self, error: FatalEngineError) -> None:
-        """The engine cannot step any more: everything waiting fails with ``EngineDead``, and so will everything
-        asked from now on."""
-        logger.error("the engine cannot step any more (%s: %s); failing %d requests in flight", type(error).__name__,
-                     error, len(self._streams))
-        with self._cond:
-            self.dead = f"the engine failed and cannot run any more steps ({type(error).__name__}: {error})"
-            pending, self._inbox = self._inbox, []
-        dead = EngineDead(f"{self.dead}; the server restarts, send the request again")
-        for *_, future in pending:
-            if future is not None:
-                future.set_exception(dead)
-        self._fail_all(dead)
-        if self.on_death is not None:
-            self.on_death()
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cond:
-                while not self._inbox and not engine.has_unfinished():
-                    if self._stopping:
-                        return
-                    self._cond.wait()
-                if self._stopping and not engine.has_unfinished() and all(f is None for *_, f in self._inbox):
-                    return
-                commands, self._inbox = self._inbox, []
-            for fn, args, future in commands:
-                try:
-                    result = fn(*args)
-                except BaseException as e:  # noqa: BLE001 - the caller gets it
-                    if future is not None:
-                        future.set_exception(e)
-                else:
-                    if future is not None:
-                        future.set_result(result)
-            if not engine.has_unfinished():
-                continue
-            start = time.perf_counter()
-            try:
-                outputs = engine.step()
-            except FatalEngineError as e:
-                self._die(e)
-                return
-            except Exception as e:  # noqa: BLE001 - every waiting stream gets it
-                logger.exception("a step failed")
-                for request_id in list(engine._requests):
-                    engine.abort(request_id)
-                engine._aborted.clear()
-                self._fail_all(e)
-                continue
-            self.steps += 1
-            self.step_seconds += time.perf_counter() - start
-            batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    batches.setdefault(stream[0], []).append((stream[1], out))
-                    if out.finished:
-                        del self._streams[out.request_id]
-            for loop, items in batches.items():
-                loop.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(items: list) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
-
-
 class LLM:
     """Offline generation with adapters: a model (a path or a loaded transformers model) and a tokenizer."""
 
@@ -880,11 +638,14 @@ class LLM:
         names = adapters if isinstance(adapters, Sequence) and not isinstance(adapters, str) else [adapters] * n
         if len(params) != n or len(names) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} adapters")
-        engine = self.engine
+        engine, processors = self.engine, {}
         ids = []
         try:
             for prompt, p, name in zip(prompts, params, names):
                 ids.append(engine.add_request(prompt, p, name))
+                request = engine._requests[ids[-1]]
+                processors[ids[-1]] = OutputProcessor(ids[-1], request.prompt_ids, request.params,
+                                                      engine.tokenizer_for(name))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -893,10 +654,14 @@ class LLM:
         results = {request_id: CompletionOutput(request_id, name, engine._requests[request_id].prompt_ids, "", [],
                                                 None) for request_id, name in zip(ids, names)}
         while any(r.finish_reason is None for r in results.values()):
-            for out in engine.step():
-                result = results.get(out.request_id)
-                if result is None:
+            for raw in engine.step():
+                processed = processors[raw.request_id].process(raw)
+                out = processed.output
+                if out is None:
                     continue
+                if processed.abort:  # a stop string ended it
+                    engine.abort(out.request_id)
+                result = results[out.request_id]
                 result.text += out.text
                 result.token_ids += out.token_ids
                 if out.logprobs is not None:

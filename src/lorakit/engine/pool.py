@@ -36,9 +36,12 @@ import os
 import re
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+import msgspec
 
 import torch
 
@@ -49,7 +52,9 @@ from lorakit.layers.image import SlotImage, needs_growth
 
 logger = logging.getLogger("lorakit.pool")
 
-__all__ = ["AdapterPool", "PoolFull", "Snapshot", "check_name"]
+__all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "check_name", "resolve"]
+
+T = TypeVar("T")
 
 
 CPU_BUDGET_BYTES = 2 << 30  # the CPU tier's default size
@@ -65,6 +70,23 @@ def check_name(name) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"an adapter name must be {NAME_RULE}, got {_shown(name)}")
     return name
+
+
+class AdapterRef(msgspec.Struct, frozen=True, array_like=True):
+    """A registered adapter's version, as the server resolved a request's ``model`` to it once, at the edge: every
+    floor below carries this, not the name (``AdapterPool.resolve`` checks it is still the current version)."""
+
+    name: str
+    version: int
+    sha256: str  # of its files as read
+
+
+def resolve(registry: Mapping[str, T], name: str) -> T:
+    """``registry[name]``, or the one "unknown adapter" error (AdapterError), naming the registered ones."""
+    found = registry.get(name)
+    if found is None:
+        raise AdapterError(f"unknown adapter {_shown(name)}; registered: {sorted(registry) or 'none'}")
+    return found
 
 
 def _shown(value) -> str:
@@ -257,6 +279,24 @@ class AdapterPool:
         """Registered names and their current versions: (number, sha256 of the files as read)."""
         return {name: (v.number, v.snapshot.sha256) for name, v in self._current.copy().items()}
 
+    def resolve(self, adapter: str | AdapterRef) -> Snapshot:
+        """The snapshot of a name's current version (AdapterError for an unknown one); for an ``AdapterRef``, of that
+        version, which must still be the current one (AdapterError when it was replaced or removed since the ref
+        was made: what a request prepared for it, its tokens, may not fit the new one)."""
+        if isinstance(adapter, str):
+            return resolve(self._current.copy(), adapter).snapshot
+        v = self._current.get(adapter.name)
+        if v is None or v.number != adapter.version:
+            now = "removed" if v is None else f"replaced by version {v.number}"
+            raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
+                               f"was prepared for it; send it again")
+        return v.snapshot
+
+    def ref(self, name: str) -> AdapterRef:
+        """The current version of ``name`` as a reference (AdapterError for an unknown one)."""
+        v = resolve(self._current.copy(), name)
+        return AdapterRef(name, v.number, v.snapshot.sha256)
+
     def snapshot(self, name: str) -> Snapshot | None:
         """The snapshot of ``name``'s current version (None when it is not registered): one object per version."""
         v = self._current.get(name)
@@ -264,10 +304,7 @@ class AdapterPool:
 
     def info(self, name: str) -> AdapterInfo:
         """What registration read of the current version of ``name`` (config, modules, added tokens)."""
-        v = self._current.get(name)
-        if v is None:
-            raise AdapterError(f"unknown adapter {name!r}; registered: {sorted(self._current.copy()) or 'none'}")
-        return v.info
+        return self.resolve(name).info
 
     # Slots.
 
@@ -404,10 +441,7 @@ class AdapterPool:
     def _lookup(self, names: Sequence[str | None]) -> list[_Version | None]:
         if isinstance(names, str):
             raise TypeError(f"pass a list of adapter names, got the string {names!r}")
-        unknown = sorted({n for n in names if n is not None and n not in self._current}, key=str)
-        if unknown:
-            raise AdapterError(f"unknown adapter(s) {unknown}; registered: {self._names()}")
-        return [None if n is None else self._current[n] for n in names]
+        return [None if n is None else resolve(self._current, n) for n in names]
 
     def _pinned(self, v: _Version) -> bool:
         return v.name in self._pins and self._current.get(v.name) is v

@@ -259,7 +259,7 @@ class ModelRunner:
         self._tables = np.zeros((max_num_seqs, self.max_blocks), np.int32)
         self._free_rows: list[int] = []
         self._used_rows = 0
-        self._row_key = f"_lorakit_table_row_{id(self)}"
+        self._rows: weakref.WeakKeyDictionary[Request, list[int]] = weakref.WeakKeyDictionary()  # the runner's own
         # Decode graphs may capture a torch.compile'd forward (fused elementwise work; one compile per bucket), in
         # program order: a LoRA delta launched before its base GEMM runs beside it (layers/linear.py).
         self._decode_model = torch.compile(model, fullgraph=True, dynamic=False, options=PROGRAM_ORDER) \
@@ -282,8 +282,7 @@ class ModelRunner:
         """Each request's row of ``self._tables``, brought up to date. A request's blocks only grow while it runs and
         are all freed when it is preempted or ends (the scheduler's contract): a row is extended from the length it
         had, rebuilt after a preemption, and returned to the free rows when the request is collected."""
-        key = self._row_key
-        marks = [vars(r).get(key) for r in requests]  # [row, blocks written, preemptions]
+        marks = [self._rows.get(r) for r in requests]  # [row, blocks written, preemptions]
         stale = [k for k, (r, m) in enumerate(zip(requests, marks))
                  if m is None or m[1] != len(r.blocks) or m[2] != r.preemptions]
         for k in stale:
@@ -304,7 +303,7 @@ class ModelRunner:
             self._tables[row] = 0
         self._tables[row, have: len(blocks)] = blocks[have:]
         mark = [row, len(blocks), request.preemptions]
-        vars(request)[self._row_key] = mark
+        self._rows[request] = mark
         return mark
 
     def _new_row(self) -> int:

@@ -336,12 +336,11 @@ class Scheduler:
             self.pool.release([request.slot])
             request.slot = -1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str],
+    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str] | None = None,
                     pending: bool = False) -> None:
         """After the step ran: count the fed tokens as computed, append sampled tokens, retire finished ones
         (``finished`` maps a request to its finish reason, decided by the engine from the new token). ``pending``:
-        the sampled tokens are placeholders for tokens still on the device (the engine resolves them later and
-        lowers ``num_pending``)."""
+        the sampled tokens are placeholders for tokens still on the device (``resolve`` puts each in place later)."""
         for item in plan.items:
             request = item.request
             request.num_computed = item.start + len(item.tokens)
@@ -350,8 +349,16 @@ class Scheduler:
                 request.output_ids.append(sampled[request])
                 request.num_pending += pending
             self._register(request)
-        for request, reason in finished.items():
-            request.finish_reason = reason
-            if request in self.running:
-                self.running.remove(request)
-                self._release(request)
+        for request, reason in (finished or {}).items():
+            self.finish(request, reason)
+
+    def resolve(self, request: Request, index: int, token: int) -> None:
+        """The token sampled for output position ``index`` (a placeholder until now) has reached the host."""
+        request.output_ids[index] = token
+        request.num_pending -= 1
+
+    def finish(self, request: Request, reason: str) -> None:
+        """A request ended (the engine decided it from its new token, or it failed): dropped wherever it is (running,
+        or preempted by the step after the one that finished it)."""
+        request.finish_reason = reason
+        self.abort(request)

@@ -73,7 +73,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None, config: ServeConfig, host: str,
                 port: int) -> None:
     """One more API server process: server ``index`` of the core that the first one launched."""
-    from lorakit.engine.core import CoreClient
+    from lorakit.frontend.core_client import CoreClient
     from lorakit.serve.server import Server
 
     logging.basicConfig(level=logging.INFO,

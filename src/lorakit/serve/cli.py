@@ -239,7 +239,8 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
         raise SystemExit(f"lorakit serve: {e}") from None
 
-    from lorakit.engine.core import CoreClient, EngineDead
+    from lorakit.engine.errors import EngineDead
+    from lorakit.frontend.core_client import CoreClient
     from lorakit.serve import run_server
 
     device = None if args.device == "auto" else args.device

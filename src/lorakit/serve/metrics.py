@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from lorakit.engine import RequestOutput
-from lorakit.engine.client import EngineClient
+from lorakit.frontend.client import EngineClient
 
 __all__ = ["CountResponses", "Metrics"]
 

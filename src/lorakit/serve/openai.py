@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from lorakit.engine import RequestOutput
-from lorakit.engine.engine import TokenLogprob
+from lorakit.engine.outputs import RequestOutput, TokenLogprob
+from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import ChatBody, CompletionBody, chat_messages, nth_sample, samples
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
@@ -151,7 +151,7 @@ def _finite(logprob: float) -> float:
 class _Logprobs:
     """OpenAI's logprobs blocks for one request's choices, each token as text by the request's tokenizer."""
 
-    def __init__(self, state: ServerState, adapter: str | None, choices: int):
+    def __init__(self, state: ServerState, adapter: Adapter | None, choices: int):
         self._text = lambda token_id: state.text([token_id], adapter)
         self._offsets = [0] * choices  # characters of each choice's text so far (completions' text_offset)
 

@@ -14,7 +14,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Union
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
+from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import MAX_ITEMS, MAX_N, ApiError, _ids_kind, _list, nth_sample, shown, token_id
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Reply
@@ -110,15 +111,16 @@ class Job:
 
     prompt: str | list[int]
     params: SamplingParams
-    adapter: str | None
+    adapter: Adapter | None
     id: str
 
 
-def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_tokens_limit: int
+def jobs(body: GenerateBody, resolve: Callable[[str | None], Adapter | None], max_tokens_limit: int
          ) -> tuple[list[Job], bool]:
     """The request's jobs, prompt-major (prompt i's k-th sample is job ``i * n + k``), and whether SGLang answers
-    with a list (a batch of prompts, or ``n`` > 1) rather than one object. ``adapters``: the registered names;
-    ``base_name`` in ``lora_path`` means the base model, as null does. Raises ``Refused``."""
+    with a list (a batch of prompts, or ``n`` > 1) rather than one object. ``resolve``: a ``lora_path`` name to its
+    adapter (``ServerState.adapter_of``: None for null or the base model's name; a 404 for a name nobody serves).
+    Raises ``Refused``."""
     for key, value in (body.model_extra or {}).items():
         if value is not None and not (key in UNSUPPORTED_TOP and value == UNSUPPORTED_TOP[key]):
             raise Refused(f"{shown(key)} is not supported by lorakit's /generate; it takes text or input_ids, "
@@ -137,12 +139,7 @@ def jobs(body: GenerateBody, adapters: Collection[str], base_name: str, max_toke
         where = "input_ids"
     if not prompts:
         raise Refused(f"{where} is an empty list", where)
-    names = _per_prompt(body.lora_path, len(prompts), "lora_path")
-    for name in names:
-        if name is not None and name != base_name and name not in adapters:
-            raise Refused(f"unknown adapter {shown(name)} in lora_path; available: {sorted(adapters)} (or null or "
-                          f"{base_name!r} for the base model)", "lora_path", 404)
-    adapter_of = [None if name in (None, base_name) else name for name in names]
+    adapter_of = [resolve(name) for name in _per_prompt(body.lora_path, len(prompts), "lora_path")]
     sampling = [_sampling(sp, max_tokens_limit) for sp in _per_prompt(body.sampling_params, len(prompts),
                                                                           "sampling_params")]
     samples = {k for _, k in sampling}
@@ -262,7 +259,7 @@ class Output(Result):
 async def generate(body: GenerateBody, state: ServerState) -> Reply:
     """POST /generate: the reply, a coroutine of SGLang's response, or with ``stream`` an iterator of cumulative
     chunks (with ``index`` when batched)."""
-    jobs_, batched = jobs(body, state.adapters, state.config.model_name, state.config.max_tokens_limit)
+    jobs_, batched = jobs(body, lambda name: state.adapter_of(name, "lora_path"), state.config.max_tokens_limit)
     state.in_flight.check(len(jobs_))  # before the work of tokenizing
     for job in jobs_:
         state.check_stop(job.params.stop)
@@ -272,7 +269,7 @@ async def generate(body: GenerateBody, state: ServerState) -> Reply:
         if spec is not None and (id(spec), job.adapter) not in compiled:
             compiled.add((id(spec), job.adapter))
             await state.check_grammar(spec, job.adapter, "json_schema" if spec.json is not None else "regex")
-    tokenized: dict[tuple[int, str | None], list[int]] = {}  # a prompt's n jobs share it: tokenized once
+    tokenized: dict[tuple[int, Adapter | None], list[int]] = {}  # a prompt's n jobs share it: tokenized once
     for job in jobs_:
         if (id(job.prompt), job.adapter) not in tokenized:
             tokenized[id(job.prompt), job.adapter] = await state.prompt_ids(job.prompt, job.adapter)

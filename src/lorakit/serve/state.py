@@ -1,5 +1,5 @@
 """What every handler is given: ``ServerState``, the server's config, metrics, limit on sequences in flight, and its
-one door to the engine, an ``EngineClient`` (``lorakit.engine.client``): the engine on a thread of this process, or
+one door to the engine, an ``EngineClient`` (``lorakit.frontend.client``): the engine on a thread of this process, or
 in a core process of its own (``lorakit serve``).
 
 From the event loop, ServerState only looks things up (the registered adapters, a tokenizer, the context length);
@@ -20,14 +20,14 @@ from pathlib import Path
 import jinja2
 
 from lorakit.engine import Engine, RequestOutput, SamplingParams
-from lorakit.engine.client import EngineClient, InProcessClient
-from lorakit.engine.core import EngineDead
+from lorakit.engine.errors import EngineDead
+from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.auth import check_key
 from lorakit.serve.edge import BodyBudget, default_bytes_in_flight
 from lorakit.serve.metrics import Metrics
-from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, sampling_params, structured_param
+from lorakit.serve.protocol import ApiError, shown, ChatBody, CompletionBody, sampling_params, structured_param
 from lorakit.serve.streaming import ConcurrencyLimit, interleave
 
 __all__ = ["Result", "ServeConfig", "ServerState"]
@@ -182,23 +182,27 @@ class ServerState:
         """Every adapter this server answers for: the registered ones and those it registers on request."""
         return sorted(set(self.adapters) | set(self.on_request() if self.on_request else ()))
 
-    def adapter_of(self, model: str) -> str | None:
-        """The adapter a request's ``model`` names (None: the base model); 404 for a name nobody serves."""
-        if model == self.config.model_name:
+    def adapter_of(self, model: str | None, param: str = "model") -> Adapter | None:
+        """The adapter version a request's ``model`` names, resolved once, here: everything below carries it (None:
+        the base model, by its name or None); 404 naming ``param`` for a name nobody serves."""
+        if model is None or model == self.config.model_name:
             return None
-        if model not in self.adapters:
-            raise ApiError(404, f"the model {model!r} does not exist; available: "
-                                f"{[self.config.model_name, *self.servable()]}", "model")
-        return model
+        try:
+            return self.engine.resolve(model)
+        except AdapterError:
+            available = [self.config.model_name, *self.servable()]
+            what = f"the model {shown(model)} does not exist" if param == "model" else \
+                f"unknown adapter {shown(model)} in {param}"
+            raise ApiError(404, f"{what}; available: {available}", param) from None
 
-    async def prompt_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], adapter: Adapter | None) -> list[int]:
         """Tokenized (off the event loop) and checked once, before any response starts (so a stream can still get a
         400); a text longer than ``max_prompt_chars`` is refused before it is tokenized."""
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
         return await self._tokenize(len(prompt), self._checked_ids, prompt, adapter)
 
-    async def chat_ids(self, messages: list[dict[str, str]], adapter: str | None) -> list[int]:
+    async def chat_ids(self, messages: list[dict[str, str]], adapter: Adapter | None) -> list[int]:
         """The messages through the chat template of ``adapter``'s tokenizer (its own may add tokens), tokenized off
         the event loop and checked as ``prompt_ids`` does."""
         tokenizer = self.tokenizer(adapter)
@@ -223,7 +227,7 @@ class ServerState:
             raise ApiError(400, f"{param} has {count} characters; this server tokenizes at most "
                                 f"{self.max_prompt_chars} (--max-prompt-chars); shorten it", param)
 
-    def _checked_ids(self, prompt: str | list[int], adapter: str | None) -> list[int]:
+    def _checked_ids(self, prompt: str | list[int], adapter: Adapter | None) -> list[int]:
         try:
             return self.engine.prompt_ids(prompt, adapter)
         except ValueError as e:  # AdapterError too: the adapter was unloaded since
@@ -245,7 +249,7 @@ class ServerState:
         return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self.engine.max_seq_len,
                                max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
 
-    async def check_grammar(self, spec: StructuredOutput | None, adapter: str | None, param: str) -> None:
+    async def check_grammar(self, spec: StructuredOutput | None, adapter: Adapter | None, param: str) -> None:
         """Has the engine compile the request's grammar (on its grammar workers, while it steps and this loop serves
         others) and waits for it: a grammar past the engine's budget (--max-grammar-bytes, --max-grammar-seconds)
         or one llguidance cannot compile or follow is a 400 naming ``param``, before anything is queued. The
@@ -259,7 +263,7 @@ class ServerState:
         except EngineDead as e:
             raise ApiError(503, str(e)) from None
 
-    async def body_grammar(self, body: CompletionBody | ChatBody, params: SamplingParams, adapter: str | None
+    async def body_grammar(self, body: CompletionBody | ChatBody, params: SamplingParams, adapter: Adapter | None
                            ) -> None:
         """``check_grammar`` for an OpenAI body's structured output (``response_format`` or a ``guided_*``)."""
         await self.check_grammar(params.structured_output, adapter, structured_param(body) or "response_format")
@@ -275,11 +279,11 @@ class ServerState:
             raise ApiError(400, f"a stop string of {longest} characters; this server takes at most "
                                 f"{config.max_stop_chars} per string (--max-stop-chars)", "stop")
 
-    def tokenizer(self, adapter: str | None):
+    def tokenizer(self, adapter: Adapter | None):
         """The tokenizer of ``adapter``'s requests (its own where its folder has one); None if the engine has none."""
         return self.engine.tokenizer_for(adapter)
 
-    def text(self, ids: list[int], adapter: str | None, skip_special_tokens: bool = False) -> str:
+    def text(self, ids: list[int], adapter: Adapter | None, skip_special_tokens: bool = False) -> str:
         """The text of token ids, as ``adapter``'s tokenizer reads them ("" without a tokenizer, as the engine's
         outputs are then)."""
         tokenizer = self.tokenizer(adapter)
@@ -296,13 +300,13 @@ class ServerState:
         await self.engine.unregister_adapter(name)
         self.metrics.prune()  # its series go with it
 
-    async def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
+    async def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
                        ) -> AsyncIterator[RequestOutput]:
         """One request's outputs, counted in the metrics; a request the engine refuses, or one that fails (its
         adapter could not be loaded or was unloaded before it ran, its grammar failed), is a 400. An abort this
         client did not cause (a client that leaves stops reading before its own comes) is a 503: a request never
         ends empty with a 200."""
-        with self.metrics.request(adapter or self.config.model_name) as measured:
+        with self.metrics.request(self.config.model_name if adapter is None else adapter.name) as measured:
             try:
                 async for out in self.engine.generate(prompt, params, adapter):
                     measured.update(out)
@@ -317,13 +321,13 @@ class ServerState:
             except EngineDead as e:
                 raise ApiError(503, str(e)) from None
 
-    def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, str | None]]
+    def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of every job (prompt ids, params, adapter) as they come, each with its job's index; the first
         error ends them all (raised here), and leaving early aborts every job."""
         return interleave([self.generate(*job) for job in jobs])
 
-    async def results(self, jobs: Sequence[tuple[list[int], SamplingParams, str | None]]) -> list[Result]:
+    async def results(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]) -> list[Result]:
         """Every job's outputs added up, in the order of ``jobs``."""
         results = [Result() for _ in jobs]
         async for i, out in self.stream(jobs):

@@ -1,7 +1,7 @@
 """How a server talks to an engine: ``EngineClient``, one interface with two homes for the engine.
 
 ``InProcessClient`` runs the engine on a thread of the server's own process (``AsyncEngine``): what tests and
-embedding code use, and what ``create_app(engine)`` gets. ``CoreClient`` (``lorakit.engine.core``) runs it in a
+embedding code use, and what ``create_app(engine)`` gets. ``CoreClient`` (``lorakit.frontend.core_client``) runs it in a
 process of its own, so the model's steps and the server's HTTP, tokenizing and detokenizing never share a GIL:
 what ``lorakit serve`` uses. Both give the same answers: the server (``serve.state.ServerState``) cannot tell
 which one it holds.
@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from lorakit.engine.engine import AsyncEngine, Engine, RequestOutput
+from lorakit.engine.engine import Engine
+from lorakit.engine.outputs import RequestOutput
+from lorakit.engine.pool import AdapterRef
+from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["EngineClient", "EngineStats", "InProcessClient"]
+__all__ = ["Adapter", "EngineClient", "EngineStats", "InProcessClient"]
 
 
 @dataclass
@@ -54,6 +57,26 @@ class EngineStats:
     prefix_evictions: int = 0  # cached blocks evicted to make room
 
 
+@dataclass(frozen=True, eq=False)
+class Adapter:
+    """A request's adapter as the server resolved its ``model`` once, at the edge: the version (``ref``, what the
+    engine gets) and what this process needs of it."""
+
+    ref: AdapterRef
+    path: str
+    added: frozenset[int]  # the token ids it adds to the vocabulary
+    tokenizer: object = None  # its folder's tokenizer; None: the base model's
+
+    @property
+    def name(self) -> str:
+        return self.ref.name
+
+    @classmethod
+    def of(cls, facts, tokenizer) -> Adapter:
+        """From the core's ``AdapterFacts`` and the tokenizer read here (False: its folder has none)."""
+        return cls(facts.ref, facts.path, frozenset(facts.added_tokens), tokenizer or None)
+
+
 class EngineClient(Protocol):
     """What a server needs of an engine (see the module docstring)."""
 
@@ -67,9 +90,11 @@ class EngineClient(Protocol):
     @property
     def versions(self) -> dict[str, tuple[int, str]]: ...  # registered names -> (version number, sha256)
 
-    def tokenizer_for(self, adapter: str | None): ...
+    def resolve(self, name: str) -> Adapter: ...  # the current version of a registered name; else AdapterError
 
-    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]: ...
+    def tokenizer_for(self, adapter: Adapter | None): ...
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: Adapter | None) -> list[int]: ...
 
     crashed: bool  # the engine died on its own (not stopped)
     on_death: Callable[[], None] | None  # called once when it does (from any thread)
@@ -78,13 +103,13 @@ class EngineClient(Protocol):
 
     def stop(self) -> None: ...
 
-    async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None: ...  # ValueError: refused
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None: ...  # ValueError: refused
 
     def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (None: it can)
 
     def end_requests(self, reason: str) -> None: ...  # every request in flight ends now: "abort", error ``reason``
 
-    def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None
+    def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
                  ) -> AsyncIterator[RequestOutput]: ...
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
@@ -115,11 +140,18 @@ class InProcessClient:
     def versions(self) -> dict[str, tuple[int, str]]:
         return self.engine.pool.versions
 
-    def tokenizer_for(self, adapter: str | None):
-        return self.engine.tokenizer_for(adapter)
+    def resolve(self, name: str) -> Adapter:
+        pool = self.engine.pool
+        ref = pool.ref(name)
+        info = pool.resolve(ref).info
+        tokenizer = self.engine.tokenizer_for(ref)
+        return Adapter(ref, str(info.path), info.added_tokens, None if tokenizer is self.engine.tokenizer else tokenizer)
 
-    def prompt_ids(self, prompt: str | Sequence[int], adapter: str | None) -> list[int]:
-        return self.engine.prompt_ids(prompt, adapter)
+    def tokenizer_for(self, adapter: Adapter | None):
+        return (adapter.tokenizer if adapter is not None else None) or self.engine.tokenizer
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: Adapter | None) -> list[int]:
+        return self.engine.prompt_ids(prompt, None if adapter is None else adapter.ref)
 
     def start(self) -> None:
         self.async_engine = AsyncEngine(self.engine, on_death=self._died)
@@ -133,8 +165,8 @@ class InProcessClient:
         if self.async_engine is not None:
             self.async_engine.shutdown()
 
-    async def compile_grammar(self, spec: StructuredOutput, adapter: str | None) -> None:
-        await self.engine.grammar(spec, adapter).wait_async()  # on the engine's grammar workers, not its thread
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
+        await self.engine.grammar(spec, None if adapter is None else adapter.ref).wait_async()  # on the engine's grammar workers, not its thread
 
     def health(self, timeout: float) -> str | None:
         """Why the engine cannot serve now (it failed for good), or None. ``timeout`` is for an engine in another
@@ -145,8 +177,9 @@ class InProcessClient:
         if self.async_engine is not None:
             self.async_engine.end_requests(reason)
 
-    def generate(self, prompt: list[int], params: SamplingParams, adapter: str | None) -> AsyncIterator[RequestOutput]:
-        return self.async_engine.generate(prompt, params, adapter)
+    def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
+                 ) -> AsyncIterator[RequestOutput]:
+        return self.async_engine.generate(prompt, params, None if adapter is None else adapter.ref)
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         self._reading = self._reading or asyncio.Lock()

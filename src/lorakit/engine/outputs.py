@@ -1,0 +1,128 @@
+"""What a request gains, from the engine's step to the client's stream: one ``RequestOutput`` type, two floors.
+
+The engine decides everything a token decides (``token_finish``): an eos or stop token ends the request ("stop",
+counted from token ``min_tokens + 1`` on), its ``max_tokens``-th token ends it ("length"). Its outputs carry token
+ids, logprobs and that finish, never text.
+
+``OutputProcessor`` decides everything text decides, in one place: each request's tokens are detokenized once
+(``IncrementalDetokenizer``), stop strings are looked for there, and the output gets its text (a stop string cuts
+the tokens after the one that completes it: finish_reason "stop"). It runs in the process that streams to the user,
+not beside the model: detokenizing costs 5-20 us a token of the interpreter's time (``bench/bench_frontend.py``),
+which the process that steps the model would lose from every step. A request a stop string ends is still running
+in the engine; the processor says so (``Processed.abort``) and its owner aborts it there (one message, and at most
+the tokens of the steps in flight, which are dropped).
+
+Who runs it: ``LLM.generate`` (offline, on its own thread), ``InProcessClient`` (on the event loop, for the engine
+thread's outputs) and ``CoreClient`` (in each API server process, for the core's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.sampling import SamplingParams
+
+__all__ = ["CompletionOutput", "OutputProcessor", "RequestOutput", "TokenLogprob", "stop_token_ids", "token_finish"]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top tokens' logprobs (empty unless asked for)
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """What one request gained in one step: new tokens (and, past an ``OutputProcessor``, their text), and whether
+    it finished. A msgspec struct: the engine core process sends it as it is (``frontend.wire``)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # why, when finish_reason is "error" (or an "abort" the server caused)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one, as one."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
+                             later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
+                             later.error, later.num_cached_tokens)
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def stop_token_ids(params: SamplingParams, eos_token_id: int | list[int] | None) -> frozenset[int]:
+    """The tokens that end a request: its ``stop_token_ids`` and the model's eos (unless ``ignore_eos``)."""
+    eos = [] if eos_token_id is None or params.ignore_eos else (
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    return frozenset(params.stop_token_ids) | frozenset(eos)
+
+
+def token_finish(params: SamplingParams, stop_ids: frozenset[int], count: int, token: int) -> str | None:
+    """Why a request ends at its ``count``-th output token ``token``: "stop" for a stop token past ``min_tokens``
+    (as in vLLM: it counts from token min_tokens + 1 on), "length" at ``max_tokens``; None while it runs."""
+    if count > params.min_tokens and token in stop_ids:
+        return "stop"
+    return "length" if count >= params.max_tokens else None
+
+
+@dataclass
+class Processed:
+    """An engine output past the processor: ``output`` (None when its request is not followed here: aborted or ended
+    already), and ``abort``: a stop string ended it here while it still runs in the engine, which must be told."""
+
+    output: RequestOutput | None
+    abort: bool = False
+
+
+class OutputProcessor:
+    """One request's outputs given their text (see the module docstring): made before its first output comes, fed
+    each output in order. ``tokenizer`` None gives outputs without text (and no stop strings)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer):
+        self.request_id = request_id
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+        self.finished = False
+
+    def process(self, out: RequestOutput) -> Processed:
+        """``out`` with its text; a stop string found here cuts its tokens and finishes it. Outputs after the
+        finished one (steps in flight when a stop string ended it) are dropped (``output`` None)."""
+        if self.finished:
+            return Processed(None)
+        text, reason, taken = "", None, 0
+        last = len(out.token_ids) - 1
+        for i, token in enumerate(out.token_ids):
+            delta, reason = self._detok.append(token, out.finish_reason if i == last else None)
+            text, taken = text + delta, taken + 1
+            if reason is not None:
+                break
+        abort = reason is not None and out.finish_reason is None  # a stop string: the engine does not know yet
+        reason = reason or out.finish_reason
+        self.finished = reason is not None
+        if taken < len(out.token_ids):
+            return Processed(RequestOutput(out.request_id, text, out.token_ids[:taken], True, reason,
+                                           out.logprobs[:taken] if out.logprobs is not None else None,
+                                           out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken,
+                                           out.error, out.num_cached_tokens), abort)
+        out.text, out.finished, out.finish_reason = text, self.finished, reason
+        return Processed(out, abort)

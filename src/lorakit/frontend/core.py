@@ -1,0 +1,323 @@
+"""The engine core process: the engine loop in a process of its own, with its transport around it.
+
+``lorakit serve`` runs the engine in a process of its own (as vLLM's engine core and SGLang's scheduler process
+do), so the model's steps never wait for the GIL behind HTTP parsing, tokenizing or detokenizing, and the
+reverse::
+
+    server process (asyncio, one or more)                   core process
+    HTTP, validation, tokenizing, chat templates  Add, Abort, Call   EngineLoop: scheduler, adapter pool,
+    CoreClient: streams, text (OutputProcessor)   ----------------> model runner, sampling
+                                                  <----------------
+                                                  Step (a step's outputs, at once), Reply, Adapters, Beat
+
+The two talk over ZeroMQ PUSH/PULL sockets (``ipc://`` in a folder only this user can enter) in the messages of
+``frontend.wire``. This module is only the transport: ``_Core`` turns each message into work for the one engine
+loop (``lorakit.engine.loop``, the same loop ``AsyncEngine`` runs on a thread) and each step's outputs into one
+message per server. The core sends token ids; each server's ``CoreClient`` makes their text and finds stop strings
+(one output processor per request, in the server process: ``engine.outputs``), and aborts a request a stop string
+ended.
+
+Several server processes (``lorakit serve --api-servers N``) can share one core: each pushes to the core's one
+inbox and binds its own socket for the core's messages. A request id starts with its server's index ("s2-r17"), so
+each step's outputs go to the servers they belong to; a call's reply goes to its caller, and an adapter registered
+or unregistered through one server is announced to the others (``Adapters``).
+
+A request's grammar (structured output) is compiled in the core, by the engine's grammar worker threads, while the
+loop keeps stepping: the server asks for it first (a "grammar" call, answered once it compiled or with why it is
+refused) and only then sends the request's Adds, which find it compiled; an Add whose grammar is still compiling
+waits outside the scheduler (``EngineLoop.after``). Adapter folders are read on a worker thread of the core while it
+keeps stepping, then installed between steps (``after`` too).
+
+The core is built in the child from a picklable factory, and reports ``Ready`` (the facts the clients answer
+lookups with) or ``Failed``. An engine that cannot step any more (a ``FatalEngineError``) makes the core tell every
+server why (``Failed``) and exit with status 1. A thread of the core sends every server a ``Beat`` every
+``BEAT_SECONDS`` whatever the loop is doing, so a server's ``health`` tells a core that stopped running from a busy
+one. A core whose parent is gone exits within a fraction of a second (``lifeline``), and so do its tensor-parallel
+workers. The core ignores SIGINT and SIGTERM (the whole process group gets Ctrl-C): the server lets the requests in
+flight finish, then stops it (a "shutdown" call: the loop drains).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from lorakit.engine.engine import Engine
+from lorakit.engine.errors import FatalEngineError
+from lorakit.engine.lifeline import die_with_parent
+from lorakit.engine.loop import EngineLoop
+from lorakit.engine.outputs import RequestOutput
+from lorakit.engine.pool import AdapterRef
+from lorakit.engine.structured import Pending, StructuredOutput
+from lorakit.frontend.client import EngineStats, engine_stats
+from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, Failed, FromCore, Ready, Reply, \
+    Step, ToCore
+
+__all__ = ["facts", "run_core"]
+
+logger = logging.getLogger("lorakit.core")
+
+STATS_SECONDS = 0.25  # the core sends its stats at least this often while it steps (and once when it goes idle)
+BEAT_SECONDS = 0.5  # the core's thread of beats sends one to every server this often
+BEAT_QUEUE = 8  # beats queued for a server that does not read; later ones are dropped
+
+
+def facts(engine: Engine, name: str) -> AdapterFacts:
+    ref, info = engine.pool.ref(name), engine.pool.info(name)
+    return AdapterFacts(ref, str(info.path), sorted(info.added_tokens))
+
+
+# The core process.
+
+def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int,
+             kernel: bool = True) -> None:
+    """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop; exits
+    with status 1 (after a Failed to every server) when the engine cannot step any more. It ignores SIGINT and
+    SIGTERM: Ctrl-C in a terminal and a supervisor's stop reach the whole process group, and the server, which gets
+    them too, lets the requests in flight finish and then stops the core. It exits when the server ``parent_pid`` is
+    gone (``kernel``: the kernel may kill it then, see ``lifeline``)."""
+    die_with_parent(parent_pid, "the engine core", kernel=kernel)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s [core pid %(process)d]: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.bind(to_core)  # every server process pushes to it
+    outboxes = []
+    for address in from_core:  # one per server process: a request's outputs go to the server that sent it
+        outbox = context.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)
+        outbox.connect(address)
+        outboxes.append(outbox)
+    encode = msgspec.msgpack.Encoder().encode
+    try:
+        engine = factory()
+    except Exception as e:  # noqa: BLE001 - the server reports it and stops
+        logger.exception("the engine could not be built")
+        outboxes[0].send(encode(Failed(str(e), type(e).__name__)))
+        outboxes[0].close(linger=5000)
+        raise SystemExit(1) from None
+    logger.info("engine core ready (pid %d)", os.getpid())
+    ready = encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id,
+                         [facts(engine, name) for name in sorted(engine.pool.adapters)]))
+    for outbox in outboxes:
+        outbox.send(ready)
+    stop_beats = threading.Event()
+    beats = threading.Thread(target=_beat, args=(context, from_core, stop_beats), name="lorakit-core-beat",
+                             daemon=True)
+    beats.start()
+    status = 0
+    try:
+        _Core(engine, inbox, outboxes).run()
+    except FatalEngineError as e:
+        logger.exception("the engine cannot step any more; the engine core exits")
+        failed = encode(Failed(f"the engine cannot run any more steps ({type(e).__name__}: {e})", type(e).__name__))
+        for outbox in outboxes:
+            outbox.send(failed)
+        status = 1
+    finally:
+        stop_beats.set()
+        beats.join()
+        for outbox in outboxes:
+            outbox.close(linger=5000)
+        inbox.close(linger=0)
+    if status:
+        raise SystemExit(status)
+
+
+def _beat(context: zmq.Context, addresses: list[str], stop: threading.Event) -> None:
+    """The core's beats, on a thread of their own (and sockets of their own: a socket belongs to one thread): one to
+    every server every BEAT_SECONDS until ``stop``, dropped for a server that does not read."""
+    beat = msgspec.msgpack.Encoder().encode(Beat())
+    sockets = []
+    for address in addresses:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, BEAT_QUEUE)
+        socket.connect(address)
+        sockets.append(socket)
+    try:
+        while not stop.wait(BEAT_SECONDS):
+            for socket in sockets:
+                with contextlib.suppress(zmq.Again):
+                    socket.send(beat, zmq.NOBLOCK)
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+
+
+class _Core:
+    """The transport around the engine loop: the inbox socket's messages become the loop's work, each step's
+    outputs one ``Step`` message per server."""
+
+    def __init__(self, engine: Engine, inbox: zmq.Socket | None, outboxes: list[zmq.Socket]):
+        self.engine, self.inbox, self.outboxes = engine, inbox, outboxes
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder(ToCore).decode
+        self.loop = EngineLoop(engine, self, self.send_step, self.idle)
+        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
+        self.stats_at = 0.0
+        self.compiling: set[str] = set()  # requests waiting for their grammars (an abort takes one out)
+
+    def run(self) -> None:
+        """Until a shutdown call has been answered; raises a ``FatalEngineError`` from a step."""
+        self.loop.run()
+
+    def take(self, timeout: float | None) -> list[Callable[[], None]]:
+        """The loop's inbox: the messages that came (waiting up to ``timeout`` s for one), each as a command."""
+        if not self.inbox.poll(-1 if timeout is None else int(timeout * 1000)):
+            return []
+        commands = []
+        while True:
+            try:
+                message = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return commands
+            try:
+                message = self.decode(message)
+            except msgspec.ValidationError:  # the client checked it: a bug, logged, and the core goes on
+                logger.exception("a message from the server could not be read")
+                continue
+            commands.append(lambda message=message: self.handle(message))
+
+    def handle(self, message: ToCore) -> None:
+        engine, loop = self.engine, self.loop
+        if isinstance(message, Add):
+            spec = message.params.structured_output
+            if spec is None:
+                self.add(message)
+            else:  # waits outside the scheduler while a worker compiles its grammar (at once if it is cached)
+                self.compile(message, spec)
+        elif isinstance(message, Abort):
+            for request_id in message.request_ids:
+                engine.abort(request_id)
+                self.compiling.discard(request_id)
+        elif message.method == "grammar":
+            try:
+                spec = msgspec.convert(message.args[0], StructuredOutput)
+                adapter = msgspec.convert(message.args[1], AdapterRef | None)
+            except (msgspec.ValidationError, ValueError) as e:
+                self.send(Reply(message.call_id, error=("ValueError", str(e))), message.server)
+            else:
+                self.compile(message, spec, adapter)
+        elif message.method == "register":
+            name, path, roots = message.args
+            loop.after(self.reader.submit(engine.read_adapter, name, path, roots),
+                       lambda read, call=message: self.answer(call, lambda: self.install(call, read.result())))
+        elif message.method == "unregister":
+            def unregister():
+                engine.unregister_adapter(*message.args)
+                self.broadcast(Adapters(None, message.args[0]), but=message.server)
+            self.answer(message, unregister)
+        elif message.method == "shutdown":
+            loop.drain(float(message.args[0]), lambda: self.send(Reply(message.call_id), message.server))
+        else:
+            self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")), message.server)
+
+    def add(self, message: Add, grammar=None) -> None:
+        try:
+            self.engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id, grammar)
+        except (ValueError, TypeError) as e:  # AdapterError too: unloaded or replaced since the server resolved it
+            self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
+                                        error=str(e)))
+
+    def compile(self, message: Add | Call, spec: StructuredOutput, adapter=None) -> None:
+        """Have ``spec`` compiled on a worker; ``message`` waits for it outside the scheduler."""
+        if isinstance(message, Add):
+            adapter = message.adapter
+            self.compiling.add(message.request_id)
+        try:
+            pending = self.engine.grammar(spec, adapter)
+        except ValueError as e:  # AdapterError too
+            pending = Pending(0.0, str(e))
+        if pending.done():  # cached, or refused before any work
+            self.compiled(message, pending)
+        else:
+            self.loop.after(pending, lambda pending, message=message: self.compiled(message, pending))
+
+    def compiled(self, message: Add | Call, pending: Pending) -> None:
+        """A grammar compiled (or refused, or past its budget of seconds): the request queued (or its error), or the
+        call answered."""
+        try:
+            grammar, error = pending.result(), None
+        except ValueError as e:  # GrammarError
+            grammar, error = None, str(e)
+        if isinstance(message, Call):
+            self.send(Reply(message.call_id, error=None if error is None else ("ValueError", error)), message.server)
+        elif message.request_id not in self.compiling:  # aborted while it compiled
+            return
+        elif error is not None:
+            self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
+                                        error=error))
+        else:
+            self.add(message, grammar)
+        if isinstance(message, Add):
+            self.compiling.discard(message.request_id)
+
+    def install(self, call: Call, checked) -> AdapterFacts:
+        self.engine.install_adapter(checked)
+        found = facts(self.engine, checked.snapshot.name)
+        self.broadcast(Adapters(found, roots=call.args[2]), but=call.server)
+        return found
+
+    def answer(self, call: Call, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except FatalEngineError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            self.send(Reply(call.call_id, error=(type(e).__name__, str(e))), call.server)
+        else:
+            self.send(Reply(call.call_id, result), call.server)
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine, steps=self.loop.steps, step_seconds=self.loop.step_seconds)
+
+    def idle(self) -> None:
+        """The loop has nothing to do: the last numbers, once."""
+        if self.stats_at:
+            self.send_step([], force=True)
+            self.stats_at = 0.0
+
+    def send(self, message: FromCore, server: int = 0) -> None:
+        self.outboxes[server].send(self.encode(message))
+
+    def broadcast(self, message: FromCore, but: int | None = None) -> None:
+        data = self.encode(message)
+        for server, outbox in enumerate(self.outboxes):
+            if server != but:
+                outbox.send(data)
+
+    def send_step(self, outputs: list[RequestOutput], force: bool = False) -> None:
+        """Each server its requests' outputs (a request id starts with its server's "s<index>-"), and the stats
+        every STATS_SECONDS."""
+        now = time.monotonic()
+        stats = None
+        if force or now - self.stats_at > STATS_SECONDS:
+            stats, self.stats_at = self.stats(), now
+        if not outputs and stats is None:
+            return
+        if len(self.outboxes) == 1:
+            self.send(Step(outputs, stats))
+            return
+        by_server: list[list[RequestOutput]] = [[] for _ in self.outboxes]
+        for out in outputs:
+            by_server[_server_of(out.request_id)].append(out)
+        for server, outs in enumerate(by_server):
+            if outs or stats is not None:
+                self.send(Step(outs, stats), server)
+
+
+def _server_of(request_id: str) -> int:
+    return int(request_id[1: request_id.index("-")])

@@ -1,0 +1,377 @@
+"""``CoreClient``: a server process's side of the engine core process (``lorakit.frontend.core``).
+
+It starts the core (``launch``) or joins one another server started (``attach``), keeps a mirror of the core's
+registered adapters (their versions, added tokens and tokenizers: the lookups a server makes on its event loop are
+answered here, never by a round trip), sends requests and calls, and streams each request's outputs from the core's
+``Step`` messages through its ``OutputProcessor`` (text, stop strings; ``frontend.streams``). It watches the core:
+a core that exits is seen at once through its process sentinel (or, for a server that did not start it, its pid),
+and every waiting request gets ``EngineDead``; ``health`` reads the core's beats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lorakit.engine.engine import Engine, check_prompt, fit_params
+from lorakit.engine.errors import EngineDead
+from lorakit.engine.lifeline import on_main_thread
+from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.pool import resolve
+from lorakit.engine.sampling import SamplingParams
+from lorakit.engine.snapshot import read_tokenizer
+from lorakit.engine.structured import StructuredOutput
+from lorakit.frontend.client import Adapter, EngineStats
+from lorakit.frontend.core import run_core
+from lorakit.frontend.streams import stream
+from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, Step, ToCore
+from lorakit.layers.adapter import AdapterError
+
+__all__ = ["CoreClient"]
+
+logger = logging.getLogger("lorakit.core")
+
+
+class CoreClient:
+    """The engine in a child process (see the module docstring), behind the ``EngineClient`` interface.
+
+    ``factory``: a picklable callable that builds the ``Engine`` in the child. ``tokenizer``: the base model's, for
+    this process's tokenizing and detokenizing. ``launch()`` starts the core and waits until it is ready (before the
+    server listens); ``start()``, on the event loop, starts reading its outputs. ``health`` says whether the core is
+    alive and heard from (any message, its beats included)."""
+
+    def __init__(self, factory: Callable[[], Engine] | None, tokenizer=None, servers: int = 1):
+        self.factory, self.tokenizer, self.servers = factory, tokenizer, servers
+        self.index = 0  # this server's among ``servers`` (``attach`` sets it)
+        self.addresses: tuple[str, list[str]] | None = None  # (to the core, from the core to each server)
+        self.core_pid: int | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None  # the core, when this process started it
+        self.companions: list = []  # the other API server processes of this core (stopped before it)
+        self.on_death: Callable[[], None] | None = None  # called once if the core exits on its own
+        self.dead: str | None = None  # why the core is gone, once it is
+        self.crashed = False  # it exited on its own (not stopped)
+        self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
+        self._adapters: dict[str, Adapter] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids, self._call_ids = itertools.count(), itertools.count()
+        self._stats = EngineStats()
+        self._heard = 0.0  # time.monotonic() of the core's last message
+        self._folder: str | None = None
+        self._context = zmq.Context()
+        self._to_core = self._from_core = None
+        self._reader: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromCore).decode
+
+    @property
+    def pid(self) -> int | None:
+        return self.core_pid
+
+    # Starting and stopping.
+
+    def launch(self, timeout: float | None = None) -> None:
+        """Start the core process and wait for its Ready (its model loaded, its graphs captured). A core that
+        fails to build its engine raises here: the exception type it raised (ValueError, ...) with its message."""
+        self._folder = tempfile.mkdtemp(prefix="lorakit-core-")  # mode 0700: only this user reaches the sockets
+        self.addresses = (f"ipc://{self._folder}/to-core",
+                          [f"ipc://{self._folder}/from-core-{i}" for i in range(self.servers)])
+        self._connect()
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
+        self.process = spawn.Process(target=run_core, args=(self.factory, *self.addresses, os.getpid(),
+                                                            on_main_thread()), name="lorakit-core", daemon=True)
+        self.process.start()
+        self.core_pid = self.process.pid
+        logger.info("engine core started (pid %d); waiting for it to load the model", self.process.pid)
+        self._wait_ready(timeout, self.process)
+
+    def attach(self, addresses: tuple[str, list[str]], index: int, core_pid: int, timeout: float | None = None):
+        """Be server ``index`` of a core another process launched (``addresses``: that client's), once it is
+        ready."""
+        self.addresses, self.index, self.core_pid, self.servers = addresses, index, core_pid, len(addresses[1])
+        self._connect()
+        self._wait_ready(timeout, None)
+
+    def _connect(self) -> None:
+        to_core, from_core = self.addresses
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a burst of requests
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.connect(to_core)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
+        self._from_core.bind(from_core[self.index])
+
+    def _wait_ready(self, timeout: float | None, process) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._from_core.poll(200):
+            if process is not None and not process.is_alive():
+                self._cleanup()
+                raise EngineDead(f"the engine core (pid {process.pid}) exited with code {process.exitcode} while "
+                                 f"starting; its log says why")
+            if end is not None and time.monotonic() > end:
+                if process is not None:
+                    process.kill()
+                self._cleanup()
+                raise EngineDead(f"the engine core did not start within {timeout} s")
+        message = self._decode(self._from_core.recv())
+        while isinstance(message, Beat):  # the beats start after Ready, on sockets of their own: one may overtake it
+            message = self._decode(self._from_core.recv())
+        if isinstance(message, Failed):
+            if process is not None:
+                process.join(10)
+            self._cleanup()
+            raise ERRORS.get(message.kind, RuntimeError)(message.message)
+        self.vocab_size, self.max_seq_len, self.eos_token_id = message.vocab_size, message.max_seq_len, \
+            message.eos_token_id
+        self._stats = EngineStats(pid=message.pid)
+        self._heard = time.monotonic()
+        for facts in message.adapters:
+            self._adapters[facts.ref.name] = Adapter.of(facts, read_tokenizer(facts.ref.name, facts.path))
+
+    def start(self) -> None:
+        """Start reading the core's messages on the running event loop (``launch`` first if it was not)."""
+        if self.addresses is None:
+            self.launch()
+        loop = asyncio.get_running_loop()
+        self._from_core = zmq.asyncio.Socket.from_socket(self._from_core)
+        self._reader = loop.create_task(self._read())
+        if self.process is not None:
+            loop.add_reader(self.process.sentinel, self._exited)
+        else:  # another server started the core (and reaps it when it dies): watch both
+            self._watch = loop.create_task(self._watch_core(os.getppid()))
+
+    async def _watch_core(self, parent: int) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if os.getppid() != parent:
+                break
+            try:
+                os.kill(self.core_pid, 0)
+            except ProcessLookupError:
+                self._died(f"the engine core (pid {self.core_pid}) exited")
+                return
+        self._died("the server process that started the engine core is gone")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the core: running requests get ``timeout`` seconds, then end (abort); waits for the process."""
+        if self.process is None:  # another server's core: it stops it
+            if self._reader is not None:
+                self._reader.cancel()
+            self._fail_all(EngineDead("the server shut down before this request finished"))
+            self._cleanup()
+            return
+        for process in self.companions:  # the other API servers: their requests in flight finish first
+            process.terminate()
+        for process in self.companions:
+            process.join(40)
+        if self.process.is_alive() and self.dead is None:
+            self.dead = "the server is shutting down"
+            try:
+                asyncio.get_running_loop().remove_reader(self.process.sentinel)
+            except RuntimeError:
+                pass
+            self._send(Call(next(self._call_ids), "shutdown", [timeout], self.index))
+            self.process.join(timeout + 10)
+        elif self.crashed:  # it said it cannot step any more, and is exiting
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail_all(EngineDead("the server shut down before this request finished"))
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for socket in (self._to_core, self._from_core):
+            if socket is not None:
+                socket.close(linger=0)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _exited(self) -> None:
+        """The core process ended on its own: everything waiting fails, and the server is told."""
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.process.sentinel)
+        self.process.join(1)
+        self._died(f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}")
+
+    def _died(self, reason: str) -> None:
+        """The core is gone, or going (it said so: ``Failed``): everything waiting fails with ``reason``, so does
+        everything asked from now on, and the server is told, once."""
+        if self.crashed:
+            return
+        self.dead, self.crashed = reason, True
+        logger.error("%s; failing %d requests in flight", reason, len(self._queues))
+        self._fail_all(EngineDead(f"{reason}; the server restarts, send the request again"))
+        if self.on_death is not None:
+            self.on_death()
+
+    def health(self, timeout: float) -> str | None:
+        """Why the core cannot serve now: it is gone, or nothing came from it for more than ``timeout`` seconds (its
+        beats come every BEAT_SECONDS from a thread of their own, so a long step does not count: a stopped, frozen or
+        starved process does). None: it can."""
+        if self.dead is not None:
+            return self.dead
+        silent = time.monotonic() - self._heard
+        if silent > timeout:
+            return (f"the engine core (pid {self.core_pid}) has sent nothing for {silent:.1f} s, more than the "
+                    f"{timeout:g} s health timeout: it is stopped, frozen or starved of CPU")
+        return None
+
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight now: each stream gets a last output, finish_reason "abort" with ``reason`` as
+        its error (whatever the core is doing), and the core is told to drop them."""
+        queues, self._queues = self._queues, {}
+        if not queues:
+            return
+        if self.dead is None:
+            self._send(Abort(list(queues)))
+        for request_id, queue in queues.items():
+            queue.put_nowait(RequestOutput(request_id, "", [], True, "abort", error=reason))
+
+    def _fail_all(self, error: Exception) -> None:
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(error)
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # Lookups (answered here, from the core's facts).
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        return {name: a.ref.version for name, a in self._adapters.items()}
+
+    @property
+    def versions(self) -> dict[str, tuple[int, str]]:
+        return {name: (a.ref.version, a.ref.sha256) for name, a in self._adapters.items()}
+
+    def resolve(self, name: str) -> Adapter:
+        return resolve(self._adapters, name)
+
+    def tokenizer_for(self, adapter: Adapter | None):
+        return (adapter.tokenizer if adapter is not None else None) or self.tokenizer
+
+    def prompt_ids(self, prompt: str | Sequence[int], adapter: Adapter | None) -> list[int]:
+        added = frozenset() if adapter is None else adapter.added
+        return check_prompt(prompt, self.tokenizer_for(adapter), self.vocab_size, added, self.max_seq_len,
+                            None if adapter is None else adapter.name)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # Requests and calls.
+
+    async def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come, with their text; leaving early aborts it in the core."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        request_id = f"s{self.index}-r{next(self._ids)}"
+        params = fit_params(params, len(prompt), self.max_seq_len)
+        processor = OutputProcessor(request_id, prompt, params, self.tokenizer_for(adapter))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._send(Add(request_id, prompt, params, None if adapter is None else adapter.ref))
+
+        def abort():
+            if self._queues.pop(request_id, None) is not None:
+                self._send(Abort([request_id]))
+        async with contextlib.aclosing(stream(queue, processor, abort)) as outs:  # closed (and aborted) as soon
+            async for out in outs:  # as this is
+                yield out
+
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
+        """Have the core compile ``spec``'s grammar for ``adapter`` (on a worker there, while it steps): returns
+        once it is compiled, and the requests that use it then find it so; ValueError naming why it is refused."""
+        await self._call("grammar", {"json": spec.json, "regex": spec.regex, "choice": spec.choice, "lark": spec.lark},
+                         None if adapter is None else adapter.ref)
+
+    async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
+        """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""
+        tokenizer = await asyncio.to_thread(read_tokenizer, name, path, roots)
+        facts = msgspec.convert(await self._call("register", name, str(path), [str(r) for r in roots or []] or None),
+                                AdapterFacts)
+        self._adapters[name] = Adapter.of(facts, tokenizer)
+        return facts.ref.version
+
+    async def unregister_adapter(self, name: str) -> None:
+        await self._call("unregister", name)
+        self._adapters.pop(name, None)
+
+    async def _call(self, method: str, *args) -> Any:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(Call(call_id, method, list(args), self.index))
+        return await future
+
+    def _send(self, message: ToCore) -> None:
+        try:
+            self._to_core.send(self._encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDead("the engine core is not reading its messages") from None
+
+    # The core's messages.
+
+    async def _read(self) -> None:
+        while True:
+            message = self._decode(await self._from_core.recv())
+            self._heard = time.monotonic()
+            if isinstance(message, Step):
+                for out in message.outputs:
+                    self._deliver(out)
+                if message.stats is not None:
+                    self._stats = message.stats
+            elif isinstance(message, Adapters):  # another server registered or removed one
+                if message.removed is not None:
+                    self._adapters.pop(message.removed, None)
+                else:
+                    facts = message.facts
+                    roots = [Path(r) for r in message.roots] if message.roots else None
+                    try:
+                        tokenizer = await asyncio.to_thread(read_tokenizer, facts.ref.name, facts.path, roots)
+                    except AdapterError as e:  # read by the core already: only a file changed since
+                        logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.ref.name, e)
+                        continue
+                    self._adapters[facts.ref.name] = Adapter.of(facts, tokenizer)
+            elif isinstance(message, Failed):  # its engine cannot step any more: it exits
+                self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}")
+            elif isinstance(message, Reply):
+                future = self._calls.pop(message.call_id, None)
+                if future is None or future.done():
+                    continue
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    kind, text = message.error
+                    future.set_exception(ERRORS.get(kind, RuntimeError)(text))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        """A request's new tokens to its stream (its text is made there); none for a request aborted here."""
+        queue = self._queues.get(out.request_id)
+        if queue is None:
+            return
+        if out.finished:
+            del self._queues[out.request_id]
+        queue.put_nowait(out)

@@ -1,0 +1,108 @@
+"""The wire between the server processes and the engine core process: msgspec structs, msgpack-encoded.
+
+Each side decodes with a typed schema (``ToCore`` in the core, ``FromCore`` in a server), so a request's parameters
+arrive as a ``SamplingParams``, checked again there, and a step's outputs as the engine's own ``RequestOutput``s.
+
+    server -> core     Add (a request), Abort (requests), Call (register, unregister, grammar, shutdown)
+    core -> server     Ready | Failed (at start), Step (each step's outputs, stats), Reply (to a Call),
+                       Adapters (another server registered or removed one), Failed (cannot step any more), Beat
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lorakit.engine.outputs import RequestOutput
+from lorakit.engine.pool import AdapterRef
+from lorakit.engine.sampling import SamplingParams
+from lorakit.frontend.client import EngineStats
+from lorakit.layers.adapter import AdapterError
+
+__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "Failed", "FromCore", "Ready",
+           "Reply", "Step", "ToCore"]
+
+# What a server sends ...
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    """A request: ``adapter`` is the version the server resolved its ``model`` to (None: the base model)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterRef | None
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """A call answered by a ``Reply`` to server ``server``: "register" (name, path, roots), "unregister" (name),
+    "shutdown" (seconds the running requests get to finish), "grammar" (a StructuredOutput's fields, adapter: its
+    grammar compiled, or the reason it is refused)."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+    server: int = 0
+
+
+# ... and what the core sends.
+
+class Step(msgspec.Struct, tag=True, array_like=True):
+    """Every output of one step of the server's requests (token ids and the engine's finish, no text yet)."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class Reply(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: Any = None
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+class AdapterFacts(msgspec.Struct, array_like=True):
+    """What a server needs of a registered adapter: its version, its folder (it reads the tokenizer there itself)
+    and the tokens it adds."""
+
+    ref: AdapterRef
+    path: str  # the folder's real path, as read
+    added_tokens: list[int]
+
+
+class Adapters(msgspec.Struct, tag=True, array_like=True):
+    """To the other servers after a register or unregister: the adapter's new facts (``roots``: the folders its
+    files had to lie in), or its name removed."""
+
+    facts: AdapterFacts | None
+    removed: str | None = None
+    roots: list[str] | None = None
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    pid: int
+    vocab_size: int
+    max_seq_len: int
+    eos_token_id: int | list[int] | None
+    adapters: list[AdapterFacts]
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The engine could not be built (instead of Ready), or it cannot step any more (then the core exits)."""
+
+    message: str
+    kind: str
+
+
+class Beat(msgspec.Struct, tag=True, array_like=True):
+    """The core runs (sent by a thread of its own every ``BEAT_SECONDS``)."""
+
+
+ToCore = Add | Abort | Call
+FromCore = Step | Reply | Adapters | Ready | Failed | Beat
+ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError}  # raised again by kind
+
+
