@@ -3,9 +3,10 @@
 For batch 1, 16 and 64, each request a 128-token prompt then ``--decode`` greedy tokens: the base model alone;
 8 and 32 distinct rank-16 adapters on all 7 projections (requests spread evenly over them); ranks mixed in
 8..64; and, as the baseline users have today, transformers + PEFT ``generate`` with ``adapter_names=``.
-With ``--compile``, the compiled rows also take three switches off against the defaults, in the same run: the base
-twins of the decode graphs (base steps replay the graphs with their empty LoRA kernels, in the base engine), the
-fused sibling GEMMs (q/k/v and gate/up: one GEMM per projection), and programmatic dependent launch.
+With ``--compile``, the compiled rows also take three options off against the defaults, in the same run, each in
+an engine of its own: the base twins of the decode graphs (``base_twins=False``: base steps replay the graphs with
+their empty LoRA kernels), the fused sibling GEMMs (``fuse_siblings=False``: one GEMM per projection), and
+programmatic dependent launch (the model patched with ``KernelOptions(pdl=frozenset())``).
 Decode steps only are timed (prefill excluded), wall clock per step (each step ends by reading the sampled
 tokens). Roofline per row: (weight bytes + KV bytes read per step + the used adapters' bytes) / the copy
 bandwidth measured in the same run.
@@ -16,7 +17,6 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import statistics
 import tempfile
@@ -27,10 +27,9 @@ import torch
 from common import (TARGETS, arg_parser, copy_gbps, fmt, make_model, parse_args, setup, setup_line, table,
                     write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
+import lorakit
 from lorakit.engine import Engine, SamplingParams
-from lorakit.engine.runner import ModelRunner
-from lorakit.layers import linear
-from lorakit.ops import _checks
+from lorakit.ops import KernelOptions
 
 PROMPT = 128
 
@@ -45,20 +44,6 @@ def weight_bytes(model) -> int:
 def adapter_bytes(model, rank: int) -> int:
     return sum(m.in_features + m.out_features for n, m in model.named_modules()
                if n.rsplit(".", 1)[-1] in TARGETS and isinstance(m, torch.nn.Linear)) * rank * 2
-
-
-@contextlib.contextmanager
-def compiled_settings(overlap: int | None = None, pdl: bool | None = None, fuse: bool = True):
-    """A compiled case's switches, restored after: the LoRA delta beside the GEMM for inputs of up to ``overlap``
-    tokens, programmatic dependent launch (``pdl=False``: off), fused sibling GEMMs (``fuse=False``: one each)."""
-    saved = linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.FUSE_SIBLINGS
-    linear.OVERLAP_MAX_TOKENS = saved[0] if overlap is None else overlap
-    _checks.PDL = saved[1] if pdl is None else pdl
-    ModelRunner.FUSE_SIBLINGS = fuse
-    try:
-        yield
-    finally:
-        linear.OVERLAP_MAX_TOKENS, _checks.PDL, ModelRunner.FUSE_SIBLINGS = saved
 
 
 def run_engine(engine: Engine, batch: int, names: list, decode: int, vocab: int, sync) -> dict:
@@ -164,12 +149,13 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         if args.compile:  # decode graphs captured from torch.compile (one compile per batch size)
             eight = [f"u{i}" for i in range(8)]
-            compiled = [  # label, adapters, batches (None: all), settings; the last two against the defaults
+            compiled = [  # label, adapters, batches (None: all), engine options; the last three against the defaults
                 ("base", [None], None, {}), ("8 adapters, rank 16", eight, None, {}),
                 ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None, {}),
-                ("base, one GEMM per projection", [None], [1, 64], dict(fuse=False)),
-                ("8 adapters, rank 16, PDL off", eight, [64], dict(pdl=False))]
-            for label, names, sizes, settings in compiled:
+                ("base, graphs with (empty) LoRA kernels", [None], [1, 64], dict(base_twins=False)),
+                ("base, one GEMM per projection", [None], [1, 64], dict(fuse_siblings=False)),
+                ("8 adapters, rank 16, PDL off", eight, [64], dict(kernels=KernelOptions(pdl=frozenset())))]
+            for label, names, sizes, options in compiled:
                 sizes = sizes or list(batches)
                 if args.quick:
                     sizes = [b for b in sizes if b == 64]
@@ -177,27 +163,22 @@ def main(argv=None) -> int:
                     continue
                 torch.manual_seed(0)
                 model = make_model(layers, args.tiny, args.device)
-                with compiled_settings(**settings):
-                    engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
-                                    max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
-                                    adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes)
-                    for batch in sizes:
-                        used = names[: min(len(names), batch)]
-                        lora = 0 if names == [None] else len(used) * per_rank * 16
-                        kv = batch * kv_per_token * (PROMPT + args.decode // 2)
-                        floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
-                        # The base case also replays its steps in the graphs with LoRA kernels (no base twins), in
-                        # the same engine.
-                        twins = (True, False) if label == "base" and batch in (1, 64) else (True,)
-                        for twin in twins:
-                            engine.runner.BASE_TWINS = twin
-                            result = run_engine(engine, batch, used, args.decode, vocab, sync)
-                            what = label if twin else "base, graphs with (empty) LoRA kernels"
-                            rows.append(dict(what=f"lorakit compiled, {what}", batch=batch,
-                                             adapters=len(used) if lora else 0, **result, floor_ms=floor_ms,
-                                             roofline_pct=100 * floor_ms / result["step_ms"]))
-                            print(rows[-1], flush=True)
-                        del engine.runner.BASE_TWINS
+                options = dict(options)
+                kernels = options.pop("kernels", None)
+                if kernels is not None:  # the LoRA layers launch their kernels with the options of the model's patch
+                    lorakit.patch(model, 32, max_rank=64, kernels=kernels)
+                engine = Engine(model, max_loras=32, max_rank=64, max_num_seqs=64, compile=True,
+                                max_seq_len=PROMPT + args.decode + 8, max_num_batched_tokens=4096,
+                                adapters={f"u{i}": f for i, f in enumerate(uniform)}, graph_sizes=sizes, **options)
+                for batch in sizes:
+                    used = names[: min(len(names), batch)]
+                    lora = 0 if names == [None] else len(used) * per_rank * 16
+                    kv = batch * kv_per_token * (PROMPT + args.decode // 2)
+                    floor_ms = 1e3 * (base_bytes + kv + lora) / (gbps * 1e9)
+                    result = run_engine(engine, batch, used, args.decode, vocab, sync)
+                    rows.append(dict(what=f"lorakit compiled, {label}", batch=batch, adapters=len(used) if lora else 0,
+                                     **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
+                    print(rows[-1], flush=True)
                 engine = model = None
                 gc.collect()
                 if cuda:

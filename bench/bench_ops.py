@@ -17,7 +17,6 @@ before capture. The PEFT loop syncs with the host (boolean masks), so it runs ea
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,8 @@ from anchors import ANCHORS, H_IN, Anchor  # bench/ is on sys.path when this fil
 from common import (arg_parser, copy_gbps, fmt, matmul_tflops, parse_args, rotating_us, rotation_method, setup,
                     setup_line, table, write_report)
 
-from lorakit.ops import _checks, add_lora, build_lora_meta, lora_delta, wait_lora_delta
+from lorakit.ops import KernelOptions, add_lora, build_lora_meta
+from lorakit.ops._checks import pdl_supported
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 
@@ -37,6 +37,7 @@ TOLERANCE = {torch.bfloat16: 2e-2}  # relative error on the delta, ||out - ref||
 CHECK_TOKENS = 64  # tokens compared with the float64 reference
 RANK_SEED = 0  # mixed-rank case: ranks drawn uniformly from 8..128 with this seed
 NAIVE_KEYS = ("x", "y", "A", "B_store", "scales", "slots")
+PDL_ON, PDL_OFF = KernelOptions(), KernelOptions(pdl=frozenset())  # the default (the expand), and no kernel
 METHOD = rotation_method("all inputs (x, y, A, B, ranks, scales, metadata, W)") + (
     " lorakit's batch metadata is built outside the timed region. The PEFT-style loop cannot be captured "
     "(boolean masks sync with the host): it is timed eagerly over two copies. "
@@ -109,8 +110,9 @@ def gemm_copy(p: dict) -> dict:
     return {"x": p["x"].clone(), "W": torch.randn(h_out, H_IN, device="cuda", dtype=torch.bfloat16)}
 
 
-def run_lorakit(c: dict, check: bool = True) -> None:
-    add_lora(c["y"], c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"], check=check)
+def run_lorakit(c: dict, check: bool = True, options: KernelOptions = PDL_ON) -> None:
+    add_lora(c["y"], c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"], check=check,
+             options=options)
 
 
 def run_gemm(c: dict) -> torch.Tensor:
@@ -121,20 +123,10 @@ def layer_copy(p: dict, num_slots: int) -> dict:
     return lorakit_copy(p, num_slots) | gemm_copy(p)
 
 
-def run_layer_after(c: dict) -> None:
-    """A whole LoRA layer as for large inputs: the base GEMM, then add_lora into its output."""
+def run_layer(c: dict, options: KernelOptions = PDL_ON) -> None:
+    """A whole LoRA layer as LoraLinear runs it: the base GEMM, then add_lora into its output."""
     y = c["x"] @ c["W"].T
-    add_lora(y, c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"])
-
-
-def run_layer_beside(c: dict) -> torch.Tensor:
-    """A whole LoRA layer as compiled LoraLinear runs small inputs: the delta on a side stream beside the base GEMM,
-    then the add (here a kernel of its own; compiled, it rides in the next kernel that reads y)."""
-    delta = lora_delta(c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"],
-                       [c["W"].shape[0]])
-    y = c["x"] @ c["W"].T
-    wait_lora_delta(delta, c["x"], [y])
-    return (y.float() + delta).to(y.dtype)
+    add_lora(y, c["x"], c["A"], c["B_store"].transpose(1, 2), c["ranks"], c["scales"], c["meta"], options=options)
 
 
 def run_gather_bmm(c: dict) -> None:
@@ -175,19 +167,10 @@ def bench_lorakit(case: Case, p: dict, gbps: float) -> dict:
         return out
     out["lorakit_us"], out["lorakit_copies"] = rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))
     out["no_pdl_us"] = None
-    if _checks.use_pdl(p["x"].device):  # the same kernels launched without programmatic dependent launch
-        with no_pdl():
-            out["no_pdl_us"], _ = rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))
+    if pdl_supported(p["x"].device):  # the same kernels launched without programmatic dependent launch
+        out["no_pdl_us"], _ = rotating_us(partial(run_lorakit, options=PDL_OFF),
+                                          lambda i: lorakit_copy(p, case.num_slots))
     return out
-
-
-@contextlib.contextmanager
-def no_pdl():
-    before, _checks.PDL = _checks.PDL, False
-    try:
-        yield
-    finally:
-        _checks.PDL = before
 
 
 def host_time() -> list[dict]:
@@ -245,11 +228,9 @@ def bench_row(a: Anchor, gbps: float, quick: bool) -> dict:
     if row["lorakit_us"] is None:
         return row
     row["base_gemm_us"], row["base_gemm_copies"] = rotating_us(run_gemm, lambda i: gemm_copy(p))
-    if a.mode == "decode":  # what LoRA adds to a whole layer, the delta after the base GEMM (PDL on, off) or beside it
-        for how, run, pdl in (("after", run_layer_after, True), ("after_no_pdl", run_layer_after, False),
-                              ("beside", run_layer_beside, True)):
-            with contextlib.nullcontext() if pdl else no_pdl():
-                us, _ = rotating_us(run, lambda i: layer_copy(p, case.num_slots))
+    if a.mode == "decode":  # what LoRA adds to a whole layer, after the base GEMM (PDL on, off)
+        for how, options in (("after", PDL_ON), ("after_no_pdl", PDL_OFF)):
+            us, _ = rotating_us(partial(run_layer, options=options), lambda i: layer_copy(p, case.num_slots))
             row[f"layer_{how}_us"], row[f"lora_{how}_us"] = us, us - row["base_gemm_us"]
     if not quick:
         def naive_copy(i):
@@ -300,10 +281,9 @@ def rows_table(rows: list[dict]) -> str:
 
 def layer_table(rows: list[dict]) -> str:
     head = ("| T | L | r | h_out | base GEMM (us) | layer, delta after (us) | layer, after, PDL off (us) "
-            "| layer, delta beside (us) | LoRA's cost after (us) | after, PDL off (us) | LoRA's cost beside (us) |")
+            "| LoRA's cost after (us) | after, PDL off (us) |")
     return table(head, ([r["T"], r["L"], r["r"], r["h_out"], fmt(r["base_gemm_us"]), fmt(r["layer_after_us"]),
-                         fmt(r["layer_after_no_pdl_us"]), fmt(r["layer_beside_us"]), fmt(r["lora_after_us"]),
-                         fmt(r["lora_after_no_pdl_us"]), fmt(r["lora_beside_us"])]
+                         fmt(r["layer_after_no_pdl_us"]), fmt(r["lora_after_us"]), fmt(r["lora_after_no_pdl_us"])]
                         for r in rows if r.get("layer_after_us") is not None))
 
 
@@ -368,7 +348,7 @@ def main(argv=None) -> int:
         f"TFLOP/s.\n\n{METHOD}",
         "## add_lora, one layer (bf16, h_in 4096, every adapter at rank r)", rows_table(rows),
         "## A whole layer at decode: base GEMM + LoRA (delta after the GEMM, with and without programmatic dependent "
-        "launch, or beside it on a side stream)\n\n"
+        "launch)\n\n"
         "LoRA's cost = layer - base GEMM alone, same run, same rotation.", layer_table(rows),
         "## Mixed ranks (ranks uniform in 8..128, seeded) vs every rank 128", mixed_table(mixed),
         "## Host time of one eager call (T=1, r 16, h_out 4096: the device idles; min of 5 x 1000 calls)",

@@ -8,7 +8,6 @@ microseconds per step, and the device's busy time per step (kernel intervals mer
 layer's kernels (start, duration, stream) go to the JSON for ``plot_step_timeline.py``.
 
     PYTHONPATH=src python bench/profile_step.py --out DIR [--layers 4] [--batch 64] [--adapters 0 8 32] [--compile]
-        [--compare-overlap]   # each case also with the LoRA delta after the base GEMM, not beside it
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ from common import (arg_parser, fmt, make_model, parse_args, setup, setup_line, 
                     write_adapter, write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine import Engine, SamplingParams
-from lorakit.layers import linear
 
 PROMPT = 128
 GROUPS = (  # first match wins; names of cuBLAS / CUTLASS GEMMs vary by GPU and library version
     ("LoRA shrink", re.compile(r"shrink")),
     ("LoRA expand", re.compile(r"expand")),
-    ("LoRA join", re.compile(r"join|lora_add")),
     ("attention", re.compile(r"attention|attn|paged", re.I)),
     ("GEMM", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|cublas|matmul|splitk", re.I)),
     ("fused elementwise (Inductor)", re.compile(r"^triton_")),
@@ -106,21 +103,14 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 8, 32])
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled per case")
     p.add_argument("--compile", action="store_true", help="decode graphs captured from torch.compile")
-    p.add_argument("--compare-overlap", action="store_true",
-                   help="each case also with the delta added after the base GEMM (linear.OVERLAP_MAX_TOKENS = 0)")
     args = parse_args(p, argv)
-    beside = linear.OVERLAP_MAX_TOKENS or 256
-    defaults = linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER
-    modes = [("beside", beside)] + ([("after", 0)] if args.compare_overlap else [])
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         model = make_model(args.layers, False, "cuda")
         n_max = max(args.adapters)
         folders = {f"u{i}": write_adapter(model, Path(tmp) / f"u{i}", 16, seed=i) for i in range(n_max)}
-        for n, (mode, overlap) in ((n, m) for n in args.adapters for m in modes):
-            linear.OVERLAP_MAX_TOKENS = overlap
-            linear.OVERLAP_EAGER = "graphs" if overlap else "never"  # eager graphs (no --compile): add_lora_delta
+        for n in args.adapters:
             if model is None:
                 torch.manual_seed(0)
                 model = make_model(args.layers, False, "cuda")
@@ -129,24 +119,20 @@ def main(argv=None) -> int:
                             adapters=folders, graph_sizes=[args.batch], graph_token_sizes=())
             start_decoding(engine, args.batch, [f"u{i}" for i in range(n)] or [None], model.config.vocab_size)
             result = profile_case(engine, args.steps, args.layers)
-            cases.append(dict(adapters=n, delta=mode, **result))
+            cases.append(dict(adapters=n, **result))
             print({k: v for k, v in cases[-1].items() if k != "layer_kernels"}, flush=True)
             engine = model = None
             gc.collect()
             torch.cuda.empty_cache()
-    linear.OVERLAP_MAX_TOKENS, linear.OVERLAP_EAGER = defaults
     groups = sorted({g for c in cases for g in c["groups"]})
-    head = "| adapters | LoRA delta | wall (ms) | GPU busy (ms) | " + " | ".join(
-        f"{g} (us/layer)" for g in groups) + " |"
-    rows = ([c["adapters"], c["delta"], fmt(c["wall_ms"], ".3f"), fmt(c["busy_ms"], ".3f"),
+    head = "| adapters | wall (ms) | GPU busy (ms) | " + " | ".join(f"{g} (us/layer)" for g in groups) + " |"
+    rows = ([c["adapters"], fmt(c["wall_ms"], ".3f"), fmt(c["busy_ms"], ".3f"),
              *(fmt(c["per_layer_us"].get(g, 0.0), ".1f") for g in groups)] for c in cases)
     s = setup("device", "torch", "triton", "transformers", "commit", "date_utc", layers=args.layers, batch=args.batch,
               compile=args.compile)
     report = (f"# One decode step, profiled: Llama-3-8B shape ({args.layers} layers), batch {args.batch}\n\n"
               f"{setup_line(s)}; {'compiled' if args.compile else 'eager'} forward in CUDA graphs; rank-16 adapters "
-              f"on all 7 projections. Kernel microseconds per layer, summed over streams. LoRA delta 'beside': "
-              f"computed on a side stream beside the base GEMM (T <= linear.OVERLAP_MAX_TOKENS); 'after': added in "
-              f"place after it.\n\n{table(head, rows)}")
+              f"on all 7 projections. Kernel microseconds per layer, summed over streams.\n\n{table(head, rows)}")
     write_report(args.out, "profile_step", report, dict(setup=s, cases=cases))
     return 0
 

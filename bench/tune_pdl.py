@@ -9,37 +9,27 @@ Prints one line per shape and writes OUT/tune_pdl.json.
 
 from __future__ import annotations
 
-import contextlib
 import json
+from functools import partial
 import sys
 
 import torch
-from bench_ops import Case, layer_copy, lorakit_copy, make_problem, run_layer_after, run_lorakit
+from bench_ops import Case, layer_copy, lorakit_copy, make_problem, run_layer, run_lorakit
 from common import arg_parser, parse_args, rotating_us, setup
 
-from lorakit.ops import _checks
+from lorakit.ops import KernelOptions
 
 SHAPES = [  # mode, T, L, r, h_out: the rows PDL slowed at 9d1e71f, then rows it sped up
     ("decode", 16, 16, 16, 4096), ("decode", 64, 64, 16, 4096), ("decode", 256, 128, 16, 4096),
     ("prefill", 4096, 1, 16, 4096), ("decode", 64, 32, 16, 14336),
     ("decode", 1, 1, 16, 4096), ("decode", 64, 8, 16, 4096), ("decode", 16, 8, 16, 14336), ("decode", 64, 8, 64, 14336),
 ]
-VARIANTS = {  # name: (PDL, the kernels launched with it); the shrink triggers early whenever the expand is one
-    "off": (False, set()),
-    "expand (the default)": (None, {"expand"}),
-    "shrink and expand": (None, {"shrink", "expand"}),
-    "shrink only": (None, {"shrink"}),
+VARIANTS = {  # name: the kernels launched with PDL; the shrink triggers early whenever the expand is one
+    "off": KernelOptions(pdl=frozenset()),
+    "expand (the default)": KernelOptions(pdl=frozenset({"expand"})),
+    "shrink and expand": KernelOptions(pdl=frozenset({"shrink", "expand"})),
+    "shrink only": KernelOptions(pdl=frozenset({"shrink"})),
 }
-
-
-@contextlib.contextmanager
-def variant(pdl, kernels):
-    saved = _checks.PDL, _checks.PDL_KERNELS
-    _checks.PDL, _checks.PDL_KERNELS = pdl, frozenset(kernels)
-    try:
-        yield
-    finally:
-        _checks.PDL, _checks.PDL_KERNELS = saved
 
 
 def main(argv=None) -> int:
@@ -50,10 +40,9 @@ def main(argv=None) -> int:
         case = Case(mode, T, L, h_out, r, (r,) * L)
         p = make_problem(case)
         row = {"shape": [mode, T, L, r, h_out]}
-        for name, settings in VARIANTS.items():
-            with variant(*settings):
-                row[name] = (rotating_us(run_lorakit, lambda i: lorakit_copy(p, case.num_slots))[0],
-                             rotating_us(run_layer_after, lambda i: layer_copy(p, case.num_slots))[0])
+        for name, options in VARIANTS.items():
+            row[name] = tuple(rotating_us(partial(run, options=options), lambda i: copy(p, case.num_slots))[0]
+                              for run, copy in ((run_lorakit, lorakit_copy), (run_layer, layer_copy)))
         out["rows"].append(row)
         print(row["shape"], "  ".join(f"{k}: {v[0]:.1f}/{v[1]:.1f}" for k, v in row.items() if k != "shape"),
               flush=True)

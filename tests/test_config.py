@@ -52,7 +52,8 @@ def test_serve_flags_are_the_config_fields():
     args = parser.parse_args(["--max-loras", "3", "--no-cuda-graphs", "--compile", "--patience", "0"])
     assert cli.engine_config(args) == EngineConfig(max_loras=3, cuda_graphs=False, compile=True, patience=0)
     unexposed = {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in EngineConfig.cli_fields()}
-    assert unexposed == {"graph_sizes", "graph_token_sizes", "cpu_budget_bytes"}  # API-only, on purpose
+    # API-only, on purpose
+    assert unexposed == {"graph_sizes", "graph_token_sizes", "cpu_budget_bytes", "base_twins", "fuse_siblings"}
 
 
 def test_engine_takes_a_config_or_keywords_and_resolves_it():

@@ -106,12 +106,11 @@ def test_compiled_graphs_captured_at_startup_and_again_after_growth(tmp_path):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
-def test_base_steps_replay_graphs_without_lora_kernels(tmp_path, monkeypatch, compile):
+def test_base_steps_replay_graphs_without_lora_kernels(tmp_path, compile):
     """Every decode bucket has a base twin captured with the LoRA ops silenced: decode steps of base requests alone
     replay it and give the same tokens, bit for bit, as the graph with (empty) LoRA kernels; steps with an adapter
     token replay the full graph."""
     from _peft_models import tiny_model
-    from lorakit.engine.runner import ModelRunner
 
     base = tiny_model("llama", seed=3)
     a = save_adapter(base, "a", LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"],
@@ -120,9 +119,9 @@ def test_base_steps_replay_graphs_without_lora_kernels(tmp_path, monkeypatch, co
     prompts = [torch.randint(0, 90, (5 + i,), generator=gen).tolist() for i in range(6)]
     outs = {}
     for twins in (True, False):
-        monkeypatch.setattr(ModelRunner, "BASE_TWINS", twins)  # False: every step replays the graphs with LoRA kernels
+        # base_twins=False: every step replays the graphs with LoRA kernels
         engine = Engine(copy.deepcopy(base).to("cuda", torch.bfloat16), max_loras=2, max_num_seqs=8, compile=compile,
-                        adapters={"a": a})
+                        base_twins=twins, adapters={"a": a})
         runner = engine.runner
         assert len(runner._graphs) == len(runner.graph_sizes) * (1 + twins) + len(runner.token_sizes)
         got = []

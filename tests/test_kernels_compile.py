@@ -18,11 +18,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lorakit.ops.delta import _add_delta_kernel
 from lorakit.ops.expand import _expand_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
-POINTERS = {"h_ptr": "*fp32", "d_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
+POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
 
 
 def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
@@ -50,11 +49,7 @@ except RuntimeError as e:
         sys.exit(0)
     raise
 # A 1-wide slice with unit row stride is specialised to constexpr 1 by the launcher: compile that too.
-compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, STORE=False, N1=1, SYT1=1),
-                   dtype)
-# Store mode (lorakit::delta): float32 outputs written, not read.
-compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, STORE=True), dtype, "fp32")
-compile_for_hopper(_add_delta_kernel, dict(BLOCK_T=16, BLOCK_N=256), dtype)
+compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1), dtype)
 print("OK")
 '''
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 
 from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, make_case, rel_err
-from lorakit.ops import _checks, add_lora, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
+from lorakit.ops import KernelOptions, add_lora, build_lora_meta, lora_shrink
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref, shrink_ref
 from lorakit.ops.shrink import _launch_shrink
@@ -49,39 +49,14 @@ def test_ops_match_reference(case):
     check_y(y, case)
 
 
-def y_from_stored_delta(case: Case, h: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """y + the delta the expand kernel writes in store mode (lorakit::delta's) into a float32 buffer of NaNs:
-    every element must be written, zeros on base rows."""
-    meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
-    delta = torch.full((case.x.shape[0], sum(case.slice_sizes)), float("nan"), device=case.x.device)
-    _launch_expand(list(torch.split(delta, case.slice_sizes, dim=1)), h, case.B, case.ranks, case.scales,
-                   meta.token_order, meta.tiles, meta.block_m, store=True)
-    assert not delta.isnan().any(), "store mode must write every element of the delta"
-    assert (delta.cpu()[(case.slots < 0).cpu()] == 0).all(), "base rows of the delta must be zeros"
-    y = case.y.clone()
-    for out, d in zip(torch.split(y, case.slice_sizes, dim=1), torch.split(delta, case.slice_sizes, dim=1)):
-        out.add_(d)
-    return y
-
-
-@given(case=cases(ALL_DTYPES))
-def test_delta_beside_the_base_layer_equals_add_lora(case):
-    """y + lora_delta rounded once gives add_lora's bits on the CPU path."""
-    meta = build_lora_meta(case.slots, case.A.shape[0])
-    expected = case.y.clone()
-    add_lora(expected, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
-    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
-    assert delta.dtype == torch.float32 and delta.shape == (case.x.shape[0], sum(case.slice_sizes))
-    wait_lora_delta(delta, case.x, [case.y])
-    assert torch.equal((case.y.float() + delta).to(case.y.dtype), expected)
-
-
-def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_triton(case: Case, split_k: int, block_m: int | None = None,
+               sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two kernels launched directly: K split ``split_k`` ways, the expand's grid sized for ``sms`` SMs."""
     meta = build_lora_meta(case.slots.to(case.x.device), case.A.shape[0], block_m)
     h = _launch_shrink(case.x, case.A, case.ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
     y = case.y.clone()
     _launch_expand(list(torch.split(y, case.slice_sizes, dim=1)), h, case.B, case.ranks, case.scales,
-                   meta.token_order, meta.tiles, meta.block_m)
+                   meta.token_order, meta.tiles, meta.block_m, sms=sms)
     return h, y
 
 
@@ -90,14 +65,10 @@ def run_triton(case: Case, split_k: int, block_m: int | None = None) -> tuple[to
                   r_maxes=(1, 5, 16, 40, 130)))
 def test_triton_kernels_match_reference_interpreted(case):
     # block_m 64: the prefill tiles; one SM: each expand program walks every column block of its tile.
-    try:
-        for split_k, block_m, _checks.SMS in ((1, None, None), (3, None, 1), (2, 64, None)):
-            h, y = run_triton(case, split_k, block_m)
-            check_h(h, case)
-            check_y(y, case)
-            check_y(y_from_stored_delta(case, h, block_m), case)
-    finally:
-        _checks.SMS = None
+    for split_k, block_m, sms in ((1, None, None), (3, None, 1), (2, 64, None)):
+        h, y = run_triton(case, split_k, block_m, sms)
+        check_h(h, case)
+        check_y(y, case)
 
 
 @triton_on_cpu
@@ -105,20 +76,17 @@ def test_triton_kernels_match_reference_interpreted(case):
 def test_triton_ranks_above_128_interpreted(dtype):
     """Ranks above 128 take the expand's chunked path; every column block in one program too."""
     case = make_case(7, 40, [300, 20], 150, 3, "some-base", dtype, seed=7, min_rank=129)
-    try:
-        for _checks.SMS in (None, 1):
-            h, y = run_triton(case, 2)
-            check_h(h, case)
-            check_y(y, case)
-            check_y(y_from_stored_delta(case, h), case)
-    finally:
-        _checks.SMS = None
+    for sms in (None, 1):
+        h, y = run_triton(case, 2, sms=sms)
+        check_h(h, case)
+        check_y(y, case)
 
 
 @triton_on_cpu
 def test_eager_calls_launch_the_kernels_directly_unless_something_watches(monkeypatch):
-    """Eager calls on a direct device (CUDA; here the CPU, interpreted) skip the dispatcher: the same checks and
-    kernels, so the same results; under a dispatch mode, with gradients, or compiling, they go through torch.ops."""
+    """Eager calls on a direct device (KernelOptions.direct_devices: CUDA; here the CPU too, interpreted) skip the
+    dispatcher: the same checks and kernels, so the same results; under a dispatch mode, with gradients, or
+    compiling, they go through torch.ops."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import lorakit.ops as ops
@@ -139,65 +107,46 @@ def test_eager_calls_launch_the_kernels_directly_unless_something_watches(monkey
     case = make_case(7, 40, [24, 8], 16, 3, "some-base", torch.float32, seed=3)
     meta = build_lora_meta(case.slots, 3)
 
-    def run():
+    def run(options=KernelOptions()):
         y = case.y.clone()
-        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes, options=options)
         return y
 
     via_op = run()  # the CPU isn't a direct device by default: torch.ops, the torch path
     assert launches == []
-    monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
-    check_y(run(), case)
+    direct = KernelOptions(direct_devices={"cuda", "cpu"})
+    check_y(run(direct), case)
     assert launches == ["_launch_shrink", "_launch_expand"]
     with CountOps() as counter:
-        assert torch.equal(run(), via_op)
+        assert torch.equal(run(direct), via_op)
     assert counter.counts["lorakit.shrink"] == counter.counts["lorakit.expand"] == 1
     with pytest.raises(ValueError, match="A must have shape"):  # the op's checks, before any launch
-        add_lora(case.y.clone(), case.x, case.A[..., :-1], case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        add_lora(case.y.clone(), case.x, case.A[..., :-1], case.B, case.ranks, case.scales, meta, case.slice_sizes,
+                 options=direct)
     assert launches == ["_launch_shrink", "_launch_expand"]
-
-
-@triton_on_cpu
-@given(case=cases((torch.float32, torch.float16), tokens=(1, 3, 33), out_sizes=(1, 24, 300), r_maxes=(4, 16)))
-def test_eager_join_adds_every_slice_in_one_launch_interpreted(case):
-    """The eager join's kernel: ys[i] += delta[:, slice i], float32, rounded once (torch's add_ gives the same)."""
-    from lorakit.ops.delta import _launch_add_delta
-
-    meta = build_lora_meta(case.slots, case.A.shape[0])
-    delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
-    ys = [y.clone() for y in torch.split(case.y, case.slice_sizes, dim=1)]
-    _launch_add_delta(ys, delta)
-    expected = [y.clone().add_(d) for y, d in zip(torch.split(case.y, case.slice_sizes, dim=1),
-                                                 torch.split(delta, case.slice_sizes, dim=1))]
-    for got, want in zip(ys, expected):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("direct", [False, pytest.param(True, marks=triton_on_cpu)], ids=["torch", "triton"])
-def test_no_adapter_tokens_silences_every_lora_op(monkeypatch, direct):
+def test_no_adapter_tokens_silences_every_lora_op(direct):
     """Inside ops.no_adapter_tokens() (the engine's steps of base tokens alone) the LoRA ops do nothing, on the torch
     path and on the kernels' launch path: add_lora leaves y as it was, even for adapter tokens (the caller's promise is
-    what makes that right), lora_delta is zeros; the innermost call decides, other threads are not affected, and
-    outside the ops compute again."""
+    what makes that right); the innermost call decides, other threads are not affected, and outside the ops compute
+    again."""
     import threading
 
     from lorakit import ops
 
-    if direct:
-        monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
+    options = KernelOptions(direct_devices={"cuda", "cpu"} if direct else {"cuda"})
     case = make_case(9, 40, [24, 8], 16, 3, "some-base", torch.float32, seed=5)
     meta = build_lora_meta(case.slots, 3)
 
     def run():
         y = case.y.clone()
-        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
+        add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes, options=options)
         return y
 
     with ops.no_adapter_tokens():
         assert torch.equal(run(), case.y)
-        delta = lora_delta(case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes)
-        wait_lora_delta(delta, case.x, [case.y])
-        assert torch.equal(delta, torch.zeros_like(delta))
         with ops.no_adapter_tokens(False):  # another engine's step inside this one's forward
             check_y(run(), case)
         assert torch.equal(run(), case.y)

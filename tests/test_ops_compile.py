@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _lora_cases import make_case
-from lorakit.ops import add_lora, build_lora_meta, lora_delta, lora_shrink, wait_lora_delta
+from lorakit.ops import KernelOptions, add_lora, build_lora_meta, lora_shrink
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -25,20 +25,17 @@ def test_opcheck(device, mapping):
     shrink_args, expand_args = op_args(case, meta, split_k=2)
     torch.library.opcheck(torch.ops.lorakit.shrink.default, shrink_args)
     torch.library.opcheck(torch.ops.lorakit.expand.default, expand_args)
-    delta_args = (case.x, case.A, case.B, case.ranks, case.scales, meta.token_slot, meta.token_order, meta.tiles,
-                  meta.block_m, case.slice_sizes)
-    torch.library.opcheck(torch.ops.lorakit.delta.default, delta_args)
-    delta = torch.ops.lorakit.delta(*delta_args)
-    torch.library.opcheck(torch.ops.lorakit.wait_delta.default, (delta, case.x, [case.y]))
-    ys = list(torch.split(case.y.clone(), case.slice_sizes, dim=1))
-    torch.library.opcheck(torch.ops.lorakit.add_delta.default, (ys, delta, case.x))
+    # with the launch options (programmatic dependent launch: ignored where unsupported, never in the results)
+    torch.library.opcheck(torch.ops.lorakit.shrink.default, (*shrink_args, True, True))
+    torch.library.opcheck(torch.ops.lorakit.expand.default, (*expand_args, True))
 
 
-def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
+def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int],
+               options: KernelOptions = KernelOptions()):
     """What a LoRA layer does in a forward pass: base output plus the delta, metadata built in-graph."""
     meta = build_lora_meta(slots, num_slots)
     out = y * 1.0
-    add_lora(out, x, A, B, ranks, scales, meta, sizes)
+    add_lora(out, x, A, B, ranks, scales, meta, sizes, options=options)
     return out
 
 
@@ -54,45 +51,20 @@ def test_compiled_equals_eager_without_graph_breaks(device):
         assert torch.equal(eager, comp), f"compiled differs from eager on mapping {mapping}"
 
 
-def lora_layer_beside(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int]):
-    """The layer with the delta launched before the base layer and joined after (compiled LoraLinear at small T)."""
-    meta = build_lora_meta(slots, num_slots)
-    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)
-    base = y * 1.0  # the base layer
-    wait_lora_delta(delta, x, [base])
-    return (base.float() + delta).to(base.dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_delta_beside_compiled_equals_eager_and_add_lora(device):
-    torch._dynamo.reset()
-    compiled = torch.compile(lora_layer_beside, fullgraph=True)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    for seed, mapping in enumerate(["uniform", "some-base", "zipf", "all-base"]):
-        case = make_case(9, 48, [16, 8, 8], 16, 4, mapping, dtype, seed=seed).to(device)
-        args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
-        eager, comp = lora_layer_beside(*args), compiled(*args)
-        assert torch.equal(eager, comp), f"compiled differs from eager on mapping {mapping}"
-        in_place = lora_layer(*args)
-        if device == "cpu":
-            assert torch.equal(eager, in_place)
-        else:  # the in-place kernel may fuse the multiply-add: at most one rounding step apart
-            assert torch.allclose(eager.float(), in_place.float(), rtol=2 ** -7, atol=0), mapping
-
-
-def test_compiling_goes_through_the_registered_ops_even_on_a_direct_device(monkeypatch):
-    """Eager calls on a direct device launch kernels themselves; traced, they must stay torch.ops calls."""
-    import lorakit.ops as ops
-
-    monkeypatch.setattr(ops, "DIRECT_DEVICES", {"cuda", "cpu"})
-    seen = set()
+@pytest.mark.parametrize("pdl", [frozenset(), frozenset({"expand"}), frozenset({"shrink", "expand"})])
+def test_compiling_goes_through_the_registered_ops_even_on_a_direct_device(pdl):
+    """Eager calls on a direct device launch kernels themselves; traced, they must stay torch.ops calls, which
+    carry the options' programmatic dependent launch as constants."""
+    options = KernelOptions(pdl=pdl, direct_devices={"cuda", "cpu"})
+    calls = {}
 
     def backend(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        calls.update((str(n.target), n.args) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
     torch._dynamo.reset()
     case = make_case(9, 48, [16, 8, 8], 16, 4, "some-base", torch.float32, seed=0)
-    args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes)
+    args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes, options)
     torch.compile(lora_layer, backend=backend, fullgraph=True)(*args)
-    assert {"lorakit.shrink", "lorakit.expand"} <= seen
+    assert calls["lorakit.shrink"][8:] == ("shrink" in pdl, "expand" in pdl)  # pdl, and the trigger for the expand
+    assert calls["lorakit.expand"][9:] == ("expand" in pdl,)

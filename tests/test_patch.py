@@ -126,50 +126,35 @@ def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp
             assert rel_err(comp, eager) < LOGITS_TOLERANCE[torch.float32], names
 
 
-def test_compiled_forward_computes_the_delta_beside_the_base_layers(tmp_path, monkeypatch):
-    """Compiled, small inputs take lora_delta + wait_delta (the add fused into what follows); over
-    OVERLAP_MAX_TOKENS, or eager, shrink + expand after the base layer. The logits agree either way."""
+def test_the_patch_kernel_options_reach_every_lora_op(tmp_path):
+    """patch(kernels=...): every LoRA op of the model launches with its options (a compiled forward carries them as
+    the ops' constants), and the logits do not depend on them."""
     base, adapters = two_adapters(tmp_path)
-    model, handle = patched(base, adapters)
     input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
-    ids = handle.ids(["r8", "r64"])
-
-    def ops_of(limit: int) -> tuple[set[str], torch.Tensor]:
-        seen = set()
+    logits = []
+    for pdl in (frozenset(), frozenset({"shrink", "expand"})):
+        model = copy.deepcopy(base)
+        handle = lorakit.patch(model, max_loras=4, kernels=lorakit.ops.KernelOptions(pdl=pdl))
+        for a in adapters.values():
+            handle.load_adapter(a.name, a.path)
+        ids = handle.ids(["r8", "r64"])
+        calls = []
 
         def backend(gm, example_inputs):
-            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            calls.extend((str(n.target), n.args) for n in gm.graph.nodes if n.op == "call_function"
+                         and str(n.target) in ("lorakit.shrink", "lorakit.expand"))
             return gm.forward
 
         torch._dynamo.reset()
-        monkeypatch.setattr(lorakit.layers.linear, "OVERLAP_MAX_TOKENS", limit)
         with torch.no_grad():
-            logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, lora_ids=ids,
-                                                                           use_cache=False).logits
-        return seen, logits
-
-    beside, logits_beside = ops_of(256)
-    after, logits_after = ops_of(0)
-    assert {"lorakit.delta", "lorakit.wait_delta"} <= beside and "lorakit.shrink" not in beside
-    assert "lorakit.shrink" in after and "lorakit.delta" not in after
-    assert torch.equal(logits_beside, logits_after)
-    with torch.no_grad():
-        eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
-    assert torch.equal(eager, logits_after)
-
-
-def test_eager_forward_with_the_delta_beside_gives_the_same_bits(tmp_path, monkeypatch):
-    """linear.OVERLAP_EAGER: eager forwards take lora_delta + add_lora_delta (one join per group); on the CPU the
-    logits are bit for bit those of the delta added after the base layers."""
-    base, adapters = two_adapters(tmp_path)
-    model, handle = patched(base, adapters)
-    input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(3))
-    ids = handle.ids(["r8", None, "r64"])
-    with torch.no_grad():
-        after = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
-        monkeypatch.setattr(lorakit.layers.linear, "OVERLAP_EAGER", "always")
-        beside = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
-    assert torch.equal(after, beside)
+            logits.append(torch.compile(model, backend=backend, fullgraph=True)(input_ids=input_ids, lora_ids=ids,
+                                                                                use_cache=False).logits)
+            assert torch.equal(logits[-1], model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits)
+        shrinks = [args[8:] for target, args in calls if target == "lorakit.shrink"]
+        expands = [args[9:] for target, args in calls if target == "lorakit.expand"]
+        assert shrinks and expands  # the embedding has an expand alone
+        assert set(shrinks) == {(bool(pdl), bool(pdl))} and set(expands) == {(bool(pdl),)}
+    assert torch.equal(*logits)
 
 
 def test_per_token_ids_match_per_sequence_ids(tmp_path):

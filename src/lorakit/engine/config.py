@@ -69,6 +69,11 @@ class EngineConfig:
                                       "(400)", "--max-grammar-seconds", "S")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict")
+    base_twins: bool = _opt(True, "steps without adapter tokens run without LoRA kernels, decode steps from base twins "
+                            "of the decode graphs captured with the LoRA ops silenced (False: they run their empty "
+                            "LoRA kernels)")
+    fuse_siblings: bool = _opt(True, "sibling projections that read one input (q/k/v, gate/up) run one base GEMM over "
+                               "their weights, moved into one buffer (False: one GEMM each)")
 
     def __post_init__(self):
         PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
@@ -90,7 +95,8 @@ class EngineConfig:
                                                                                       and seconds > 0):
             raise ValueError(f"max_grammar_seconds must be a number of seconds > 0, got {seconds!r}")
         object.__setattr__(self, "max_grammar_seconds", float(seconds))
-        for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling", "prefix_cache"):
+        for name in ("cuda_graphs", "compile", "lora_strict", "async_scheduling", "prefix_cache", "base_twins",
+                     "fuse_siblings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):

@@ -146,7 +146,8 @@ class Engine:
         settings = dict(num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                         max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, compile=config.compile,
                         graph_sizes=config.graph_sizes, graph_token_sizes=config.graph_token_sizes,
-                        max_num_batched_tokens=config.max_num_batched_tokens)
+                        max_num_batched_tokens=config.max_num_batched_tokens, base_twins=config.base_twins,
+                        fuse_siblings=config.fuse_siblings)
         mirror = None
         if self._workers is not None:  # every rank builds its runner (and captures its graphs) at once
             self._workers.send(("runner", settings))

@@ -207,19 +207,18 @@ class ModelRunner:
     ``mixed_replays`` (``graph_replays`` both), ``eager_steps``, ``base_steps`` (of these, the steps without adapter
     tokens, run without LoRA kernels); ``gpu_seconds`` over ``timed_steps``, the device
     time of the forwards read back by ``poll()`` (each ``execute`` polls first), 0 on the CPU.
-    """
 
-    # Decode buckets get base twins (see the module docstring); False: base steps replay the full graphs and run
-    # their LoRA kernels, as before twins (benchmarks compare both in one run).
-    BASE_TWINS = True
-    # The runner owns its model: sibling projections (q/k/v, gate/up) run one fused base GEMM
-    # (handle.fuse_sibling_gemms) where their layers allow; False keeps one GEMM per projection (benchmarks compare).
-    FUSE_SIBLINGS = True
+    ``base_twins``: steps without adapter tokens run without LoRA kernels, and decode buckets get base twins (see the
+    module docstring); False: they run (and replay the full graphs with) their empty LoRA kernels.
+    ``fuse_siblings``: sibling projections (q/k/v, gate/up) run one fused base GEMM (``handle.fuse_sibling_gemms``)
+    where their layers allow; False keeps one GEMM per projection. Both are the engine config's (``EngineConfig``).
+    """
 
     def __init__(self, model: nn.Module, handle, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
                  compile: bool = False, max_num_batched_tokens: int | None = None,
-                 graph_token_sizes: list[int] | None = None, mirror: Callable[[tuple], None] | None = None):
+                 graph_token_sizes: list[int] | None = None, base_twins: bool = True, fuse_siblings: bool = True,
+                 mirror: Callable[[tuple], None] | None = None):
         self.model = model
         self.mirror = mirror  # tensor parallel, on rank 0: sends each forward (and recapture) to the other ranks
         self.handle = handle
@@ -234,7 +233,8 @@ class ModelRunner:
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
         self.kv_bytes = 2 * layers * self.k_caches[0].nbytes
         model.set_attn_implementation(ATTENTION_NAME)
-        self.fused_groups = handle.fuse_sibling_gemms() if self.FUSE_SIBLINGS else 0
+        self.base_twins = base_twins
+        self.fused_groups = handle.fuse_sibling_gemms() if fuse_siblings else 0
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = graph_buckets(graph_sizes, max_num_seqs)
         self.token_sizes = token_buckets(graph_token_sizes, max_num_batched_tokens)
@@ -413,17 +413,9 @@ class ModelRunner:
         size = min((s for s in self.token_sizes if s >= t), default=None)
         return None if size is None or n > self.max_num_seqs else Bucket(size, self._mixed_rows(size), False)  # n < t
 
-    def _run_bucket(self, plan: StepPlan, bucket: Bucket, replay: bool, fill: Fill | None = None) -> torch.Tensor:
-        """The step padded to ``bucket``: its graph replayed, or (``replay`` False, as tests do on the CPU) the same
-        forward run eagerly on the same padded metadata. Returns the logits of the items that sample."""
+    def _run_bucket(self, plan: StepPlan, bucket: Bucket, fill: Fill | None = None) -> torch.Tensor:
+        """The step padded to ``bucket``, its graph replayed. Returns the logits of the items that sample."""
         packed, keep = self._pack(plan, bucket.rows, bucket.tokens, per_sequence=True)
-        if not replay:
-            base = bucket.decode and self._base_only(packed, bucket.rows, bucket.tokens)
-            m = _split(self._upload(packed), bucket.rows, bucket.tokens, self.max_blocks, torch.int64, torch.int32)
-            _fill(m["input_ids"], fill)
-            self.base_steps += base
-            with no_adapter_tokens(base):
-                return self._bucket_forward(m, bucket)[m["keep"][:keep]]
         if self.mirror is not None:
             with _ranks_in_step():
                 self._send_step(packed, keep, bucket, fill)
@@ -442,7 +434,7 @@ class ModelRunner:
 
     def _base_only(self, packed: torch.Tensor, rows: int, tokens: int) -> bool:
         """Whether no token of a packed step (on the host) uses an adapter."""
-        if not self.BASE_TWINS:
+        if not self.base_twins:
             return False
         ids = _split(packed.numpy(), rows, tokens, self.max_blocks, np.int64, np.int32)["lora_ids"]
         return not (ids >= 0).any()
@@ -472,7 +464,7 @@ class ModelRunner:
         if bucket is not None:
             if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
                 self.capture_graphs()
-            return self._run_bucket(plan, bucket, replay=True, fill=fill)
+            return self._run_bucket(plan, bucket, fill)
         packed, keep = self._pack(plan, n, t, per_sequence=False)
         if self.mirror is not None:
             with _ranks_in_step():
@@ -567,7 +559,7 @@ class ModelRunner:
                     for _ in range(2):
                         self._bucket_forward(view, bucket)
                 torch.cuda.current_stream(self.device).wait_stream(side)
-                for base in (False, True) if bucket.decode and self.BASE_TWINS else (False,):
+                for base in (False, True) if bucket.decode and self.base_twins else (False,):
                     graph = torch.cuda.CUDAGraph()
                     with no_adapter_tokens(base), torch.cuda.graph(graph, pool=pool):
                         out = self._bucket_forward(view, bucket)

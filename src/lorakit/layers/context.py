@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lorakit.ops import LoraMeta, build_lora_meta
+from lorakit.ops import KernelOptions, LoraMeta, build_lora_meta
 
 
 @dataclass
@@ -27,10 +27,12 @@ class StepContext:
 
 
 class LoraContext:
-    """Holds the current forward pass's adapter ids and the metadata built from them."""
+    """Holds the current forward pass's adapter ids and the metadata built from them, and the ``KernelOptions`` every
+    LoRA layer of the model launches its kernels with (``PatchConfig.kernels``; they never change the results)."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, kernels: KernelOptions = KernelOptions()):
         self.num_slots = num_slots
+        self.kernels = kernels
         self.ids: torch.Tensor | None = None
         self.default_ids: torch.Tensor | None = None  # used by forward passes given no lora_ids (handle.using)
         self.keep: torch.Tensor | None = None

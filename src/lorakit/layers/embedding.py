@@ -68,7 +68,7 @@ class LoraEmbedding(LoraSlots):
         if self.r_max:
             slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
             h = self._lookup(slots, ids.reshape(-1))[None, None]  # [1, 1, T, R_max]
-            lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta)
+            lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, options=self.ctx.kernels)
         if rows is not None:
             y2 = rows.embed(y2, input_ids.reshape(-1), meta.token_slot, self.embed_scale())
         return y2.view(y.shape)

@@ -20,21 +20,8 @@ from torch import nn
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
-from lorakit.ops import add_lora, add_lora_delta, lora_delta, wait_lora_delta
+from lorakit.ops import add_lora
 from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
-
-# Compiled forwards (torch.compile: the engine's compiled decode graphs) of at most this many tokens may compute the
-# LoRA delta beside the base layer: ops.lora_delta runs on a side stream while the base GEMM runs, and the add
-# rides in the compiled kernel that reads the base output next (see ops/delta.py). Off (0) by default: profiles of
-# 4 layers gain 5 % (bench/results/profile_step_overlap_8e0cb6b.md), but the whole 32-layer model's decode step is
-# 4 % slower beside than after (8.72 vs 8.39 ms, bench/results/bench_engine_compiled_b64_f5d9fe7.md). 256 turns it on.
-OVERLAP_MAX_TOKENS = 0
-# Eager forwards may take the same path, joined by ops.add_lora_delta (one add kernel per group): "graphs" while a
-# CUDA graph is being captured (the engine's default decode graphs: 4 layers at batch 64 with 8 adapters, step
-# -6 to -9 %, bench/results/profile_step_eager_1bf6d88.md; not yet measured on the whole model), "always", or
-# "never" (the default, until the whole model is measured). Outside a capture the delta is always added after:
-# fewer launches, and the cheapest host path (add_lora launches its kernels itself; lora_delta is a dispatched op).
-OVERLAP_EAGER = "never"
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -48,11 +35,6 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
         return module.weight.shape[0], module.weight.shape[1]
     return None
-
-
-def _overlap_eager(x: torch.Tensor) -> bool:
-    return OVERLAP_EAGER == "always" or (OVERLAP_EAGER == "graphs" and x.is_cuda
-                                         and torch.cuda.is_current_stream_capturing())
 
 
 class _LinearSlots(LoraSlots):
@@ -69,31 +51,22 @@ class _LinearSlots(LoraSlots):
         return torch.zeros(self.num_slots, len(self.out_sizes), r_max, self.in_features, dtype=dtype, device=device)
 
     def _weights(self, index: int | None):
-        """A, B as [S, out, R_max], ranks, scales and the widths of every slice, or of slice ``index`` alone."""
+        """A, B as [S, out, R_max], ranks and scales of every slice, or of slice ``index`` alone."""
         A, B, ranks, scales = self.lora_A, self.lora_B.transpose(1, 2), self.ranks, self.scales
         if index is None:
-            return A, B, ranks, scales, list(self.out_sizes)
+            return A, B, ranks, scales
         lo, hi = self.out_offsets[index], self.out_offsets[index + 1]
-        return (A[:, index: index + 1], B[:, lo:hi], ranks[:, index: index + 1], scales[:, index: index + 1],
-                [hi - lo])
+        return A[:, index: index + 1], B[:, lo:hi], ranks[:, index: index + 1], scales[:, index: index + 1]
 
     def with_delta(self, base: Callable[[], list[torch.Tensor]], x: torch.Tensor, meta,
                    index: int | None = None) -> list[torch.Tensor]:
         """The base layers' outputs ``base()`` plus the LoRA delta of each slice (all slices, or only ``index``),
-        in place where dtypes allow. Small compiled inputs launch the delta first, so it runs beside the base layers."""
+        in place where dtypes allow."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        A, B, ranks, scales, widths = self._weights(index)
-        compiling = torch.compiler.is_compiling()
-        if x2.shape[0] <= OVERLAP_MAX_TOKENS and (compiling or _overlap_eager(x2)):
-            delta = lora_delta(x2, A, B, ranks, scales, meta, widths)
-            ys = base()
-            if not compiling:
-                add_lora_delta([y.view(-1, y.shape[-1]) for y in ys], delta, x2)
-                return ys
-            wait_lora_delta(delta, x2, ys)
-            return [(y.float() + d.view(y.shape)).to(y.dtype) for y, d in zip(ys, delta.split(widths, dim=1))]
+        A, B, ranks, scales = self._weights(index)
         # check=False: the slots' buffers, the batch's meta, x2 made above
-        return self.added(base(), lambda outs: add_lora(outs, x2, A, B, ranks, scales, meta, check=False))
+        return self.added(base(), lambda outs: add_lora(outs, x2, A, B, ranks, scales, meta, check=False,
+                                                        options=self.ctx.kernels))
 
     def added(self, ys: list[torch.Tensor], add: Callable[[list[torch.Tensor]], None]) -> list[torch.Tensor]:
         """``ys`` with ``add(outs)`` (an in-place LoRA add into 2-D outputs) applied: into ys themselves when they

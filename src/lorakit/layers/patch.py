@@ -22,7 +22,7 @@ from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
 from lorakit.layers.tp import LoraRowParallelLinear, LoraVocabParallelHead, full_features, is_vocab_parallel
-from lorakit.ops import MAX_SLICES
+from lorakit.ops import MAX_SLICES, KernelOptions
 from lorakit.parallel.tensor import RowParallelLinear
 
 logger = logging.getLogger("lorakit.patch")
@@ -34,13 +34,16 @@ class PatchConfig:
     rank_multiple: padding granularity; a layer's max rank grows in these steps as adapters need.
     filter_fn(module, fqn): which modules get LoRA slots (default: every linear and embedding).
     max_token_rows: the most token rows (trainable or added tokens) one adapter may replace in the input
-    embedding or the output head; each row costs hidden_size x dtype bytes in every slot."""
+    embedding or the output head; each row costs hidden_size x dtype bytes in every slot.
+    kernels: how the LoRA layers launch their kernels (``lorakit.ops.KernelOptions``: programmatic dependent
+    launch, eager calls without the dispatcher); never what they compute."""
 
     max_loras: int = 8
     max_rank: int = 64
     rank_multiple: int = 16
     filter_fn: Callable[[nn.Module, str], bool] | None = None
     max_token_rows: int = 1024
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self):
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -51,11 +54,14 @@ class PatchConfig:
             raise ValueError(f"rank_multiple must be a power of two up to 64, got {self.rank_multiple!r}")
         if not isinstance(self.max_token_rows, int) or self.max_token_rows < 0:
             raise ValueError(f"max_token_rows must be a non-negative int, got {self.max_token_rows!r}")
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"kernels must be a lorakit.ops.KernelOptions, got {self.kernels!r}")
 
 
 def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank: int = PatchConfig.max_rank,
           rank_multiple: int = PatchConfig.rank_multiple, filter_fn: Callable[[nn.Module, str], bool] | None = None,
-          max_token_rows: int = PatchConfig.max_token_rows) -> LoraHandle:
+          max_token_rows: int = PatchConfig.max_token_rows,
+          kernels: KernelOptions = PatchConfig.kernels) -> LoraHandle:
     """Give ``model`` LoRA slots in place and return the handle that loads adapters into them.
 
     After patching, ``model(..., lora_ids=handle.ids(["sql", None]))`` serves each sequence (or token)
@@ -65,10 +71,10 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     row layers and on its vocab-parallel embedding and head, each rank's slots holding its shard (token rows: whole;
     see ``lorakit.layers.tp``).
     """
-    config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows)
+    config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows, kernels)
     if getattr(model, "_lorakit_handle", None) is not None:
         raise ValueError("this model is already patched by lorakit; use the handle patch() returned")
-    ctx = LoraContext(config.max_loras)
+    ctx = LoraContext(config.max_loras, config.kernels)
     token_modules = _token_modules(model)
     linears, embeddings, vocab_parallel = {}, {}, {}
     for name, module in model.named_modules():

@@ -74,12 +74,15 @@ class LoraRowParallelLinear(LoraLinear):
         if meta is None:
             return y
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        h = lora_shrink(x2, self.lora_A, self.ranks, meta, check=False).sum(0, keepdim=True)  # split_k partials
+        kernels = self.ctx.kernels
+        # the split_k partials, summed
+        h = lora_shrink(x2, self.lora_A, self.ranks, meta, check=False, options=kernels).sum(0, keepdim=True)
         base = self.base_layer
         if base.world_size > 1:
             dist.all_reduce(h, group=base.group)
         B = self.lora_B.transpose(1, 2)
-        (y,) = self.added([y], lambda outs: lora_expand(outs, h, B, self.ranks, self.scales, meta, check=False))
+        (y,) = self.added([y], lambda outs: lora_expand(outs, h, B, self.ranks, self.scales, meta, check=False,
+                                                        options=kernels))
         return y
 
 

@@ -3,18 +3,14 @@
     meta = build_lora_meta(slots, num_slots)            # once per batch, shared by every layer
     add_lora(y, x, A, B, ranks, scales, meta, sizes)    # one layer: y[t] += scale * (x[t] @ A[s].T) @ B[s].T
 
-    delta = lora_delta(x, A, B, ranks, scales, meta, sizes)   # the same delta, float32, on a side stream
-    y = base(x)                                                # ... while the base layer runs
-    wait_lora_delta(delta, x, [y])                             # then y + delta, rounded once
-
     with no_adapter_tokens():                           # a batch of base-model tokens only: no LoRA launches
         ...
 
     write_kv(k_cache, v_cache, key, value, kv_index)    # the engine's paged KV cache (ops/attention.py)
     out = paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
 
-``torch.ops.lorakit.shrink``, ``expand``, ``delta`` and ``wait_delta`` are the registered LoRA ops; the functions
-here only unpack ``LoraMeta`` and pick ``split_k``.
+``torch.ops.lorakit.shrink`` and ``expand`` are the registered LoRA ops; the functions here only unpack
+``LoraMeta``, pick ``split_k`` and pass the ``KernelOptions`` (how the kernels launch) on.
 """
 
 from __future__ import annotations
@@ -23,20 +19,21 @@ from collections.abc import Sequence
 
 import torch
 
-from lorakit.ops import delta as _delta_mod  # noqa: F401  (registers lorakit::delta and lorakit::wait_delta)
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
 from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.expand import _check_expand_args, _launch_expand
+from lorakit.ops.options import KernelOptions
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, shrink_split_k
 
 __all__ = [
-    "MAX_SLICES", "LoraMeta", "add_lora", "add_lora_delta", "block_m_for", "build_lora_meta", "cdiv", "lora_delta",
-    "lora_expand", "lora_shrink", "no_adapter_tokens", "num_sms", "paged_attention", "round_up", "split_columns",
-    "wait_lora_delta", "write_kv",
+    "MAX_SLICES", "KernelOptions", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_expand",
+    "lora_shrink", "no_adapter_tokens", "num_sms", "paged_attention", "round_up", "split_columns", "write_kv",
 ]
+
+DEFAULT_OPTIONS = KernelOptions()
 
 
 def _check_slot_count(meta: LoraMeta, weights: torch.Tensor, name: str) -> None:
@@ -47,37 +44,37 @@ def _check_slot_count(meta: LoraMeta, weights: torch.Tensor, name: str) -> None:
         )
 
 
-# Devices whose eager calls launch the Triton kernels themselves (tests add "cpu", to run them interpreted).
-DIRECT_DEVICES = {"cuda"}
-
-
-def _direct(*tensors: torch.Tensor) -> bool:
+def _direct(options: KernelOptions, *tensors: torch.Tensor) -> bool:
     """Whether an eager call may check its arguments and launch the kernels itself, skipping the dispatcher, which
-    costs 35-50 us of host time per op on an H200 (bench/results/host_add_lora_dea3ab2.txt): only where nothing
-    needs to see the op (not compiling; no dispatch or function mode: tracing, fake tensors, op counters; plain
-    tensors that need no gradient). The kernels and checks are the registered op's, so the results are the same."""
-    return (not torch.compiler.is_compiling() and tensors[0].device.type in DIRECT_DEVICES
+    costs 35-50 us of host time per op on an H200 (bench/NOTES.md, host time): on ``options.direct_devices``, only
+    where nothing needs to see the op (not compiling; no dispatch or function mode: tracing, fake tensors, op
+    counters; plain tensors that need no gradient). The kernels and checks are the registered op's, so the results
+    are the same."""
+    return (not torch.compiler.is_compiling() and tensors[0].device.type in options.direct_devices
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
             and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors))
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: LoraMeta,
-                split_k: int | None = None, check: bool = True) -> torch.Tensor:
+                split_k: int | None = None, check: bool = True,
+                options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """``torch.ops.lorakit.shrink`` over a LoraMeta: float32 partials [split_k, n_slices, T, R_max].
 
     check=False skips the argument checks of an eager call on CUDA (about 10 us of host time): for callers whose
-    tensors lorakit itself built and checked (the LoRA layers' buffers, a LoraMeta, x in A's dtype, contiguous)."""
+    tensors lorakit itself built and checked (the LoRA layers' buffers, a LoraMeta, x in A's dtype, contiguous).
+    options: how the kernel launches (the shrink lets a PDL expand launch early)."""
     if check:
         _check_slot_count(meta, A, "A")
     if split_k is None:
         split_k = shrink_split_k(x.shape[1], A.shape[1], A.shape[2], meta.tiles.shape[1], meta.block_m,
                                  num_sms(x.device))
-    if _direct(x, A):
+    pdl, trigger = "shrink" in options.pdl, "expand" in options.pdl
+    if _direct(options, x, A):
         if check:
             _check_shrink_args(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, split_k)
-        return _launch_shrink(x, A, ranks, meta.token_order, meta.tiles, meta.block_m, split_k)
+        return _launch_shrink(x, A, ranks, meta.token_order, meta.tiles, meta.block_m, split_k, pdl, trigger)
     return torch.ops.lorakit.shrink(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
-                                    split_k)
+                                    split_k, pdl, trigger)
 
 
 def split_columns(y: torch.Tensor, slice_sizes: Sequence[int] | None) -> list[torch.Tensor]:
@@ -91,24 +88,28 @@ def split_columns(y: torch.Tensor, slice_sizes: Sequence[int] | None) -> list[to
 
 def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
                 scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None,
-                check: bool = True) -> None:
+                check: bool = True, options: KernelOptions = DEFAULT_OPTIONS) -> None:
     """``torch.ops.lorakit.expand`` over a LoraMeta: ys[i] += scale * h[i] @ B[slice i].T, in place.
 
-    ys: one output per slice, or one tensor y split into slices of widths slice_sizes; check: as for lora_shrink."""
+    ys: one output per slice, or one tensor y split into slices of widths slice_sizes; check, options: as for
+    lora_shrink."""
     if check:
         _check_slot_count(meta, B, "B")
     outs = split_columns(ys, slice_sizes) if isinstance(ys, torch.Tensor) else list(ys)
-    if _direct(h, B, *outs):
+    pdl = "expand" in options.pdl
+    if _direct(options, h, B, *outs):
         if check:
             _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
-        _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m)
+        _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, pdl)
         return
-    torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
+    torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
+                             pdl)
 
 
 def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              ranks: torch.Tensor, scales: torch.Tensor, meta: LoraMeta,
-             slice_sizes: Sequence[int] | None = None, check: bool = True) -> None:
+             slice_sizes: Sequence[int] | None = None, check: bool = True,
+             options: KernelOptions = DEFAULT_OPTIONS) -> None:
     """The whole LoRA delta of one (possibly fused) layer, added in place.
 
     Semantics:
@@ -119,29 +120,7 @@ def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch
     outputs y_i [T, out_i] (q, k and v of one input); A: [S, n_slices, R_max, in]; B: [S, out, R_max]
     (store it as [S, R_max, out] and pass ``.transpose(1, 2)``: the expand then reads only the first r
     rows, fully coalesced); ranks int32 and scales float32 [S, n_slices]. The meta must be built for S slots.
-    check=False: see lora_shrink (the layers' eager calls).
+    check=False: see lora_shrink (the layers' eager calls); options: how the kernels launch (``KernelOptions``).
     """
-    lora_expand(y, lora_shrink(x, A, ranks, meta, check=check), B, ranks, scales, meta, slice_sizes, check=check)
-
-
-def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
-               meta: LoraMeta, widths: Sequence[int]) -> torch.Tensor:
-    """``torch.ops.lorakit.delta``: the delta ``add_lora`` would add, float32 [T, sum(widths)], computed on a side
-    stream on CUDA so that what the caller launches next (the base layer) runs beside it. Join with
-    ``wait_lora_delta`` before reading it. Arguments as for ``add_lora``; widths: the slices' widths."""
-    _check_slot_count(meta, A, "A")
-    _check_slot_count(meta, B, "B")
-    return torch.ops.lorakit.delta(x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles,
-                                   meta.block_m, list(widths))
-
-
-def add_lora_delta(ys: Sequence[torch.Tensor], delta: torch.Tensor, x: torch.Tensor) -> None:
-    """``torch.ops.lorakit.add_delta``: wait for ``delta = lora_delta(x, ...)``, then ys[i] += its slice i, in place,
-    one launch for every slice (the join of eager forwards)."""
-    torch.ops.lorakit.add_delta(list(ys), delta, x)
-
-
-def wait_lora_delta(delta: torch.Tensor, x: torch.Tensor, ys: Sequence[torch.Tensor]) -> None:
-    """``torch.ops.lorakit.wait_delta``: the current stream waits for ``delta = lora_delta(x, ...)``, after the
-    base outputs ys it will be added to."""
-    torch.ops.lorakit.wait_delta(delta, x, list(ys))
+    lora_expand(y, lora_shrink(x, A, ranks, meta, check=check, options=options), B, ranks, scales, meta, slice_sizes,
+                check=check, options=options)

@@ -16,8 +16,8 @@ import triton.language as tl
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SLICES = 4
 # The SM count sizes the grids (split-K, column groups, attention segments) and never affects results. On a
-# CPU (the Triton interpreter) grids are sized as for an H100 / H200; tests set SMS to vary the grids.
-SMS: int | None = None
+# CPU (the Triton interpreter) grids are sized as for an H100 / H200; launchers take an ``sms`` to size them for
+# fewer.
 CPU_SMS = 132
 
 
@@ -27,22 +27,10 @@ def _cuda_sms(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (SMS where a test has set it)."""
-    if SMS is not None:
-        return SMS
+    """Streaming multiprocessors of ``device`` (CPU_SMS on a CPU)."""
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return CPU_SMS
-
-
-# Programmatic dependent launch (Hopper and later, Triton with ``launch_pdl``): a kernel named in PDL_KERNELS is
-# launched so that it may start while the kernel before it finishes, and waits for it (``gdc_wait``) before its
-# first load; the shrink lets the expand launch as soon as each of its programs has waited. By default only the
-# expand: it then starts while the shrink runs, 0.4-1.2 us sooner a call. A PDL shrink also gains ~1 us after a
-# GEMM, but after an expand it takes SMs from it: 4-22 us slower where grids are large (bench/results/
-# tune_pdl_8e49219.md). PDL None: wherever supported; False: never (benchmarks compare); LORAKIT_PDL=0: off.
-PDL: bool | None = {"0": False, "1": True}.get(os.environ.get("LORAKIT_PDL", ""))
-PDL_KERNELS = frozenset({"expand"})
 
 
 @functools.cache
@@ -55,11 +43,10 @@ def _pdl_supported(index: int) -> bool:
             and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
-def use_pdl(device: torch.device, kernel: str | None = None) -> bool:
-    """Whether the LoRA kernels on ``device`` (the one named ``kernel``, of PDL_KERNELS) are launched with
-    programmatic dependent launch (see PDL)."""
-    if (PDL is False or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-            or (kernel is not None and kernel not in PDL_KERNELS)):
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can launch with programmatic dependent launch (see ``KernelOptions.pdl``):
+    compiled for a CUDA device of compute capability 9 or more, by a Triton with ``launch_pdl``."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -70,11 +57,11 @@ _STATE = threading.local()  # no_adapter_tokens' switch, per thread (an engine s
 @contextlib.contextmanager
 def no_adapter_tokens(on: bool = True) -> Iterator[None]:
     """Inside (``on``), the caller promises that no token of the LoRA ops it runs uses an adapter (every slot is
-    -1), so the ops launch and compute nothing: ``expand`` adds nothing, ``delta`` is zeros, ``shrink``'s partials
-    are left unwritten (expand ignores them). The engine runs (and captures the graphs of) its steps without
-    adapter tokens inside it, so base-model traffic pays no LoRA kernels. The ops read it when they run, not when
-    they are traced: one compiled forward serves both. It holds for the calling thread, and the innermost call
-    decides (``on=False`` inside turns the ops back on: another engine stepping inside this one's forward)."""
+    -1), so the ops launch and compute nothing: ``expand`` adds nothing, ``shrink``'s partials are left unwritten
+    (expand ignores them). The engine runs (and captures the graphs of) its steps without adapter tokens inside it,
+    so base-model traffic pays no LoRA kernels. The ops read it when they run, not when they are traced: one
+    compiled forward serves both. It holds for the calling thread, and the innermost call decides (``on=False``
+    inside turns the ops back on: another engine stepping inside this one's forward)."""
     before = getattr(_STATE, "skip", False)
     _STATE.skip = bool(on)
     try:

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from lorakit.ops._checks import (
     FLOAT_DTYPES, MAX_SLICES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
-    check_tensor, dot, num_sms, slice_output, use_pdl,
+    check_tensor, dot, num_sms, pdl_supported, slice_output,
 )
 
 
@@ -36,9 +36,8 @@ def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R:
 def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                     stride_hk, stride_bn, stride_br, stride_yn,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr, STORE: tl.constexpr):
-    """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step
-    (STORE: y = ..., without reading y).
+                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr):
+    """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step.
 
     HOIST (rank <= BLOCK_R): h is loaded once and only B and y stream through the pipelined loop.
     Otherwise the rank is walked in chunks of BLOCK_R for every block of columns."""
@@ -49,8 +48,7 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
         n_mask = offs_n < n_hi
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         mask = m_mask[:, None] & n_mask[None, :]
-        if not STORE:
-            yv = tl.load(y_ptrs, mask=mask, other=0.0)
+        yv = tl.load(y_ptrs, mask=mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if HOIST:
             offs_r = tl.arange(0, BLOCK_R)
@@ -64,10 +62,7 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                 bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
                 acc = dot(hc, bv, acc, IEEE)
-        if STORE:
-            tl.store(y_ptrs, (scale * acc).to(y_ptrs.dtype.element_ty), mask=mask)
-        else:
-            tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
+        tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
 
 
 @triton.jit
@@ -80,14 +75,13 @@ def _expand_kernel(
     stride_ss, stride_si,
     stride_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Launched while the kernel before (the shrink) may still run: wait for it before the first load. No early
     # trigger for the kernel after: a PDL shrink that started beside this kernel would take its SMs.
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice
-    # (STORE: writes it, zeros for base tokens, so every element of the outputs is written once).
+    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice.
     pid_g = tl.program_id(0)
     pid_tile = tl.program_id(1)
     slice_id = tl.program_id(2)
@@ -99,7 +93,7 @@ def _expand_kernel(
     slot = tl.load(tiles_ptr + pid_tile)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rs + slice_id * stride_ri)
     rank = tl.where(slot >= 0, tl.minimum(rank, R_MAX), 0)
-    if ((rank > 0) | STORE) & (n_lo < size):
+    if (rank > 0) & (n_lo < size):
         start = tl.load(tiles_ptr + stride_tiles + pid_tile)
         end = tl.load(tiles_ptr + 2 * stride_tiles + pid_tile)
         scale = tl.load(scales_ptr + tl.maximum(slot, 0) * stride_ss + slice_id * stride_si).to(tl.float32)
@@ -115,23 +109,23 @@ def _expand_kernel(
         if rank <= 16:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True, STORE)
+                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True)
         elif rank <= 32:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True, STORE)
+                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True)
         elif rank <= 64:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True, STORE)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True)
         elif rank <= 128:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True, STORE)
+                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True)
         else:
             _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False, STORE)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False)
 
 
 # Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
@@ -143,17 +137,14 @@ EXPAND_CONFIGS = {
 }
 
 
-def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, store: bool = False,
+def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, pdl: bool = False,
                    sms: int | None = None) -> None:
-    """Launch the expand kernel: ys[i] += (or, with ``store``, =) the delta of slice i; the grid is sized for
-    ``sms`` SMs (default: the device's)."""
+    """Launch the expand kernel: ys[i] += the delta of slice i. ``pdl``: launched with programmatic dependent
+    launch where the device supports it; the grid is sized for ``sms`` SMs (default: the device's)."""
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
     if adapter_tokens_skipped():  # no adapter tokens: the delta is zero
-        if store:
-            for y in ys:
-                y.zero_()
         return
     split_k, n_slices, _, r_max = h.shape
     pad = MAX_SLICES - len(ys)
@@ -165,7 +156,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
     groups = max(1, min(col_blocks, cdiv(per_sm * (sms or num_sms(h.device)), n_tiles * n_slices)))
     cols = cdiv(col_blocks, groups) * config["BLOCK_N"]
     grid = (cdiv(max(widths), cols), n_tiles, n_slices)
-    pdl = use_pdl(h.device, "expand")
+    pdl = pdl and pdl_supported(h.device)
     _expand_kernel[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
@@ -174,7 +165,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, st
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
-        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, STORE=store, PDL=pdl,
+        BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, PDL=pdl,
         **({"launch_pdl": True} if pdl else {}), **config,
     )
 
@@ -218,6 +209,7 @@ def expand(
     token_order: torch.Tensor,
     tiles: torch.Tensor,
     block_m: int,
+    pdl: bool = False,
 ) -> None:
     """LoRA expand for all slices of a projection, added in place into one output per slice.
 
@@ -231,20 +223,21 @@ def expand(
     h: float32 [split_k, n_slices, T, R_max] from shrink; B: [S, sum(out_i), R_max], ys' dtype,
     any strides ([S, R_max, out] storage read as B.transpose(1, 2) is fastest);
     ranks: int32 [S, n_slices]; scales: float32 [S, n_slices]; token_slot, token_order, tiles, block_m: a LoraMeta.
-    The delta is accumulated in float32 and rounded once into ys.
+    The delta is accumulated in float32 and rounded once into ys. pdl: how the CUDA kernel launches
+    (``KernelOptions.pdl``: "expand" in it); the results do not depend on it.
     """
     _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
     _expand_torch(ys, h, B, ranks, scales, token_slot)
 
 
 @expand.register_kernel("cuda")
-def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m):
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False):
     _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
-    _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m)
+    _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m, pdl)
 
 
 @expand.register_fake
-def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m):
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False):
     return None
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from lorakit.ops._checks import (
     CPU_SMS, FLOAT_DTYPES, adapter_tokens_skipped, cdiv, check_block_m, check_meta, check_ranks, check_shape,
-    check_tensor, dot, next_power_of_2, use_pdl,
+    check_tensor, dot, next_power_of_2, pdl_supported,
 )
 
 
@@ -103,7 +103,10 @@ def shrink_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, bl
     return split
 
 
-def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) -> torch.Tensor:
+def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int, pdl: bool = False,
+                   trigger: bool = False) -> torch.Tensor:
+    """Launch the shrink kernel into new partials h. ``pdl``: launched with programmatic dependent launch;
+    ``trigger``: lets the kernel after it (a PDL expand) launch early; either only where the device supports it."""
     num_tokens, k = x.shape
     _, n_slices, r_max, _ = A.shape
     h = torch.empty((split_k, n_slices, num_tokens, r_max), dtype=torch.float32, device=x.device)
@@ -113,7 +116,8 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
     config = {k: v for k, v in _shrink_config(block_m).items() if k not in ("max_split", "programs_per_sm")}
     sub_tiles = block_m // config["BLOCK_M"]
     grid = (n_slices * cdiv(r_max, block_r), tiles.shape[1] * sub_tiles, split_k)
-    pdl = use_pdl(x.device, "shrink")
+    supported = pdl_supported(x.device)
+    pdl, trigger = pdl and supported, trigger and supported
     _shrink_kernel[grid](
         x, A, h, ranks, token_order, tiles,
         k, r_max,
@@ -123,7 +127,7 @@ def _launch_shrink(x, A, ranks, token_order, tiles, block_m: int, split_k: int) 
         ranks.stride(0), ranks.stride(1),
         tiles.stride(0),
         SUB_TILES=sub_tiles, BLOCK_R=block_r, SPLIT_K=split_k, IEEE=x.dtype == torch.float32, PDL=pdl,
-        TRIGGER=use_pdl(x.device, "expand"), **({"launch_pdl": True} if pdl else {}), **config,
+        TRIGGER=trigger, **({"launch_pdl": True} if pdl else {}), **config,
     )
     return h
 
@@ -155,6 +159,8 @@ def shrink(
     tiles: torch.Tensor,
     block_m: int,
     split_k: int,
+    pdl: bool = False,
+    trigger: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink for all slices of a projection; returns split-K partial sums.
 
@@ -165,19 +171,21 @@ def shrink(
 
     x: [T, in] float32/float16/bfloat16; A: [S, n_slices, R_max, in], x's dtype;
     ranks: int32 [S, n_slices], each <= R_max; token_slot, token_order, tiles, block_m: a LoraMeta.
+    pdl, trigger: how the CUDA kernel launches (``KernelOptions.pdl``: "shrink" in it, "expand" in it); the
+    results do not depend on them.
     """
     _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, split_k)
     return _shrink_torch(x, A, ranks, token_slot, split_k)
 
 
 @shrink.register_kernel("cuda")
-def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k):
+def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k, pdl=False, trigger=False):
     _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, split_k)
-    return _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k)
+    return _launch_shrink(x, A, ranks, token_order, tiles, block_m, split_k, pdl, trigger)
 
 
 @shrink.register_fake
-def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k):
+def _(x, A, ranks, token_slot, token_order, tiles, block_m, split_k, pdl=False, trigger=False):
     return x.new_empty((split_k, A.shape[1], x.shape[0], A.shape[2]), dtype=torch.float32)
 
 

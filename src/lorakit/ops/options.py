@@ -1,0 +1,40 @@
+"""``KernelOptions``: how the LoRA ops launch their kernels, never what they compute.
+
+The options travel with the calls (``add_lora(..., options=...)``; the LoRA layers pass their context's, which
+``lorakit.patch`` takes), so two models in one process can launch differently and nothing flips a module global.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+PDL_KERNELS = ("shrink", "expand")  # the kernels that may launch with programmatic dependent launch
+
+# The measured default: the expand alone. It then starts while the shrink runs, 0.4-1.2 us sooner a call; a PDL
+# shrink gains ~1 us after a GEMM but, after an expand, takes SMs from it: 4-22 us slower where grids are large
+# (bench/NOTES.md, PDL). LORAKIT_PDL=0 in the environment at import turns it off in the default options.
+DEFAULT_PDL = frozenset() if os.environ.get("LORAKIT_PDL") == "0" else frozenset({"expand"})
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """pdl: the kernels ("shrink", "expand") launched with programmatic dependent launch (Hopper and later, a
+    Triton with ``launch_pdl``; elsewhere every kernel launches plainly): a PDL kernel may start while the kernel
+    before it finishes and waits for it before its first load, and the shrink lets a PDL expand launch early.
+    direct_devices: the device types whose eager calls check their arguments and launch the Triton kernels
+    themselves, skipping the dispatcher (35-50 us of host time per op on an H200, bench/NOTES.md, host time);
+    "cpu" added runs them under the Triton interpreter (``TRITON_INTERPRET=1``) instead of the torch path."""
+
+    pdl: frozenset[str] = DEFAULT_PDL
+    direct_devices: frozenset[str] = frozenset({"cuda"})
+
+    def __post_init__(self):
+        pdl = frozenset(self.pdl)
+        if not pdl <= set(PDL_KERNELS):
+            raise ValueError(f"pdl must name kernels of {list(PDL_KERNELS)}, got {sorted(pdl)}")
+        direct = frozenset(self.direct_devices)
+        if not all(isinstance(d, str) for d in direct):
+            raise ValueError(f"direct_devices must be device types (\"cuda\", \"cpu\"), got {sorted(map(str, direct))}")
+        object.__setattr__(self, "pdl", pdl)
+        object.__setattr__(self, "direct_devices", direct)
