@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _peft_models import tiny_model, save_adapter
+from _peft_models import save_adapter, tiny_model
 from peft import LoraConfig
 
 import lorakit
