@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import threading
 
@@ -23,7 +24,7 @@ from peft import LoraConfig
 from lorakit.engine import Engine, SamplingParams
 from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.snapshot import image_bytes
-from lorakit.engine.tp import TensorParallelError
+from lorakit.engine.errors import TensorParallelError
 from lorakit.serve import ServeConfig, create_app
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -137,6 +138,27 @@ def test_tp2_worker_failure_is_reported(saved):
     with pytest.raises(TensorParallelError, match="(?s)rank 1 .*no such checkpoint on this rank"):
         Engine(functools.partial(fail_on_worker, folder), adapters={"all7": paths["all7"]}, tensor_parallel_size=2,
                **SETTINGS)
+
+
+def test_a_worker_checks_the_adapter_files_against_rank_0s_sha256(saved, tmp_path):
+    """Each rank reads the adapter's files itself when it is put into a slot: changed since rank 0 read them (one
+    byte of the weights), the worker refuses them (``Changed``), and the engine fails, since its ranks no longer
+    hold the same adapter."""
+    folder, paths = saved
+    copied = tmp_path / "all7"
+    shutil.copytree(paths["all7"], copied)
+    engine = Engine(functools.partial(load, folder), adapters={"all7": str(copied)}, tensor_parallel_size=2,
+                    **SETTINGS)
+    try:
+        weights = copied / "adapter_model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1
+        weights.write_bytes(bytes(data))
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), "all7")  # rank 0 serves its CPU tier's image
+        with pytest.raises(TensorParallelError, match="(?s)rank 1 failed while running slots.put.*Changed: sha256"):
+            engine.step()
+    finally:
+        engine.close()
 
 
 def _kill_worker(engine: Engine) -> None:

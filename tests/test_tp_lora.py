@@ -72,7 +72,7 @@ def _worker(rank: int, tmp: str) -> None:
     report: dict = {}
     try:
         join_gloo(rank, WORLD_SIZE, f"{tmp}/rendezvous")
-        from lorakit.layers.tp import LoraRowParallelLinear
+        from lorakit.parallel.lora import LoraRowParallelLinear
         from lorakit.parallel import shard_model
 
         full = _base_model(torch.load(f"{tmp}/base.pt"))

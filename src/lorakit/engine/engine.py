@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lorakit.engine import tp
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.outputs import CompletionOutput, OutputProcessor, RequestOutput, TokenLogprob, stop_token_ids, \
@@ -102,7 +101,7 @@ class Engine:
     ``model`` may also be a picklable function that builds the model (e.g. ``functools.partial`` of a module-level
     loader); with ``tensor_parallel_size`` N > 1 it must be: each of the N processes builds the full model with it,
     keeps its shard and moves it to ``device`` ("cuda": rank r on GPU r; "cpu": gloo processes; default: CUDA when
-    there is one). See ``lorakit.engine.tp``; ``close()`` stops the other processes.
+    there is one). See ``lorakit.parallel.executor``; ``close()`` stops the other processes.
     """
 
     def __init__(self, model: nn.Module | Callable[[], nn.Module], tokenizer=None, config: EngineConfig | None = None,
@@ -127,8 +126,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.handle = _patched(model, config)
-        if self._workers is not None:
-            tp.mirror_slots(self.handle, self._workers)
+        if self._workers is not None:  # the pool's slot writes are made on every rank
+            self._workers.mirror_slots(self.handle)
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = text_config.vocab_size
         self.config = config = _resolve(config, model, text_config, self.handle.device)
@@ -150,8 +149,7 @@ class Engine:
                         fuse_siblings=config.fuse_siblings)
         mirror = None
         if self._workers is not None:  # every rank builds its runner (and captures its graphs) at once
-            self._workers.send(("runner", settings))
-            mirror = self._workers.send
+            mirror = self._workers.mirror_runner(settings)
         self.runner = ModelRunner(model, self.handle, **settings, mirror=mirror)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
@@ -169,10 +167,13 @@ class Engine:
             raise ValueError(f"tensor_parallel_size={n} needs a picklable function that builds the model, not a "
                              f"{type(factory).__name__}: each of the {n} processes builds the full model with it and "
                              f"keeps its shard (e.g. functools.partial(lorakit.parallel.load_sharded, path))")
-        workers = tp.Workers(factory, n, tp.model_device(device))
+        # The engine's one import of lorakit.parallel (the package above it), made only when it starts workers.
+        from lorakit.parallel.executor import Executor, model_device
+
+        workers = Executor(factory, n, model_device(device))
         self._workers = workers
         self._finalize = weakref.finalize(self, workers.close)
-        workers.send(("config", config))
+        workers.call("rank", "patch", config)  # every worker patches its shard as rank 0 is about to
         return workers.model
 
     def close(self) -> None:

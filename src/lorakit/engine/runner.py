@@ -218,9 +218,11 @@ class ModelRunner:
                  max_seq_len: int, cuda_graphs: bool = True, graph_sizes: list[int] | None = None,
                  compile: bool = False, max_num_batched_tokens: int | None = None,
                  graph_token_sizes: list[int] | None = None, base_twins: bool = True, fuse_siblings: bool = True,
-                 mirror: Callable[[tuple], None] | None = None):
+                 mirror: Callable[..., None] | None = None):
         self.model = model
-        self.mirror = mirror  # tensor parallel, on rank 0: sends each forward (and recapture) to the other ranks
+        # Tensor parallel, on rank 0: mirror(method name, *args) makes the same call on every other rank's runner
+        # (each forward as run_packed, each recapture), set by the executor (lorakit.parallel.executor).
+        self.mirror = mirror
         self.handle = handle
         self.device = handle.device
         self.block_size = block_size
@@ -423,12 +425,12 @@ class ModelRunner:
         return self._replay(packed, keep, bucket, fill)
 
     def _send_step(self, packed: torch.Tensor, keep: int, shape: Bucket | tuple[int, int], fill: Fill | None) -> None:
-        """Tensor parallel, rank 0: the step to the workers, then (async scheduling) the tokens its placeholders
-        take, broadcast on the device from the step in flight (``run_packed`` receives them)."""
+        """Tensor parallel, rank 0: the step to the other ranks (their ``run_packed``), then (async scheduling) the
+        tokens its placeholders take, broadcast on the device from the step in flight (``run_packed`` receives them)."""
         if fill is not None and fill.host is None:
             raise RuntimeError("a tensor-parallel step's Fill needs its host index and rows")
         spec = None if fill is None else (*fill.host, fill.tokens.numel(), fill.tokens.dtype)
-        self.mirror(("step", packed.numpy(), keep, shape, spec))  # pickled (copied) at once
+        self.mirror("run_packed", packed.numpy(), keep, shape, spec)  # pickled (copied) at once
         if fill is not None:
             torch.distributed.broadcast(fill.tokens.contiguous(), 0)
 
@@ -488,9 +490,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_packed(self, packed: np.ndarray, keep: int, shape: Bucket | tuple[int, int], spec=None) -> torch.Tensor:
-        """Another rank's step, as its ``mirror`` sent it (see ``_send_step``): the same packed metadata through this
+        """Rank 0's step, as its ``mirror`` sent it (see ``_send_step``): the same packed metadata through this
         rank's shard, the same graph bucket (a ``Bucket``) or eagerly (``(rows, tokens)``), with the placeholder
-        tokens rank 0 broadcasts (``spec``: index, rows, count, dtype). Tensor-parallel workers call this."""
+        tokens rank 0 broadcasts (``spec``: index, rows, count, dtype). Tensor-parallel workers run this."""
         fill = None
         if spec is not None:
             index, rows, count, dtype = spec
@@ -526,7 +528,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture every bucket's graph again (the slot buffers were reallocated), on every rank."""
         if self.mirror is not None:
-            self.mirror(("capture",))
+            self.mirror("capture_graphs")
         self._capture()
 
     @torch.inference_mode()

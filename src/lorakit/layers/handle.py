@@ -29,9 +29,9 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
 from lorakit.layers.linear import LoraLinearGroup
+from lorakit.layers.sharded import check_vocab_parallel, full_features
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
-from lorakit.layers.tp import check_vocab_parallel, full_features
 from lorakit.ops import round_up
 
 

@@ -25,9 +25,9 @@ from torch import nn
 from lorakit.layers.adapter import PeftAdapter
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
+from lorakit.layers.sharded import shard_lora
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
-from lorakit.layers.tp import shard_lora
 from lorakit.ops import round_up
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorakit.layers.context import LoraContext
+from lorakit.layers.sharded import ShardedLinear
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
 from lorakit.ops import add_lora
-from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear-like module, None for anything else. For a tensor-parallel
-    column or row layer (lorakit.parallel, the vocab-parallel head included), the shape of this rank's shard: what
+    column or row layer (a ``ShardedLinear``, the vocab-parallel head included), the shape of this rank's shard: what
     its slots hold."""
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+    if isinstance(module, ShardedLinear):
         return module.in_features, module.out_features
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
@@ -127,7 +127,7 @@ class LoraLinear(_LinearSlots):
 
 
     # The base layer's output the slots add to, and how it becomes the module's output: the same here; the
-    # vocab-parallel head's local logits, then gathered (layers/tp.py).
+    # vocab-parallel head's local logits, then gathered (lorakit.parallel.lora).
     def _local(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.base_layer(x, *args, **kwargs)
 

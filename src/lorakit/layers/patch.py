@@ -21,9 +21,8 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
-from lorakit.layers.tp import LoraRowParallelLinear, LoraVocabParallelHead, full_features, is_vocab_parallel
+from lorakit.layers.sharded import ShardedLayer, full_features, is_vocab_parallel
 from lorakit.ops import MAX_SLICES, KernelOptions
-from lorakit.parallel.tensor import RowParallelLinear
 
 logger = logging.getLogger("lorakit.patch")
 
@@ -69,7 +68,7 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
 
     A tensor-parallel model (``lorakit.parallel.shard_model`` first, on every rank) gets LoRA on its column and
     row layers and on its vocab-parallel embedding and head, each rank's slots holding its shard (token rows: whole;
-    see ``lorakit.layers.tp``).
+    see ``lorakit.parallel.lora``). Each sharded base layer names the wrapper it needs (``ShardedLayer``).
     """
     config = PatchConfig(max_loras, max_rank, rank_multiple, filter_fn, max_token_rows, kernels)
     if getattr(model, "_lorakit_handle", None) is not None:
@@ -84,15 +83,15 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             vocab_parallel[name] = module
         if linear_shape(module) is not None:
             linears[name] = module
-        elif isinstance(module, nn.Embedding) or is_vocab_parallel(module):
+        elif isinstance(module, (nn.Embedding, ShardedLayer)):  # a sharded layer not linear: an embedding
             embeddings[name] = module
     if not linears and not embeddings:
         raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
 
     layers: dict[str, nn.Module] = {}
     grouped = set()
-    # A row-parallel layer is never grouped: its LoRA needs an all-reduce of its own (LoraRowParallelLinear).
-    groupable = {n: m for n, m in linears.items() if not isinstance(m, RowParallelLinear) and not is_vocab_parallel(m)}
+    # A layer that wants a wrapper of its own is never grouped (a row-parallel layer's LoRA all-reduces its shrink).
+    groupable = {n: m for n, m in linears.items() if _wrapper(m) is None}
     for k, names in enumerate(_siblings(model, groupable)):
         group = LoraLinearGroup([linears[n] for n in names], ctx, config.max_loras, config.rank_multiple)
         model.get_submodule(names[0].rpartition(".")[0]).add_module(f"lorakit_group_{k}", group)
@@ -101,8 +100,7 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             grouped.add(name)
     for name, module in linears.items():
         if name not in grouped:
-            wrapper = (LoraRowParallelLinear if isinstance(module, RowParallelLinear) else
-                       LoraVocabParallelHead if is_vocab_parallel(module) else LoraLinear)
+            wrapper = _wrapper(module) or LoraLinear
             layers[name] = wrapper(module, ctx, config.max_loras, config.rank_multiple)
     for name, module in embeddings.items():
         layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
@@ -124,6 +122,11 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     model.register_forward_pre_hook(_take_lora_ids(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: ctx.end())
     return handle
+
+
+def _wrapper(module: nn.Module) -> type[nn.Module] | None:
+    """The LoRA wrapper a sharded base layer asks for, None for the usual one."""
+    return module.lora_wrapper if isinstance(module, ShardedLayer) else None
 
 
 def _take_softcap(model: nn.Module, head: LoraLinear) -> None:

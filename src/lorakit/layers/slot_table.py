@@ -42,9 +42,10 @@ class SlotTable:
         self._writer = SlotWriter()
         self.layout_version = 0  # bumped whenever a slot buffer is reallocated (rank growth)
         self.manager: object | None = None
-        # Told of every write before it is made: ("put", slot, tenant), ("vacate", slot, zero), ("reserve", ranks).
-        # A tensor-parallel engine's rank 0 makes the same writes on the other ranks with it (lorakit.engine.tp).
-        self.mirror: Callable[[tuple], None] | None = None
+        # Told of every write before it is made, as the call that makes it: mirror(method name, *args, **kwargs). A
+        # tensor-parallel executor sets it on rank 0 to make the same call on every other rank's table
+        # (lorakit.parallel.executor).
+        self.mirror: Callable[..., None] | None = None
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -88,7 +89,7 @@ class SlotTable:
     def reserve(self, ranks: Mapping[LoraSlots, int]) -> bool:
         """Grow stores to the given ranks ahead of any upload (loaded slots keep their values); True if any grew."""
         if self.mirror is not None:
-            self.mirror(("reserve", ranks))
+            self.mirror("reserve", ranks)
         grew = any(rank > store.r_max for store, rank in ranks.items())
         for store, rank in ranks.items():
             store.grow(rank)
@@ -100,7 +101,7 @@ class SlotTable:
         record ``tenant`` there, clearing what the slot's previous write left in stores this one does not touch.
         Nothing may be reading the slot meanwhile."""
         if self.mirror is not None:
-            self.mirror(("put", slot, tenant))
+            self.mirror("put", slot, tenant, image)
         self.grow_for(image)
         new = {s.store for s in image.stores} | {t.store for t in image.tokens}
         self._write(slot, image, new)
@@ -110,7 +111,7 @@ class SlotTable:
         """Record ``slot`` as empty. Its contents stay until the next ``put`` (no request may read it then),
         unless ``zero``: then every store it wrote is cleared now, on the current stream."""
         if self.mirror is not None:
-            self.mirror(("vacate", slot, zero))
+            self.mirror("vacate", slot, zero=zero)
         if zero:
             self._write(slot, None, set())
         self._tenants[slot] = None

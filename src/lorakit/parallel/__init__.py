@@ -1,4 +1,10 @@
-"""Running one model over several processes (one per GPU). ``tensor``: Megatron-style sharding of the base model."""
+"""Running one model over several processes (one per GPU).
+
+``tensor``: Megatron-style sharding of the base model (``load``: reading only this rank's slices); ``lora``: LoRA on
+the sharded layers; ``executor`` and ``worker``: the engine's ranks, rank 0 and the processes it starts, driven by
+one call protocol. ``parallel`` sits above ``layers`` and ``engine`` and imports them; neither imports it (the engine
+imports ``executor`` only when it starts workers).
+"""
 
 from lorakit.parallel.tensor import (
     TP_PLAN,

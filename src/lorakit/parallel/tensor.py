@@ -5,6 +5,10 @@ entry for a module holding only this rank's slice of the full weight. Per decode
 all-reduce after the attention output projection and one after the MLP down projection; the embedding
 costs one all-reduce and the head one all-gather of the logits. Inference only: the collectives are not
 autograd-aware.
+
+The sharded modules implement ``lorakit.layers.sharded.ShardedLayer``, the contract ``lorakit.patch`` reads: their
+unsharded shape, how an adapter's matrices are cut to this rank's shard, and the LoRA wrapper each needs
+(``lorakit.parallel.lora``). ``layers`` imports nothing from ``parallel``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lorakit.layers.sharded import ShardedLayer, ShardedLinear
+from lorakit.parallel.lora import LoraRowParallelLinear, LoraVocabParallelHead
 
 # Module name (last component) -> how it is split. One table for every architecture: matched by name and
 # module type, never by model class.
@@ -35,7 +42,7 @@ def _group_size(group) -> int:
     return 1 if group is None and not dist.is_initialized() else dist.get_world_size(group)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedLinear):
     """Rows [rank * n, (rank + 1) * n) of the weight (and bias): y_local = x @ W_local.T + b_local. No collective."""
 
     def __init__(self, base: nn.Linear, rank: int, world_size: int, weight: nn.Parameter | None = None):
@@ -63,11 +70,13 @@ class ColumnParallelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features} (local), bias={self.bias is not None}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedLinear):
     """Columns [rank * n, (rank + 1) * n) of the weight; the input is this rank's slice (a column layer's output).
 
     y = all_reduce(x_local @ W_local.T) + b: the bias is added once, after the sum, not once per rank.
     """
+
+    lora_wrapper = LoraRowParallelLinear  # its LoRA all-reduces the shrink: never grouped with siblings
 
     def __init__(self, base: nn.Linear, rank: int, world_size: int, group=None):
         super().__init__()
@@ -89,15 +98,17 @@ class RowParallelLinear(nn.Module):
 
     def lora_shard(self, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a LoRA (A [r, in], B [out, r]): the columns of A matching this rank's input slice,
-        B whole. The shrink's T x r partials are then summed over the ranks (see lorakit.layers.tp)."""
+        B whole. The shrink's T x r partials are then summed over the ranks (see lorakit.parallel.lora)."""
         return A.narrow(1, self.rank * self.in_features, self.in_features), B
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (local), out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedLayer):
     """Rows [start, start + n) of the embedding table; other ids look up zeros here, and the all-reduce fills them."""
+
+    vocab_parallel = True  # its LoRA is the ordinary LoraEmbedding, holding A's rows of this rank's vocabulary
 
     def __init__(self, base: nn.Embedding, rank: int, world_size: int, group=None, weight: nn.Parameter | None = None):
         super().__init__()
@@ -136,6 +147,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelHead(ColumnParallelLinear):
     """The output head split by vocabulary rows; the local logits are all-gathered to the full vocabulary."""
+
+    vocab_parallel = True
+    lora_wrapper = LoraVocabParallelHead  # the delta goes on the local logits, before the gather
 
     def __init__(self, base: nn.Linear, rank: int, world_size: int, group=None, weight: nn.Parameter | None = None):
         super().__init__(base, rank, world_size, weight)

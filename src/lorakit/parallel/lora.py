@@ -6,7 +6,11 @@ Row-parallel layers (o, down) get ``LoraRowParallelLinear``: their slots hold th
 B. The vocab-parallel head gets ``LoraVocabParallelHead`` (B split with the vocabulary, the delta added before the
 gather); the vocab-parallel embedding's ``LoraEmbedding`` holds A's rows of this rank's vocabulary and all-reduces
 the lookup's h (see layers/embedding.py). Token rows (a few per adapter, by global id) are whole on every rank. An
-adapter that saves whole matrices of them is refused (``check_vocab_parallel``).
+adapter that saves whole matrices of them is refused (``lorakit.layers.sharded.check_vocab_parallel``).
+
+``patch`` finds these wrappers through the sharded base layers themselves (``ShardedLayer.lora_wrapper``, set in
+``lorakit.parallel.tensor``), and the cut of each adapter through their ``lora_shard``: ``layers`` imports nothing
+from here.
 
 Every rank must load the same adapters into the same slots and run the same batches (same ``lora_ids``): the row
 layers' extra all-reduce runs only when a LoRA is active, and the ranks must agree on when that is.
@@ -14,42 +18,11 @@ layers' extra all-reduce runs only when a LoRA is active, and the ranks must agr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from lorakit.layers.adapter import AdapterError, ModuleLora
-from lorakit.layers.adapter_config import read_adapter_config
-from lorakit.layers.adapter_targets import token_targets
 from lorakit.layers.linear import LoraLinear
 from lorakit.ops import lora_expand, lora_shrink
-from lorakit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-
-
-def is_vocab_parallel(module: nn.Module) -> bool:
-    return isinstance(module, (VocabParallelEmbedding, VocabParallelHead))
-
-
-def _sharded(module: nn.Module | None) -> bool:
-    """A tensor-parallel layer, whose slots hold this rank's shard of each adapter."""
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
-
-
-def full_features(layer: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) an adapter's A and B are shaped for: the unsharded layer's for a parallel one."""
-    base = getattr(layer, "base_layer", None)
-    return base.full_features if _sharded(base) else (layer.in_features, layer.out_features)
-
-
-def shard_lora(layer: nn.Module, lora: ModuleLora) -> ModuleLora:
-    """The part of a module's LoRA that this rank's slots hold (``lora`` itself for an unsharded layer)."""
-    base = getattr(layer, "base_layer", None)
-    if not _sharded(base):
-        return lora
-    A, B = base.lora_shard(lora.A, lora.B)
-    return ModuleLora(A.contiguous(), B.contiguous(), lora.rank, lora.scale)
 
 
 class LoraRowParallelLinear(LoraLinear):
@@ -101,20 +74,3 @@ class LoraVocabParallelHead(LoraLinear):
 
     def _gather(self, y: torch.Tensor) -> torch.Tensor:
         return self.base_layer.gather(y)
-
-
-def check_vocab_parallel(name: str, path, base_modules: Mapping, vocab_parallel: Mapping, tied: bool) -> None:
-    """Refuse an adapter that saves a whole matrix (modules_to_save, or the resized embedding / head of a grown
-    vocabulary) of a vocab-parallel embedding or head, from its config alone: its rows are kept only where they
-    differ from the model's weight, which no rank holds whole. LoRA and trainable tokens there are served.
-    ``vocab_parallel``: {module name: BaseModule of the unsharded layer}."""
-    if not vocab_parallel:
-        return
-    where = f"adapter {name!r} at {path}"
-    config = read_adapter_config(name, path)
-    hit = sorted(token_targets(config, base_modules, tied, where).full & vocab_parallel.keys())
-    if hit:
-        raise AdapterError(f"{where}: it saves whole matrices of {hit} (modules_to_save or a resized vocabulary), "
-                           f"which tensor parallelism splits by vocabulary; lorakit serves LoRA and "
-                           f"trainable_token_indices there, not whole matrices: serve this adapter on an unsharded "
-                           f"model, or retrain it with trainable_token_indices instead")
