@@ -12,7 +12,7 @@ import pytest
 import lorakit
 from _peft_models import save_adapter, tiny_model
 from lorakit.engine import Engine, EngineConfig
-from lorakit.engine.pool import CPU_BUDGET_BYTES, AdapterPool
+from lorakit.adapters.pool import CPU_BUDGET_BYTES, AdapterPool
 from lorakit.layers import PatchConfig
 from lorakit.serve import cli
 

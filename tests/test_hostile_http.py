@@ -381,7 +381,7 @@ def test_the_ray_router_checks_the_key_as_the_server_does():
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'lorakit[ray]'")
     from starlette.requests import Request
 
-    from lorakit.ray import Router
+    from lorakit.serve.ray import Router
 
     router = Router(None, "base", [], api_key="secret")  # an admin path is answered before any replica is asked
 

@@ -18,7 +18,7 @@ from peft import LoraConfig
 
 import lorakit
 from lorakit.engine import AdapterPool
-from lorakit.engine.snapshot import Snapshot
+from lorakit.adapters.snapshot import Snapshot
 from lorakit.parallel import shard_model
 from lorakit.parallel.executor import Sender
 from lorakit.parallel.worker import Rank, Receiver, Tenant

@@ -23,7 +23,7 @@ serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip
 from _peft_models import save_adapter  # noqa: E402
 from _serve_helpers import build_world  # noqa: E402
 from lorakit.engine import EngineConfig  # noqa: E402
-from lorakit.ray import FleetConfig, adapter_of, build_app  # noqa: E402
+from lorakit.serve.ray import FleetConfig, adapter_of, build_app  # noqa: E402
 from lorakit.serve import ServeConfig, create_app  # noqa: E402
 from lorakit.serve.model import load_engine  # noqa: E402
 
@@ -223,7 +223,7 @@ def test_an_adapter_asked_for_right_after_its_eviction_stays_registered(world):
     a load of the same adapter in between waits for it, then registers the adapter again."""
     import asyncio
 
-    from lorakit.ray import Replica
+    from lorakit.serve.ray import Replica
 
     model, root = world
     replica = Replica(FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,
@@ -248,7 +248,7 @@ def test_an_evicted_adapter_stays_registered_until_its_last_request_ends(world):
     using it have ended, and they end with their whole answer."""
     import asyncio
 
-    from lorakit.ray import Replica
+    from lorakit.serve.ray import Replica
 
     model, root = world
     replica = Replica(FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,

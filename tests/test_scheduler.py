@@ -175,7 +175,7 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
     RuntimeError) must end the step, not read as "pool full" and retry forever."""
     import pytest
 
-    from lorakit.engine.pool import PoolFull
+    from lorakit.adapters.pool import PoolFull
 
     class Failing(FakePool):
         error: Exception | None = None

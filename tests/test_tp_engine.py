@@ -23,7 +23,7 @@ from peft import LoraConfig
 
 from lorakit.engine import Engine, SamplingParams
 from lorakit.engine.errors import FatalEngineError
-from lorakit.engine.snapshot import image_bytes
+from lorakit.adapters.snapshot import image_bytes
 from lorakit.engine.errors import TensorParallelError
 from lorakit.serve import ServeConfig, create_app
 

@@ -3,7 +3,7 @@
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.engine import LLM, Engine
 from lorakit.engine.outputs import CompletionOutput, RequestOutput
-from lorakit.engine.pool import AdapterPool, PoolFull
+from lorakit.adapters.pool import AdapterPool, PoolFull
 from lorakit.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "AdapterPool", "CompletionOutput", "Engine", "EngineConfig", "PoolFull", "RequestOutput",

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lorakit.engine.pool import CPU_BUDGET_BYTES
+from lorakit.adapters.pool import CPU_BUDGET_BYTES
 from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 

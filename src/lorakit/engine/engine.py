@@ -29,11 +29,11 @@ from lorakit.engine.config import EngineConfig
 from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.outputs import CompletionOutput, OutputProcessor, RequestOutput, TokenLogprob, stop_token_ids, \
     token_finish
-from lorakit.engine.pool import AdapterPool, AdapterRef
+from lorakit.adapters.pool import AdapterPool, AdapterRef
 from lorakit.engine.runner import Fill, ModelRunner, kv_shape
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
-from lorakit.engine.snapshot import Snapshot, read_tokenizer
+from lorakit.adapters.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
 from lorakit.layers.adapter import activation_start
 from lorakit.layers.handle import LoraHandle

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
-from lorakit.engine.pool import PoolFull
+from lorakit.adapters.pool import PoolFull
 from lorakit.layers.adapter import AdapterError
 
 __all__ = ["AdapterSlots", "BlockManager", "Request", "Scheduled", "Scheduler", "StepPlan"]

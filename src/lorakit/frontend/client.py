@@ -28,7 +28,7 @@ from typing import Protocol
 
 from lorakit.engine.engine import Engine
 from lorakit.engine.outputs import RequestOutput
-from lorakit.engine.pool import AdapterRef
+from lorakit.adapters.pool import AdapterRef
 from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.structured import StructuredOutput

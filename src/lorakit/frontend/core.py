@@ -57,7 +57,7 @@ from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.lifeline import die_with_parent
 from lorakit.engine.loop import EngineLoop
 from lorakit.engine.outputs import RequestOutput
-from lorakit.engine.pool import AdapterRef
+from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.frontend.client import EngineStats, engine_stats
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, Failed, FromCore, Ready, Reply, \

@@ -31,9 +31,9 @@ from lorakit.engine.engine import Engine, check_prompt, fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
-from lorakit.engine.pool import resolve
+from lorakit.adapters.pool import resolve
 from lorakit.engine.sampling import SamplingParams
-from lorakit.engine.snapshot import read_tokenizer
+from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.client import Adapter, EngineStats
 from lorakit.frontend.core import run_core

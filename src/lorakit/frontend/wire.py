@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from lorakit.engine.outputs import RequestOutput
-from lorakit.engine.pool import AdapterRef
+from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
 from lorakit.frontend.client import EngineStats
 from lorakit.layers.adapter import AdapterError

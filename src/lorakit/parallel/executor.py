@@ -53,7 +53,7 @@ from torch import nn
 
 from lorakit.engine.errors import TensorParallelError
 from lorakit.engine.lifeline import on_main_thread
-from lorakit.engine.snapshot import Snapshot
+from lorakit.adapters.snapshot import Snapshot
 from lorakit.layers.image import SlotImage
 from lorakit.layers.slot_table import Loaded
 from lorakit.layers.slots import LoraSlots

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lorakit.engine.lifeline import die_with_parent
-from lorakit.engine.snapshot import Snapshot
+from lorakit.adapters.snapshot import Snapshot
 
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer for a peer fails
 
@@ -94,7 +94,7 @@ class Slots:
     """This rank's slot table as rank 0's calls reach it: the same writes, the adapter packed here for this shard."""
 
     def __init__(self, rank: Rank, config):
-        from lorakit.engine.pool import ImageCache
+        from lorakit.adapters.pool import ImageCache
 
         self.rank, self.config = rank, config
         self.table = rank.handle.slots
@@ -103,7 +103,7 @@ class Slots:
     def put(self, slot: int, tenant: Tenant, image: None) -> None:
         """Rank 0 put ``tenant`` into ``slot``: its files read again (the same sha256 as rank 0 read, or ``Changed``)
         and packed for this rank's shard, unless this rank's CPU tier still holds that content."""
-        from lorakit.engine.snapshot import reread
+        from lorakit.adapters.snapshot import reread
 
         snapshot, cuda = tenant.snapshot, self.rank.device.type == "cuda"
         image = self.images.get(snapshot.sha256)

@@ -5,7 +5,7 @@ Loading from paths is a security boundary: off unless ``allow_runtime_lora``, an
 ``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes; every file is checked
 again when it is read), only safetensors (the loader never unpickles), only names the pool accepts
 (``check_name``). The files are read once and checked in full off the engine thread; what is served is that
-snapshot (``lorakit.engine.snapshot``). A load under a registered name is a hot-swap: running requests keep their
+snapshot (``lorakit.adapters.snapshot``). A load under a registered name is a hot-swap: running requests keep their
 version, and a load that fails leaves the old version serving.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorakit.engine.pool import check_name
+from lorakit.adapters.pool import check_name
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState

@@ -290,7 +290,7 @@ def run_ray(args) -> int:
         config = engine_config(args)
         adapters = check_options(args)
         served = dataclasses.asdict(serve_config(args, served_name(args.model)))
-        import lorakit.ray as fleet
+        import lorakit.serve.ray as fleet
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise SystemExit(f"lorakit serve-ray: {e}") from None
     device = None if args.device == "auto" else args.device

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from lorakit.engine.pool import check_name
+from lorakit.adapters.pool import check_name
 from lorakit.layers.adapter import AdapterError
 from lorakit.layers.adapter_config import CONFIG_NAME, WEIGHTS_NAME
 

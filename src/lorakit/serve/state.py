@@ -135,7 +135,7 @@ class ServerState:
         self.in_flight = ConcurrencyLimit(config.max_concurrent)
         self.bodies = BodyBudget(config.bytes_in_flight)  # request bodies held, all connections together
         self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
-        # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.ray): listed
+        # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.serve.ray): listed
         # by /v1/models and in 404s beside the registered ones.
         self.on_request: Callable[[], Sequence[str]] | None = None
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").

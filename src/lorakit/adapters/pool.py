@@ -45,7 +45,7 @@ import msgspec
 
 import torch
 
-from lorakit.engine.snapshot import Changed, Snapshot, read_snapshot, reread
+from lorakit.adapters.snapshot import Changed, Snapshot, read_snapshot, reread
 from lorakit.layers.adapter import AdapterError, AdapterInfo
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage, needs_growth

@@ -42,7 +42,7 @@ try:
     import ray
     from ray import serve
 except ImportError as e:  # pragma: no cover - the message is the point
-    raise ImportError("lorakit.ray needs Ray Serve: pip install 'lorakit[ray]' (or 'ray[serve]')") from e
+    raise ImportError("lorakit.serve.ray needs Ray Serve: pip install 'lorakit[ray]' (or 'ray[serve]')") from e
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -51,7 +51,7 @@ from lorakit.serve.auth import authorized
 from lorakit.serve.protocol import ApiError
 from lorakit.serve.streaming import DONE, event
 
-logger = logging.getLogger("lorakit.ray")
+logger = logging.getLogger("lorakit.serve.ray")
 
 __all__ = ["FleetConfig", "build_app", "run_fleet"]
 
@@ -349,7 +349,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def build_app(args: dict | FleetConfig):
-    """The Ray Serve application: a Router in front of ``replicas`` Replicas (``serve run lorakit.ray:build_app``
+    """The Ray Serve application: a Router in front of ``replicas`` Replicas (``serve run lorakit.serve.ray:build_app``
     calls this with the config file's ``args``, whose keys are FleetConfig's fields)."""
     config = args if isinstance(args, FleetConfig) else FleetConfig(**args)
     if config.metrics_dir is None:

@@ -1,0 +1,8 @@
+"""Adapters between disk and the GPU slots: ``Snapshot`` (a PEFT folder read once, checked and hashed) and
+``AdapterPool`` (versions, the CPU tier, the slot table's one manager; ``AdapterRef``: a version as requests carry
+it). Built on lorakit.layers; the engine's scheduler holds slots through it."""
+
+from lorakit.adapters.pool import AdapterPool, AdapterRef, PoolFull
+from lorakit.adapters.snapshot import Snapshot
+
+__all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot"]
