@@ -45,6 +45,7 @@ def main() -> None:
         for n, t in enumerate(ids, 1):
             processor.process(RequestOutput("r", "", [t], False, None, None, 8, n))
 
+    detokenize([])  # warm: the tokenizer's first calls cost more
     plain = per_token(lambda: detokenize([]), len(ids))
     stops = per_token(lambda: detokenize(["\n\n\n\n", "<|stop|>", "###", "END OF TEXT"]), len(ids))
     step = Step([RequestOutput(f"s0-r{i}", "", [ids[i]], False, None, None, 100, 10 + i) for i in range(args.batch)])
