@@ -30,7 +30,7 @@ def main(dst: str) -> None:
         "  (adapters' token rows: whole)",
         "its KV cache: kv_heads / 2 heads a layer",
         "",
-        "ModelRunner: pack the step, send it, run it",
+        "ModelRunner: pack the step, mirror the call, run it",
     ], "#fde3c8")
     box(ax, 14.6, 4.4, 9.2, 7.8, "rank 1: a worker (spawned by rank 0)", [
         "no requests, no scheduler, no sampling",
@@ -38,11 +38,11 @@ def main(dst: str) -> None:
         "its shard of the model, slots and KV cache,",
         "the same layout as rank 0's",
         "",
-        "runs each message in order:",
-        "  put: read the adapter's files again (checked",
+        "runs each call in order on its own objects:",
+        "  slots.put: read the adapter's files again (checked",
         "    against rank 0's sha256), pack its shard",
-        "  step: the same packed metadata, the same graph",
-        "  capture: every graph again (the slots grew)",
+        "  runner.run_packed: the same metadata, the same graph",
+        "  runner.capture_graphs: every graph again (slots grew)",
         "",
         "exits when rank 0's end of the pipe closes",
     ], "#dbe9f6")
@@ -53,11 +53,11 @@ def main(dst: str) -> None:
         "broadcast of the step in flight's sampled tokens",
     ], "#e2f0d9")
 
-    arrow(ax, (9.4, 10.4), (14.6, 10.4), "slot writes: put / vacate / reserve\n(the adapter's snapshot, not its weights)",
+    arrow(ax, (9.4, 10.4), (14.6, 10.4), "slots.put / vacate / reserve\n(the adapter's snapshot, not its weights)",
           (12.0, 11.3))
     arrow(ax, (14.6, 9.0), (9.4, 9.0), "ok (or the traceback)", (12.0, 8.6))
-    arrow(ax, (9.4, 7.2), (14.6, 7.2), "runner, step (packed metadata\n+ graph bucket), capture", (12.0, 6.4))
-    ax.text(12.0, 5.2, "one pipe per worker;\neach message pickled once", ha="center", va="center", fontsize=7,
+    arrow(ax, (9.4, 7.2), (14.6, 7.2), "rank.start_runner, runner.run_packed\n(packed metadata + bucket), capture_graphs", (12.0, 6.4))
+    ax.text(12.0, 5.2, "one pipe per worker; each call\n(target, method, args) pickled once", ha="center", va="center", fontsize=7,
             style="italic")
     arrow(ax, (4.8, 4.4), (4.8, 3.0), "", (0, 0), style="<|-|>")
     arrow(ax, (19.2, 4.4), (19.2, 3.0), "", (0, 0), style="<|-|>")

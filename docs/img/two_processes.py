@@ -34,23 +34,23 @@ def main(dst: str) -> None:
     box(ax, 3.6, 3.4, 7.6, 7.0, "server process", [
         "asyncio event loop (uvicorn, FastAPI):",
         "  routes, validation, API key, errors, /metrics",
-        "  ServerState -> EngineClient (CoreClient)",
+        "  ServerState: model -> Adapter (once) -> CoreClient",
         "",
         "worker threads:",
         "  tokenizing, chat templates,",
         "  adapter tokenizers",
         "",
-        "CoreClient, on the event loop:",
-        "  token ids -> text (detokenizing),",
-        "  stop strings (then Abort to the core),",
-        "  one queue per request stream,",
+        "each request's stream, on the event loop:",
+        "  OutputProcessor: token ids -> text,",
+        "  stop strings (then Abort to the core)",
+        "CoreClient: one queue per request,",
         "  the core's facts for lookups",
-        "  (adapters, vocabulary, context)",
+        "  (adapter versions, vocabulary, context)",
     ], "#dbe9f6")
     box(ax, 16.0, 3.4, 7.8, 7.0, "engine core process", [
-        "one loop: read messages, step, send",
-        "",
-        "Engine (detokenize off):",
+        "EngineLoop (the one loop, as on a thread):",
+        "  messages -> commands, step, one Step out",
+        "Engine: finish by token (eos, stop ids, max),",
         "  scheduler, adapter pool,",
         "  model runner (CUDA graphs), sampling",
         "",
@@ -58,14 +58,14 @@ def main(dst: str) -> None:
         "  adapter files while the loop steps;",
         "  installed between steps",
         "",
-        "checks its parent every second:",
-        "  exits when the server is gone",
+        "lifeline: exits when the server is gone;",
+        "  a thread beats every 0.5 s"
     ], "#fde3c8")
     box(ax, 16.0, 0.6, 7.8, 2.0, "GPU", ["model weights, adapter slots, KV cache,", "CUDA graphs"], "#e2f0d9")
 
     arrow(ax, (2.8, 6.9), (3.6, 6.9), "", (0, 0), style="<|-|>")
-    arrow(ax, (11.2, 8.6), (16.0, 8.6), "Add, Abort, Call\n(socket to-core, PUSH -> PULL)", (13.6, 9.3))
-    arrow(ax, (16.0, 6.6), (11.2, 6.6), "Step: one per engine step,\nevery request's new token ids\n"
+    arrow(ax, (11.2, 8.6), (16.0, 8.6), "Add (ids, params, AdapterRef), Abort, Call\n(socket to-core, PUSH -> PULL)", (13.6, 9.3))
+    arrow(ax, (16.0, 6.6), (11.2, 6.6), "Step: one per engine step,\nevery request's RequestOutput (ids)\n"
           "(also Reply, Ready / Failed)\n(socket from-core, PUSH -> PULL)", (13.6, 5.5))
     arrow(ax, (19.9, 3.4), (19.9, 2.6), "", (0, 0), style="<|-|>")
     ax.text(13.6, 7.6, "ZeroMQ, ipc:// in a private temp folder\n(mode 0700); msgpack (msgspec), typed",
