@@ -20,6 +20,7 @@ from lorakit.engine.engine import Engine
 from lorakit.engine.errors import EngineDead, FatalEngineError
 from lorakit.engine.loop import EngineLoop, ThreadInbox
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
 from lorakit.frontend.streams import stream
 
@@ -63,7 +64,7 @@ class AsyncEngine:
             self._inbox.post(call)
         return call.future
 
-    async def generate(self, prompt, params: SamplingParams | None = None, adapter: str | None = None,
+    async def generate(self, prompt, params: SamplingParams | None = None, adapter: AdapterRef | str | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come, with their text; leaving early (a client gone) aborts it. A
         bad request raises here, before anything is yielded. Its grammar, if any, is compiled on a worker thread
@@ -91,8 +92,7 @@ class AsyncEngine:
         def abort():
             self._queues.pop(request_id, None)
             self.engine.abort(request_id)
-        with contextlib.suppress(RuntimeError, EngineDead):
-            self._post(abort, wait=False)
+        self._post(abort, wait=False)  # never raises: nobody waits for it
 
     async def call(self, fn: Callable, *args):
         """Run fn(*args) on the engine thread between steps (e.g. engine.register_adapter); its result."""
@@ -120,8 +120,7 @@ class AsyncEngine:
             for request_id in queues:
                 self.engine.abort(request_id)
         if queues:
-            with contextlib.suppress(RuntimeError, EngineDead):
-                self._post(abort, wait=False)
+            self._post(abort, wait=False)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """The engine thread's sink: each output to its request's queue, one wake-up per event loop."""

@@ -90,7 +90,11 @@ class EngineClient(Protocol):
     @property
     def versions(self) -> dict[str, tuple[int, str]]: ...  # registered names -> (version number, sha256)
 
-    def resolve(self, name: str) -> Adapter: ...  # the current version of a registered name; else AdapterError
+    def resolve(self, name: str) -> Adapter:
+        engine = self.engine
+        ref = engine.pool.ref(name)
+        info, tokenizer = engine.pool.resolve(ref).info, engine.tokenizer_for(ref)
+        return Adapter(ref, str(info.path), info.added_tokens, None if tokenizer is engine.tokenizer else tokenizer)
 
     def tokenizer_for(self, adapter: Adapter | None): ...
 
@@ -166,7 +170,8 @@ class InProcessClient:
             self.async_engine.shutdown()
 
     async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
-        await self.engine.grammar(spec, None if adapter is None else adapter.ref).wait_async()  # on the engine's grammar workers, not its thread
+        # on the engine's grammar workers, not its thread
+        await self.engine.grammar(spec, None if adapter is None else adapter.ref).wait_async()
 
     def health(self, timeout: float) -> str | None:
         """Why the engine cannot serve now (it failed for good), or None. ``timeout`` is for an engine in another

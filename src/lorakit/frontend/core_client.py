@@ -38,7 +38,8 @@ from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.client import Adapter, EngineStats
 from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import stream
-from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, Step, ToCore
+from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, \
+    Step, ToCore
 from lorakit.layers.adapter import AdapterError
 
 __all__ = ["CoreClient"]
