@@ -201,8 +201,8 @@ def test_a_header_trickled_byte_by_byte_is_dropped_after_the_header_timeout(worl
     try:
         with long_bystander(live, world, 8.0):
             # Trickled: a 408 in OpenAI's shape, then closed (the trickle would go on for 60 s).
+            started = time.monotonic()  # before the connection: the server's clock starts when it accepts it
             with socket.create_connection(("127.0.0.1", live.port), timeout=60) as sock:
-                started = time.monotonic()
                 head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 600
                 for byte in head:
                     if select.select([sock], [], [], 0.1)[0]:  # the server answered
