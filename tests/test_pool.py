@@ -162,6 +162,20 @@ def test_prefetch_loads_without_holding(folders):
     pool.release(slots)
 
 
+def test_prefetch_in_order_of_need_takes_later_ones_slots_never_earlier_ones(folders):
+    """The scheduler prefetches for its queue in order: the head's adapter may take the slot of one a later request
+    needs, and a later one never takes the head's (which would upload both again every step)."""
+    base, saved, _ = folders
+    _, _, pool = fresh_pool(base, max_loras=1)
+    for name in ("q4", "all8"):
+        pool.register(name, saved[name].path)
+    assert pool.prefetch(["all8"]) == ["all8"]
+    assert pool.prefetch(["q4", "all8"]) == ["q4"]  # q4 comes first: it takes all8's slot
+    loads = pool.stats.loads
+    assert pool.prefetch(["q4", "all8"]) == ["q4"] and pool.stats.loads == loads  # and keeps it
+    assert pool.prefetch(["all8", "q4"]) == ["all8"]
+
+
 def test_loads_evictions_and_residency_by_adapter(folders):
     """What /metrics reports per adapter: uploads and evictions by name, and the tier each one sits in."""
     base, saved, _ = folders

@@ -31,11 +31,12 @@ class FakePool:
         return slot is not None and self.landing.get(slot, 0) <= self.now
 
     def prefetch(self, names):
-        for name in names:
+        for i, name in enumerate(names):
             if name in self.slots:
                 continue
             free = [s for s in range(len(self.slots)) if self.slots[s] is None]
-            victims = [s for s in self.lru if self.refs[s] == 0]
+            # as the pool: never the slot of an adapter needed before this one
+            victims = [s for s in self.lru if self.refs[s] == 0 and self.slots[s] not in names[:i]]
             slot = free[0] if free else victims[0] if victims else None
             if slot is None:
                 continue
@@ -57,6 +58,9 @@ class FakePool:
 
     def digest(self, name):
         return f"sha-of-{name}"
+
+    def pinned(self, name):
+        return False
 
     def release(self, slots):
         for slot in slots:
@@ -107,6 +111,8 @@ def simulate(arrivals, *, slots, num_blocks, block_size=4, max_num_seqs=4, budge
             assert len(item.request.blocks) * block_size >= item.start + len(item.tokens)
             assert item.tokens == item.request.all_ids[item.start: item.start + len(item.tokens)]
             started.setdefault(item.request, step)
+        if sched.draining is not None:  # no request of the adapter being drained starts while it drains
+            assert all(started[i.request] < step for i in plan.items if i.request.adapter == sched.draining)
         sampled = {i.request: token(i.request, len(i.request.output_ids)) for i in plan.items if i.sample}
         finished = {r: "length" for r in sampled if len(r.output_ids) + 1 >= r.max_tokens}
         sched.postprocess(plan, sampled, finished)
@@ -159,6 +165,55 @@ def test_one_slot_a_b_a_a_does_not_starve_b():
                                                 patience=0)
     b = next(r for r in requests if r.adapter == "B")
     assert started[b] - arrived_at[b] <= 5 + 3
+
+
+def test_while_the_head_waits_for_a_slot_the_batch_stays_full():
+    """One slot held by a stream of A requests, B overdue behind them, base requests arriving all along: A drains (no
+    new A starts), the base requests keep the batch full meanwhile, and B starts once the running As end."""
+    arrivals = ([(0, "A", 4, 20), (1, "B", 4, 5)] + [(t, "A", 4, 20) for t in range(1, 60)]
+                + [(t, None, 4, 20) for t in range(2, 60)])
+    patience = 4
+    sizes = []
+    pool = FakePool(1)
+    blocks = BlockManager(512, 4)
+    sched = Scheduler(pool, blocks, max_num_seqs=16, max_num_batched_tokens=64, patience=patience)
+    requests = [Request(f"r{i}", list(range(p)), a, m, sched.next_seq()) for i, (_, a, p, m) in enumerate(arrivals)]
+    arrive = {r: t for r, (t, *_) in zip(requests, arrivals)}
+    b = requests[1]
+    started = {}
+    for step in range(400):
+        for r in requests:
+            if arrive[r] == step:
+                sched.add(r)
+        plan = sched.schedule()
+        for item in plan.items:
+            started.setdefault(item.request, step)
+        sizes.append(len(sched.running))
+        sampled = {i.request: 1 for i in plan.items if i.sample}
+        sched.postprocess(plan, sampled, {r: "length" for r in sampled if len(r.output_ids) >= r.max_tokens})
+        pool.tick()
+        if not sched.has_unfinished() and step > 60:
+            break
+    assert started[b] - arrive[b] <= patience + 20 + 3  # patience, then the running As' 20 tokens
+    waiting_for_slot = range(arrive[b] + patience + 2, started[b])
+    assert all(sizes[t] >= 10 for t in waiting_for_slot if t > 12)  # base requests fill the batch meanwhile
+    assert not any(r.adapter == "A" and arrive[b] + patience + 1 < started[r] < started[b] for r in requests)
+    assert all(r.finish_reason == "length" for r in requests)
+
+
+def test_a_pinned_adapter_is_never_drained_for_the_head():
+    class Pinned(FakePool):
+        def pinned(self, name):
+            return name == "P"
+
+    pool = Pinned(2)
+    sched = Scheduler(pool, BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, patience=0)
+    for adapter, tokens in (("P", 2), ("A", 30), ("B", 2)):
+        sched.add(Request(adapter, [1, 2], adapter, tokens, sched.next_seq()))
+        plan = sched.schedule()
+        sched.postprocess(plan, {i.request: 1 for i in plan.items if i.sample})
+    sched.schedule()
+    assert [r.adapter for r in sched.running] == ["P", "A"] and sched.draining == "A"  # A ends later, but P is pinned
 
 
 def test_preemption_when_the_cache_is_full_recomputes_and_continues():

@@ -352,11 +352,14 @@ class AdapterPool:
 
     def prefetch(self, names: Iterable[str]) -> list[str]:
         """Start loading adapters a scheduler will soon need, into free or evictable slots, without taking
-        references or making the compute stream wait. Returns the names now resident or on their way;
-        skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
+        references or making the compute stream wait. ``names`` in order of need: each may take the slot of one
+        that comes after it (held by nobody), never of one before it. Returns the names now resident or on their
+        way; skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
         with self._lock:
             versions = list(dict.fromkeys(v for v in self._lookup(list(names)) if v is not None))
-            self._make_resident(versions, evict=True, strict=False)
+            for i, v in enumerate(versions):
+                if v.slot is None:
+                    self._make_resident([v], evict=True, strict=False, keep=versions[:i])
             return [v.name for v in versions if v.slot is not None]
 
     def pin(self, name: str) -> int:
@@ -367,6 +370,10 @@ class AdapterPool:
             self._pins.add(name)
             self._wait_ready(v)
             return v.slot
+
+    def pinned(self, name: str) -> bool:
+        """Whether ``name`` is pinned (``pin``) in a GPU slot."""
+        return name in self._pins
 
     def unpin(self, name: str) -> None:
         with self._lock:
@@ -446,12 +453,16 @@ class AdapterPool:
     def _pinned(self, v: _Version) -> bool:
         return v.name in self._pins and self._current.get(v.name) is v
 
-    def _make_resident(self, versions: list[_Version], evict: bool, strict: bool) -> None:
+    def _make_resident(self, versions: list[_Version], evict: bool, strict: bool, keep: Sequence[_Version] = ()
+                       ) -> None:
+        """Load ``versions`` into slots: free ones first, then (``evict``) those of the least recently used adapters
+        nobody holds or pinned, never one of ``versions`` or ``keep``. ``strict``: PoolFull when slots are lacking,
+        else load the first that fit."""
         missing = [v for v in versions if v.slot is None]
         if not missing:
             return
         free = self.slots.free()
-        keep = set(versions)
+        keep = set(versions) | set(keep)
         victims = [s for s in self._lru if self.slots[s].refs == 0 and not self._pinned(self.slots[s])
                    and self.slots[s] not in keep] if evict else []
         room = len(free) + len(victims)

@@ -6,15 +6,24 @@ KV cache and the adapter slots allow. The runner executes the batch; ``postproce
 tokens and retires finished requests.
 
 Adapters: a request holds its adapter slot from admission to its end, so the running requests never
-use more than ``max_loras`` distinct adapters (base requests need no slot). A waiting request whose adapter
-is not resident starts its upload (``pool.prefetch``) and is admitted once it has landed (``pool.ready``),
-so a load never stalls the batch already running.
+use more than ``max_loras`` distinct adapters (base requests need no slot). Each step the adapters of the first
+``LOOKAHEAD`` waiting requests start their uploads (``pool.prefetch``, in queue order, into free slots or slots no
+running request holds), and a request is admitted once its adapter has landed (``pool.ready``), so a load never
+stalls the batch already running. Readiness is asked once per adapter per step, not once per waiting request.
 
 No starvation: a waiting request may be bypassed by later ones (so resident adapters keep the GPU busy)
-only while the oldest waiting request has waited fewer than ``patience`` steps. After that, nothing
-bypasses it: running requests drain (each finishes within its max_tokens, or is preempted behind it), a
-slot and KV blocks free up, and it starts. With one slot and arrivals A, B, A, A, ..., B waits at most
-``patience`` steps plus the time the running A requests take to finish.
+only while the oldest waiting request (the head) has waited fewer than ``patience`` steps. After that, what may
+pass it depends on what it waits for:
+
+- KV blocks (or its turn in the token budget): nothing passes it; running requests drain (each finishes within
+  its max_tokens, or is preempted behind it), blocks free up, and it starts.
+- a slot, every slot held by running requests: one adapter is chosen to drain (among those running requests
+  hold, not pinned, the one whose requests end soonest), and no new request of that adapter starts; everything
+  else (base requests, other resident adapters) may still pass the head, as long as it leaves the head the KV
+  blocks of its first chunk and one place among ``max_num_seqs``. The drained slot frees within that adapter's
+  longest remaining output; the head's adapter is loaded into it and the head starts. So the batch stays full
+  while the head waits, and its wait stays bounded: with one slot and arrivals A, B, A, A, ..., B waits at most
+  ``patience`` steps plus the time the running A requests take to finish, while base requests keep running.
 
 Preemption: when a running request needs a KV block and none is free, the most recently admitted running
 request is preempted: its blocks and slot are released and it goes back to the queue in arrival order; it
@@ -43,6 +52,8 @@ from lorakit.layers.adapter import AdapterError
 
 __all__ = ["AdapterSlots", "BlockManager", "Request", "Scheduled", "Scheduler", "StepPlan"]
 
+LOOKAHEAD = 32  # waiting requests whose adapters start their uploads each step, in queue order
+
 
 class AdapterSlots(Protocol):
     """What the scheduler needs of the adapter pool (``AdapterPool`` has it). ``acquire`` raises ``PoolFull``
@@ -59,6 +70,10 @@ class AdapterSlots(Protocol):
 
     def digest(self, name: str) -> str:
         """The content hash of ``name``'s current version, the one ``acquire`` hands out (the prefix cache's key)."""
+        ...
+
+    def pinned(self, name: str) -> bool:
+        """Whether ``name`` is pinned in its slot (never drained for another adapter)."""
         ...
 
 
@@ -143,6 +158,8 @@ class Scheduler:
         self.prefix_stats: dict[str | None, list[int]] = {}
         self.computed_prompt_tokens = 0  # prompt positions run through the model (recomputations included)
         self._computing: dict[bytes, int] = {}  # keys of blocks running requests are computing -> how many
+        self.draining: str | None = None  # the adapter no new request starts on, so that its slot frees for the head
+        self._on_the_way: set[str] = set()  # adapters in a slot or uploading, as of this step's lookahead
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -199,49 +216,108 @@ class Scheduler:
         return StepPlan(items, preempted)
 
     def _admit(self, items: list[Scheduled], budget: int, prefill: int) -> None:
-        """Admit waiting requests within ``budget`` tokens, of which ``prefill`` prompt tokens."""
+        """Admit waiting requests within ``budget`` tokens, of which ``prefill`` prompt tokens (see the module
+        docstring for who may pass the head)."""
         head = self.waiting[0] if self.waiting else None
+        overdue = head is not None and head.waited > self.patience
+        ready = self._lookahead()  # adapter -> landed in a slot, or why it cannot be served (asked once a step)
+        reserve = None  # (blocks, sequences) an overdue head waiting for a slot keeps for itself
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request is not head and head.waited > self.patience:
-                break  # the oldest has waited long enough: nobody bypasses it any more
+            if request is not head and overdue:
+                if reserve is None:
+                    break  # the head waits for KV blocks or the budget: nobody passes it
+                if request.adapter is not None and request.adapter == self.draining:
+                    continue
+                if len(self.running) + reserve[1] >= self.max_num_seqs:
+                    break
             if min(request.num_tokens, budget, prefill) <= 0:
                 break
-            if not self._adapter_ready(request):
-                continue
-            if request.adapter is not None and self.blocks.prefix_cache:
-                request.adapter_key = self.pool.digest(request.adapter).encode()
-            keys = self._prefix_keys(request)
-            cached = self.blocks.lookup(keys)
-            start = len(cached) * self.blocks.block_size
-            n = min(request.num_tokens - start, budget, prefill)
-            if (any(k in self._computing for k in keys[len(cached):])  # being computed: take it once registered
-                    or self.blocks.blocks_for(start + n) - len(cached)
-                    > self.blocks.num_free - self.blocks.idle_among(cached)):
-                continue
-            if request.adapter is not None:
+            waits = self._try_admit(request, items, budget, prefill, ready, None if request is head else reserve)
+            if waits is None:  # admitted
+                n = len(items[-1].tokens)
+                budget -= n
+                prefill -= n
+                if request is head:
+                    self.draining = None
+            elif request is head and overdue and waits == "slot":
+                reserve = (self.blocks.blocks_for(min(head.num_tokens, self.max_prefill_tokens)), 1)
+                if self.draining is None and head.adapter not in self._on_the_way:
+                    self.draining = self._drain_choice()  # no slot is free or unheld: one is to be freed
+        if self.draining is not None and (head is None or not overdue):
+            self.draining = None
+
+    def _try_admit(self, request: Request, items: list[Scheduled], budget: int, prefill: int, ready: dict[str, bool],
+                   reserve: tuple[int, int] | None) -> str | None:
+        """Admit ``request`` (its first chunk appended to ``items``) and return None, or return what it waits for:
+        "slot" (its adapter is not in a slot yet, or every slot is held) or "blocks" (KV blocks, or blocks a running
+        request is computing). ``reserve``: blocks to leave free (an overdue head's)."""
+        if not self._adapter_ready(request, ready):
+            return "slot"
+        if request.adapter is not None and self.blocks.prefix_cache:
+            request.adapter_key = self.pool.digest(request.adapter).encode()
+        keys = self._prefix_keys(request)
+        cached = self.blocks.lookup(keys)
+        start = len(cached) * self.blocks.block_size
+        n = min(request.num_tokens - start, budget, prefill)
+        kept = 0 if reserve is None else reserve[0]
+        if (any(k in self._computing for k in keys[len(cached):])  # being computed: take it once registered
+                or self.blocks.blocks_for(start + n) - len(cached) + kept
+                > self.blocks.num_free - self.blocks.idle_among(cached)):
+            return "blocks"
+        if request.adapter is not None:
+            try:
+                (request.slot,) = self.pool.acquire([request.adapter])  # the version digest() named
+            except PoolFull:  # every slot held; keep waiting
+                return "slot"
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.waited = 0
+        self.blocks.hold(cached)
+        request.blocks, request.block_keys, request.num_computed = list(cached), keys[: len(cached)], start
+        request.computing = keys[len(cached):]
+        for key in request.computing:
+            self._computing[key] = self._computing.get(key, 0) + 1
+        if request.num_cached is None:  # its first admission: what the prefix cache served
+            request.num_cached = min(start, len(request.prompt_ids))
+            stats = self.prefix_stats.setdefault(request.adapter, [0, 0])
+            stats[0] += len(request.prompt_ids)
+            stats[1] += request.num_cached
+        self.blocks.grow(request.blocks, start + n)
+        items.append(self._item(request, n))
+        return None
+
+    def _drain_choice(self) -> str | None:
+        """The adapter to drain for a head that waits for a slot: of those running requests hold (not pinned), the
+        one whose longest remaining output is shortest (its slot frees first). None when none can be drained."""
+        remaining: dict[str, int] = {}
+        for r in self.running:
+            if r.adapter is not None:
+                left = r.max_tokens - len(r.output_ids) + max(0, len(r.prompt_ids) - r.num_computed)
+                remaining[r.adapter] = max(remaining.get(r.adapter, 0), left)
+        choices = [(left, name) for name, left in remaining.items() if not self.pool.pinned(name)]
+        return min(choices)[1] if choices else None
+
+    def _lookahead(self) -> dict[str, bool | AdapterError]:
+        """Start the uploads of the adapters the first ``LOOKAHEAD`` waiting requests need, in queue order (the head's
+        first), into free slots or slots no running request holds; ``prefetch`` never evicts one of them for another
+        and skips what finds no room. Returns what ``_adapter_ready`` asks: each adapter's readiness (or its error)."""
+        names = list(dict.fromkeys(r.adapter for r in self.waiting[:LOOKAHEAD] if r.adapter is not None))
+        found: dict[str, bool | AdapterError] = {}
+        if not names:
+            self._on_the_way = set()
+            return found
+        try:
+            self._on_the_way = set(self.pool.prefetch(names))
+        except AdapterError:  # one of them cannot be served: one at a time, to find which
+            self._on_the_way = set()
+            for name in names:
                 try:
-                    (request.slot,) = self.pool.acquire([request.adapter])  # the version digest() named
-                except PoolFull:  # every slot held; keep waiting
-                    continue
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.waited = 0
-            self.blocks.hold(cached)
-            request.blocks, request.block_keys, request.num_computed = list(cached), keys[: len(cached)], start
-            request.computing = keys[len(cached):]
-            for key in request.computing:
-                self._computing[key] = self._computing.get(key, 0) + 1
-            if request.num_cached is None:  # its first admission: what the prefix cache served
-                request.num_cached = min(start, len(request.prompt_ids))
-                stats = self.prefix_stats.setdefault(request.adapter, [0, 0])
-                stats[0] += len(request.prompt_ids)
-                stats[1] += request.num_cached
-            self.blocks.grow(request.blocks, start + n)
-            items.append(self._item(request, n))
-            budget -= n
-            prefill -= n
+                    self._on_the_way.update(self.pool.prefetch([name]))
+                except AdapterError as e:
+                    found[name] = e
+        return found
 
     def _who(self, request: Request, block: int) -> bytes:
         """Whose weights compute the keys and values of ``request``'s ``block``: the base model's (the base's
@@ -301,18 +377,24 @@ class Scheduler:
         if request.computing:
             self._done_computing(request, request.block_keys[done:])
 
-    def _adapter_ready(self, request: Request) -> bool:
-        if request.adapter is None:
+    def _adapter_ready(self, request: Request, ready: dict[str, bool | AdapterError]) -> bool:
+        """Whether ``request``'s adapter has landed in a slot (None: the base model, always); ``ready`` caches the
+        answer per adapter for this step. A request whose adapter cannot be served fails."""
+        name = request.adapter
+        if name is None:
             return True
-        try:
-            if self.pool.ready(request.adapter):
-                return True
-            self.pool.prefetch([request.adapter])  # starts the upload if a slot is free; admitted once landed
-            return self.pool.ready(request.adapter)
-        except AdapterError as e:  # unknown, or its weights turned out bad (NaN, corrupt file)
+        state = ready.get(name)
+        if state is None:
+            try:
+                state = self.pool.ready(name)
+            except AdapterError as e:  # unknown (unregistered since), or its weights turned out bad
+                state = e
+            ready[name] = state
+        if isinstance(state, AdapterError):
             self.waiting.remove(request)
-            self.failed.append((request, str(e)))
+            self.failed.append((request, str(state)))
             return False
+        return state
 
     def _item(self, request: Request, n: int) -> Scheduled:
         start = request.num_computed
