@@ -4,7 +4,8 @@ In-process ``Engine``, random bf16 weights, no adapters (this measures the road 
 bench_engine for adapters). For each model shape and batch B: B requests decode; a decode step is timed (wall clock
 of ``engine.step()``, which ends by reading the sampled tokens, and the device time of its forward from the
 runner's CUDA events), then, ten times, one 128-token prompt arrives beside the B decodes and that mixed step is
-timed the same way. Modes: mixed steps eager (``graph_token_sizes=()``, as before mixed graphs), mixed steps from
+timed the same way; then, for each ``--chunks`` size P, one P-token prompt arrives beside the B decodes (its
+whole prompt in that step: what a step with chunked prefill at P tokens costs the decodes riding along). Modes: mixed steps eager (``graph_token_sizes=()``, as before mixed graphs), mixed steps from
 their CUDA graphs (the default), and that with the decode graphs compiled. Host time = wall - GPU: what the host
 adds that is not hidden behind the device.
 
@@ -60,13 +61,14 @@ def timed(engine: Engine) -> tuple[float, float]:
     return wall, (runner.gpu_seconds - gpu) if runner.timed_steps > n else float("nan")
 
 
-def measure(model, batch: int, mode: dict, vocab: int, steps: int) -> dict:
-    engine = Engine(model, None, max_num_seqs=batch + 1, max_seq_len=1024, max_num_batched_tokens=2048,
+def measure(model, batch: int, mode: dict, vocab: int, steps: int, chunks: list[int]) -> dict:
+    engine = Engine(model, None, max_num_seqs=batch + 1, max_seq_len=max([1024, *chunks]) + 64,
+                    max_num_batched_tokens=max([2048, *chunks]), max_prefill_tokens=max([2048, *chunks]),
                     graph_sizes=(batch,), **mode)
     gen = torch.Generator().manual_seed(batch)
 
-    def prompt():
-        return torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
+    def prompt(n=PROMPT):
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     for _ in range(batch):
         engine.add_request(prompt(), SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
@@ -88,6 +90,14 @@ def measure(model, batch: int, mode: dict, vocab: int, steps: int) -> dict:
         engine.add_request(prompt(), SamplingParams(max_tokens=1, temperature=0.0))  # done in its one step
         mixed.append(timed(engine))
         engine.step()
+    by_chunk = {}
+    for chunk in chunks:
+        rows = []
+        for _ in range(5):
+            engine.add_request(prompt(chunk), SamplingParams(max_tokens=1, temperature=0.0))
+            rows.append(timed(engine))
+            engine.step()
+        by_chunk[chunk] = tuple(1e3 * statistics.median(x[i] for x in rows) for i in (0, 1))
     replays = (engine.runner.decode_replays, engine.runner.mixed_replays, engine.runner.eager_steps)
     del engine
     gc.collect()
@@ -98,6 +108,10 @@ def measure(model, batch: int, mode: dict, vocab: int, steps: int) -> dict:
     med["stream_ms"], med["stream_gpu_ms"] = stream_ms, stream_gpu_ms
     med["decode_host_ms"] = med["decode_wall_ms"] - med["decode_gpu_ms"]
     med["decode_replays"], med["mixed_replays"], med["eager_steps"] = replays
+    med["chunks"] = {str(c): dict(wall_ms=w, gpu_ms=g, over_decode=w / med["decode_wall_ms"],
+                                  prompt_tokens_per_s=c / (w - med["decode_wall_ms"]) * 1e3
+                                  if w > med["decode_wall_ms"] else float("nan"))
+                     for c, (w, g) in by_chunk.items()}
     return med
 
 
@@ -107,8 +121,10 @@ def main(argv=None) -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[64, 256])
     p.add_argument("--modes", nargs="+", default=list(MODES)[:3], choices=list(MODES))
     p.add_argument("--steps", type=int, default=30, help="decode steps timed per row")
+    p.add_argument("--chunks", nargs="*", type=int, default=[128, 256, 512, 1024, 2048],
+                   help="prompt tokens of the mixed steps of the chunk sweep (none: no sweep)")
     args = parse_args(p, argv)
-    rows, results = [], []
+    rows, results, chunk_rows = [], [], []
     for shape in (["tiny"] if args.tiny else args.shapes):
         model = model_of(shape, args.tiny, args.device)
         vocab = model.config.vocab_size
@@ -116,7 +132,11 @@ def main(argv=None) -> None:
             for name in args.modes:
                 if args.device == "cpu" and "graphs" in name:
                     continue  # no graphs on the CPU
-                r = dict(shape=shape, batch=batch, mode=name, **measure(model, batch, MODES[name], vocab, args.steps))
+                r = dict(shape=shape, batch=batch, mode=name,
+                         **measure(model, batch, MODES[name], vocab, args.steps, args.chunks))
+                for c, x in r["chunks"].items():
+                    chunk_rows.append([shape, batch, name, c, fmt(x["wall_ms"], ".2f"), fmt(x["gpu_ms"], ".2f"),
+                                       fmt(x["over_decode"], ".2f"), fmt(x["prompt_tokens_per_s"], ".0f")])
                 results.append(r)
                 rows.append([shape, batch, name, fmt(r["decode_wall_ms"], ".2f"), fmt(r["decode_gpu_ms"], ".2f"),
                              fmt(r["decode_host_ms"], ".2f"), fmt(r["mixed_wall_ms"], ".2f"),
@@ -138,6 +158,12 @@ def main(argv=None) -> None:
         "step's forward, CUDA events (sampling excluded). Back-to-back decode: the wall time of consecutive decode "
         "steps with no sync between them, per step: with async scheduling the host prepares step N + 1 while the "
         "device runs step N. Target (issue 16): a mixed step <= 1.5x a decode step.",
+        "## The chunk sweep: B decodes plus one prompt of P tokens in one step",
+        table("| shape | batch | mode | P prompt tokens | step wall ms | step GPU ms | step / decode wall | prompt tok/s "
+              "(P / (step - decode)) |", chunk_rows),
+        "What a step with a prefill chunk of P tokens costs the B decodes riding along (their inter-token latency "
+        "that step), and how fast prompts are prefilled at that chunk size: the default --max-prefill-tokens is "
+        "picked from this table (docs/engine.md).",
     ])
     write_report(args.out, "bench_step", md, dict(setup=s, rows=results))
 

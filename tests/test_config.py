@@ -32,7 +32,7 @@ def test_bad_settings_are_refused_by_name(field, value, message):
 
 def test_one_default_for_each_setting():
     config = EngineConfig()
-    assert (config.max_loras, config.max_rank) == (PatchConfig.max_loras, PatchConfig.max_rank)
+    assert config.max_rank == PatchConfig.max_rank and config.max_loras is None  # auto: from the device's memory
     assert config.cpu_budget_bytes == CPU_BUDGET_BYTES
     for fn in (lorakit.patch, AdapterPool.__init__):
         defaults = {k: v.default for k, v in __import__("inspect").signature(fn).parameters.items()}
@@ -49,6 +49,9 @@ def test_serve_flags_are_the_config_fields():
     for f in EngineConfig.cli_fields():
         assert f.metadata["flag"] in flags, f.name
     assert cli.engine_config(parser.parse_args([])) == EngineConfig()
+    assert parser.parse_args(["--max-loras", "auto"]).max_loras is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-loras", "many"])
     args = parser.parse_args(["--max-loras", "3", "--no-cuda-graphs", "--compile", "--patience", "0"])
     assert cli.engine_config(args) == EngineConfig(max_loras=3, cuda_graphs=False, compile=True, patience=0)
     unexposed = {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in EngineConfig.cli_fields()}
@@ -71,7 +74,10 @@ def test_a_model_patched_with_another_layout_is_refused():
     lorakit.patch(model, max_loras=2, max_rank=32)
     with pytest.raises(ValueError, match="already patched with max_loras=2, max_rank=32.*asks for max_loras=8, "
                                          "max_rank=64"):
-        Engine(model)
+        Engine(model, max_loras=8)
+    with pytest.raises(ValueError, match="already patched with max_loras=2, max_rank=32.*asks for max_loras=2, "
+                                         "max_rank=64"):
+        Engine(model)  # auto: the slots it has
     assert Engine(model, max_loras=2, max_rank=32).pool.num_slots == 2
 
 
@@ -113,3 +119,38 @@ def test_slot_buffers_fit_the_startup_adapters_before_any_request(tmp_path):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.stats.loads == 2 and engine.handle.slots.layout_version == version
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_slot_bytes_read_before_patching_are_what_a_slot_takes(family):
+    from lorakit.layers.patch import slot_bytes
+
+    model = copy.deepcopy(tiny_model(family, seed=1))
+    before = {r: slot_bytes(model, r) for r in (8, 16, 40, 64)}
+    handle = lorakit.patch(model, max_loras=3)
+    assert before == {r: handle.slot_bytes(r) // 3 for r in before}
+
+
+def test_max_loras_auto_takes_a_tenth_of_the_memory_and_the_kv_cache_shares_the_rest(monkeypatch):
+    """auto: as many slots as ADAPTER_SHARE of the free memory holds at max_rank (1 to 64); the KV cache gets KV_SHARE of
+    it less what the slots will take at max_rank (one budget: more slots, fewer KV blocks)."""
+    from lorakit.engine import engine as engine_module
+    from lorakit.engine.runner import kv_shape
+    from lorakit.layers.patch import slot_bytes
+
+    base = tiny_model("llama", seed=1)
+    per_slot = slot_bytes(base, 64)
+    layers, heads, dim = kv_shape(base)
+    per_block = 2 * layers * 4 * heads * dim * 4  # block_size 4, float32
+    for slots in (3, 1, 64):
+        memory = int(slots * per_slot / engine_module.ADAPTER_SHARE) + 1000
+        monkeypatch.setattr(engine_module, "CPU_MEMORY", memory)
+        engine = Engine(copy.deepcopy(base), block_size=4, max_num_seqs=10**6, max_seq_len=64)
+        assert engine.config.max_loras == engine.pool.num_slots == slots
+        budget = int(engine_module.KV_SHARE * memory) - engine.handle.slot_bytes(64)
+        assert engine.config.num_blocks == budget // per_block
+    monkeypatch.setattr(engine_module, "CPU_MEMORY", 1000 * 64 * per_slot)
+    assert Engine(copy.deepcopy(base), block_size=4).config.max_loras == engine_module.AUTO_MAX_LORAS
+    monkeypatch.setattr(engine_module, "CPU_MEMORY", per_slot)
+    assert Engine(copy.deepcopy(base), block_size=4, num_blocks=64).config.max_loras == 1  # at least one
+    assert Engine(copy.deepcopy(base), max_loras=5, block_size=4, num_blocks=64).config.max_loras == 5  # as asked

@@ -17,6 +17,11 @@ from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 
 
+# A step with this many prompt tokens beside a full decode batch of the Llama-3-8B shape on an H200 stays within a
+# small multiple of a decode step (bench_step's chunk sweep; docs/engine.md#chunked-prefill).
+MAX_PREFILL_TOKENS = 512
+
+
 def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1):
     """A field with its CLI flag (None: the API only), help text and, for ints, the least value."""
     return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min})
@@ -26,17 +31,19 @@ def _opt(default, help: str, flag: str | None = None, metavar: str | None = None
 class EngineConfig:
     """See each field's help (``lorakit serve --help`` prints the same)."""
 
-    max_loras: int = _opt(PatchConfig.max_loras, "adapters resident on the device at once; any number can be "
-                          "registered", "--max-loras", "N")
+    max_loras: int | None = _opt(None, "adapters resident on the device at once; any number can be registered "
+                                 "(default auto: as many as a tenth of the device's free memory holds at max_rank, "
+                                 "1 to 64; see docs/engine.md)", "--max-loras", "N|auto")
     max_rank: int = _opt(PatchConfig.max_rank, "the largest adapter rank", "--max-rank", "R")
-    max_num_seqs: int = _opt(64, "requests running at once", "--max-num-seqs", "N")
+    max_num_seqs: int = _opt(256, "requests running at once", "--max-num-seqs", "N")
     max_seq_len: int | None = _opt(None, "prompt + output tokens of one request (default: the model's "
                                    "max_position_embeddings, at most 4096)", "--max-seq-len", "N", min=2)
     max_num_batched_tokens: int = _opt(2048, "tokens per step; longer prompts are prefilled in chunks",
                                        "--max-num-batched-tokens", "N")
-    max_prefill_tokens: int | None = _opt(None, "prompt tokens a step takes while other requests decode (default: "
-                                          "max_num_batched_tokens): lower, long prompts are prefilled in more, smaller "
-                                          "chunks and decodes keep their pace", "--max-prefill-tokens", "N")
+    max_prefill_tokens: int | None = _opt(MAX_PREFILL_TOKENS, "prompt tokens a step takes while other requests "
+                                          "decode: long prompts are prefilled in chunks this long, so the decodes "
+                                          "keep their pace (None: max_num_batched_tokens; the default is picked from "
+                                          "bench_step's chunk sweep, docs/engine.md)", "--max-prefill-tokens", "N")
     block_size: int = _opt(16, "tokens per KV-cache block", "--block-size", "N")
     num_blocks: int | None = _opt(None, "KV-cache blocks (default: room for max_num_seqs full-length requests, or "
                                   "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
@@ -76,7 +83,7 @@ class EngineConfig:
                                "their weights, moved into one buffer (False: one GEMM each)")
 
     def __post_init__(self):
-        PatchConfig(self.max_loras, self.max_rank)  # checks max_loras and max_rank as patch() does
+        PatchConfig(1 if self.max_loras is None else self.max_loras, self.max_rank)  # as patch() checks them (None: auto)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), 1)
         if self.block_size & (self.block_size - 1):  # the attention kernels index a block by shifts and masks

@@ -37,7 +37,7 @@ from lorakit.adapters.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
 from lorakit.layers.adapter import activation_start
 from lorakit.layers.handle import LoraHandle
-from lorakit.layers.patch import patch
+from lorakit.layers.patch import patch, slot_bytes
 from lorakit.ops import cdiv
 
 logger = logging.getLogger("lorakit.engine")
@@ -109,13 +109,15 @@ class Engine:
         config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
         self._workers = None
         if config.tensor_parallel_size > 1:
-            model = self._start_workers(model, config, device)
-        elif not isinstance(model, nn.Module):
-            if not callable(model):
-                raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got "
-                                f"{type(model).__name__}")
-            model = model()
-            model = model.to(device) if device is not None else model
+            model, config = self._start_workers(model, config, device)
+        else:
+            if not isinstance(model, nn.Module):
+                if not callable(model):
+                    raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got "
+                                    f"{type(model).__name__}")
+                model = model()
+                model = model.to(device) if device is not None else model
+            config = _slot_count(model, config)
         try:
             self._build(model, tokenizer, config, adapters)
         except BaseException:
@@ -161,7 +163,7 @@ class Engine:
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
 
-    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> nn.Module:
+    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> tuple[nn.Module, EngineConfig]:
         n = config.tensor_parallel_size
         if isinstance(factory, nn.Module) or not callable(factory):
             raise ValueError(f"tensor_parallel_size={n} needs a picklable function that builds the model, not a "
@@ -173,8 +175,9 @@ class Engine:
         workers = Executor(factory, n, model_device(device))
         self._workers = workers
         self._finalize = weakref.finalize(self, workers.close)
+        config = _slot_count(workers.model, config)  # from rank 0's shard: every rank's slots hold a shard alike
         workers.call("rank", "patch", config)  # every worker patches its shard as rank 0 is about to
-        return workers.model
+        return workers.model, config
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at tensor_parallel_size 1). The engine cannot
@@ -589,6 +592,33 @@ def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:
     return handle
 
 
+# The device memory free after the weights is one budget: the KV cache and the adapter slots (at max_rank) together
+# take at most KV_SHARE of it by default, and slots chosen automatically at most ADAPTER_SHARE (the rest is
+# activations, CUDA graphs and the allocator's slack). On the CPU, CPU_MEMORY stands for the free memory.
+KV_SHARE, ADAPTER_SHARE, CPU_MEMORY = 0.5, 0.1, 4 << 30
+AUTO_MAX_LORAS = 64  # the most slots "auto" gives: past it an adapter's slot would rarely be used before eviction
+
+
+def _free_memory(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else CPU_MEMORY
+
+
+def _slot_count(model: nn.Module, config: EngineConfig) -> EngineConfig:
+    """The config with ``max_loras`` "auto" (None) resolved: the slots of a model already patched, else as many as
+    ADAPTER_SHARE of the free memory holds at max_rank, from 1 to AUTO_MAX_LORAS."""
+    if config.max_loras is not None:
+        return config
+    handle = getattr(model, "_lorakit_handle", None)
+    if isinstance(handle, LoraHandle):
+        return dataclasses.replace(config, max_loras=handle.num_slots)
+    per_slot = max(slot_bytes(model, config.max_rank), 1)
+    free = _free_memory(next(model.parameters()).device)
+    count = max(1, min(AUTO_MAX_LORAS, int(ADAPTER_SHARE * free) // per_slot))
+    logger.info("max_loras auto: %d slots of %.1f MiB at max_rank=%d (%.1f GiB free)", count, per_slot / 2**20,
+                config.max_rank, free / 2**30)
+    return dataclasses.replace(config, max_loras=count)
+
+
 def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.device) -> EngineConfig:
     """The config with max_seq_len and num_blocks resolved from the model and the device, checked against them."""
     limit = getattr(text_config, "max_position_embeddings", None) or 4096
@@ -602,10 +632,9 @@ def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.
     if num_blocks is None:
         layers, kv_heads, head_dim = kv_shape(model)
         per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
-        if device.type == "cuda":
-            budget = int(0.5 * torch.cuda.mem_get_info(device)[0])
-        else:
-            budget = 2 << 30  # CPU memory: a serving default that fits a laptop
+        handle = model._lorakit_handle  # the slot buffers still to grow to max_rank come out of the same budget
+        slots = max(0, handle.slot_bytes(config.max_rank) - handle.memory()["slot_buffers"])
+        budget = int(KV_SHARE * _free_memory(device)) - slots
         num_blocks = max(min(config.max_num_seqs * blocks_per_seq, budget // per_block), blocks_per_seq)
     if num_blocks < blocks_per_seq:
         raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={max_seq_len} "

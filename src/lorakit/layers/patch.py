@@ -124,6 +124,24 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     return handle
 
 
+def slot_bytes(model: nn.Module, rank: int, rank_multiple: int = PatchConfig.rank_multiple) -> int:
+    """Bytes one adapter slot of ``patch(model)`` takes once its buffers are padded to ``rank``: A and B of every
+    linear and embedding it would wrap (token rows, which only adapters that add tokens fill, not counted). Read from
+    the unpatched model, so a slot count can be chosen from memory before patching (``EngineConfig.max_loras``
+    "auto")."""
+    r = -(-rank // rank_multiple) * rank_multiple
+    total = 0
+    for name, module in model.named_modules():
+        shape = linear_shape(module) if name else None
+        if shape is None and isinstance(module, nn.Embedding):
+            shape = (module.num_embeddings, module.embedding_dim)
+        if shape is not None:
+            weight = getattr(module, "weight", None)
+            itemsize = weight.dtype.itemsize if weight is not None and weight.is_floating_point() else 2
+            total += r * (shape[0] + shape[1]) * itemsize + 8
+    return total
+
+
 def _wrapper(module: nn.Module) -> type[nn.Module] | None:
     """The LoRA wrapper a sharded base layer asks for, None for the usual one."""
     return module.lora_wrapper if isinstance(module, ShardedLayer) else None

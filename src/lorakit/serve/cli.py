@@ -23,6 +23,14 @@ from lorakit.serve.model import (bundled_adapters, check_model, load_engine, loa
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _or_auto(parse):
+    def parse_or_auto(text: str):
+        return None if text == "auto" else parse(text)
+
+    parse_or_auto.__name__ = parse.__name__
+    return parse_or_auto
+
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -217,6 +225,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                            help=f"{what} (default: {'on' if default else 'off'})")
         else:
             kind = _positive_float if isinstance(default, float) else _int_at_least(meta.get("min", 1))
+            if meta["metavar"].endswith("|auto"):  # "auto" is None: the engine chooses
+                kind = _or_auto(kind)
             p.add_argument(meta["flag"], dest=f.name, type=kind, default=default,
                            metavar=meta["metavar"],
                            help=meta["help"] if default is None else f"{meta['help']} (default: %(default)s)")
