@@ -79,6 +79,21 @@ def facts(engine: Engine, name: str) -> AdapterFacts:
 
 # The core process.
 
+def _run(core: "_Core") -> None:
+    """``core.run()``, under cProfile when $LORAKIT_PROFILE_CORE names a file for its stats (a debugging aid: where the
+    engine core's host time goes under traffic; the profiler slows the host, so time nothing with it on)."""
+    path = os.environ.get("LORAKIT_PROFILE_CORE")
+    if not path:
+        return core.run()
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(core.run)
+    finally:
+        profiler.dump_stats(path)
+
+
 def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int,
              kernel: bool = True) -> None:
     """The core process's main: build the engine, report Ready (or Failed), then serve until told to stop; exits
@@ -120,7 +135,7 @@ def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], 
     beats.start()
     status = 0
     try:
-        _Core(engine, inbox, outboxes).run()
+        _run(_Core(engine, inbox, outboxes))
     except FatalEngineError as e:
         logger.exception("the engine cannot step any more; the engine core exits")
         failed = encode(Failed(f"the engine cannot run any more steps ({type(e).__name__}: {e})", type(e).__name__))
