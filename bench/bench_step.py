@@ -62,6 +62,7 @@ def timed(engine: Engine) -> tuple[float, float]:
 
 
 def measure(model, batch: int, mode: dict, vocab: int, steps: int, chunks: list[int]) -> dict:
+    chunks = [c for c in chunks if c + 64 <= model.config.max_position_embeddings]  # (the tiny model's is short)
     engine = Engine(model, None, max_num_seqs=batch + 1, max_seq_len=max([1024, *chunks]) + 64,
                     max_num_batched_tokens=max([2048, *chunks]), max_prefill_tokens=max([2048, *chunks]),
                     graph_sizes=(batch,), **mode)
