@@ -11,7 +11,7 @@ times differ):
   * output tokens: lognormal, median 160, sigma 0.8, clipped to [16, 512] (mean ~200, ~7% at 512). Both have the
     long right tail of ShareGPT's conversations; the report states the trace's own means and medians;
   * model: the base with probability 0.2, else adapter k (k = 1..16) with probability proportional to 1/k (Zipf,
-    s = 1): the hottest takes 24% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` those
+    s = 1): the hottest takes 24% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` (``--max-loras`` here) those
     keep taking slots from the others.
 Prompts are random token ids of exactly that length (``/v1/completions`` takes a list of ids as ``prompt``); each
 output is exactly its length (``max_tokens`` with ``ignore_eos``), greedy. Each request is sent at its arrival
@@ -389,7 +389,7 @@ def report(args, meta: dict, stats: dict, rows: list[dict], rates: list[dict]) -
               "n/a" if r["host_ms_per_step"] is None else fmt(r["host_ms_per_step"], ".2f")] for r in rows)
     s = stats
     title = (f"# bench_traffic: lorakit serve, {meta['model']} shape (random weights), {ADAPTERS} adapters "
-             f"(ranks {'/'.join(map(str, RANKS))}), --max-loras {MAX_LORAS}")
+             f"(ranks {'/'.join(map(str, RANKS))}), --max-loras {args.max_loras}")
     trace = (f"Trace (seed {args.seed}): {s['requests']} requests, the same at every rate, Poisson at "
              f"{', '.join(map(rate_name, args.rate))} req/s (inf: all at once); prompt tokens mean "
              f"{s['prompt_mean']:.0f}, median {s['prompt_median']:.0f} (16-2048); output tokens mean "
@@ -439,6 +439,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, help="keep the model and adapters here between runs (default: a temp dir)")
     p.add_argument("--extra-serve-args", default="", help="more `lorakit serve` flags, one string: "
                    "--extra-serve-args='--compile --max-num-seqs 128'")
+    p.add_argument("--max-loras", default="auto", help="the server's --max-loras (default: its own, auto)")
     p.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds the server may take to start")
     args = parse_args(p, argv)
     shape = "tiny" if args.tiny else args.model_shape
@@ -449,7 +450,8 @@ def main(argv=None) -> int:
         model_dir = write_model(args.model_shape, args.tiny, args.device, folder)
         print(f"model and adapters in {folder} ({time.perf_counter() - started:.0f} s)", flush=True)
         vocab_size = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-        settings = ["--served-model-name", BASE, "--device", args.device, "--max-loras", str(MAX_LORAS),
+        settings = ["--served-model-name", BASE, "--device", args.device,
+                    *(["--max-loras", args.max_loras] if args.max_loras != "auto" else []),
                     *shlex.split(args.extra_serve_args)]
         loras = [f"--lora={adapter_name(k)}={folder / adapter_name(k)}" for k in range(ADAPTERS)]
         rows, rates = [], []

@@ -57,7 +57,17 @@ __all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "check_name", "r
 T = TypeVar("T")
 
 
-CPU_BUDGET_BYTES = 2 << 30  # the CPU tier's default size
+def _cpu_budget() -> int:
+    """The CPU tier's default size: an eighth of the machine's memory, from 2 to 64 GiB (an 8B model's rank-64
+    adapter is 320 MiB: sixteen of them pass 2 GiB, and each miss reads its files again on the engine thread)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
+    return max(2 << 30, min(ram // 8, 64 << 30))
+
+
+CPU_BUDGET_BYTES = _cpu_budget()
 
 
 _NAME = re.compile(r"[A-Za-z0-9_:+-][A-Za-z0-9._:+-]{0,127}")

@@ -46,7 +46,8 @@ class EngineConfig:
                                           "bench_step's chunk sweep, docs/engine.md)", "--max-prefill-tokens", "N")
     block_size: int = _opt(16, "tokens per KV-cache block", "--block-size", "N")
     num_blocks: int | None = _opt(None, "KV-cache blocks (default: room for max_num_seqs full-length requests, or "
-                                  "half the free GPU memory if less; on the CPU at most 2 GiB)", "--num-blocks", "N")
+                                  "half the free GPU memory less the adapter slots at max_rank if less; on the CPU "
+                                  "2 GiB less the slots)", "--num-blocks", "N")
     prefix_cache: bool = _opt(True, "reuse the KV-cache blocks of earlier requests with the same prompt prefix under "
                               "the same weights (keyed by the adapter's content hash, never its name)",
                               "--no-prefix-cache")
