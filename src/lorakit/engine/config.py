@@ -17,9 +17,10 @@ from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 
 
-# A step with this many prompt tokens beside a full decode batch of the Llama-3-8B shape on an H200 stays within a
-# small multiple of a decode step (bench_step's chunk sweep; docs/engine.md#chunked-prefill).
-MAX_PREFILL_TOKENS = 512
+# Prompt tokens a step takes beside decodes by default. On the H200 a Llama-3-8B decode step of 64 takes 8.4 ms and a
+# prompt token adds ~27 us (bench/results/bench_step_3f3ed57.md; 16 GFLOP a token at ~600 TFLOP/s): 384 keep a mixed
+# step within ~2.3x a decode step, so the decodes' ITL p99 stays under 3x their p50 (docs/engine.md#chunked-prefill).
+MAX_PREFILL_TOKENS = 384
 
 
 def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1):
