@@ -175,12 +175,13 @@ def test_a_burst_past_max_num_seqs_and_the_cache_is_queued_not_refused(world):
     try:
         with ThreadPoolExecutor(count) as pool:
             futures = [pool.submit(one, i) for i in range(count)]
-            wait_for(lambda: limit.held_sequences == count or any(f.done() for f in futures))
-            assert limit.held_sequences == count and limit.held_tokens == need
-            gate.set()
+            try:
+                wait_for(lambda: limit.held_sequences == count or any(f.done() for f in futures))
+                assert (limit.held_sequences, limit.held_tokens) == (count, need)
+            finally:
+                gate.set()  # (before the pool waits for its threads)
             results = [f.result() for f in futures]
     finally:
-        gate.set()
         engine.step = step
         live.close()
     assert [status for status, _ in results] == [200] * count, results
@@ -203,11 +204,10 @@ def bounded(world):
 def holding(live, path="/v1/completions", body=None):
     """A stream that holds "hello" + 100 tokens while the block runs (its first chunk read)."""
     body = body or {"model": "tiny", "prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    with slow_steps(live), httpx.Client(timeout=60) as http:
-        with http.stream("POST", live.url + path, json=body) as r:
-            lines = r.iter_lines()
-            assert r.status_code == 200 and next(lines).startswith("data: {")
-            yield lines
+    with slow_steps(live), httpx.Client(timeout=60) as http, http.stream("POST", live.url + path, json=body) as r:
+        lines = r.iter_lines()
+        assert r.status_code == 200 and next(lines).startswith("data: {")
+        yield lines
 
 
 def test_past_the_token_limit_a_429_with_retry_after_names_the_flag(world, bounded):

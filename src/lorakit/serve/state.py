@@ -58,9 +58,10 @@ class ServeConfig:
     QUEUE_FACTOR times the cache's room). Both defaults are shared by the API server processes of one engine, and
     the tokens' is at least max_seq_len. A request that would pass either gets 429 with Retry-After (the engine
     queues what it cannot run yet: these bound its queue), one that alone passes one, 400 (``in_flight``);
-    max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a chat's messages' together) before it is tokenized (None: 32 per
-    token of the engine's max_seq_len); max_stop_strings and max_stop_chars, a request's stop strings and the
-    characters of each (each is looked for in the output at every token, on the engine thread).
+    max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
+    chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
+    max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
+    the output at every token, on the engine thread).
 
     Bounds on what a connection may cost (edge.py): max_body_bytes_in_flight, the bytes of request bodies held at
     once by this process, all connections together (503 at once for one that would pass it; None: an eighth of the

@@ -60,6 +60,7 @@ class ConcurrencyLimit:
         self.sequences, self.tokens, self._clock = sequences, tokens, clock
         self.held_sequences = self.held_tokens = 0
         self._ended: collections.deque[tuple[float, int, int]] = collections.deque()  # (when, sequences, tokens)
+        self._given = [0, 0]  # the sequences and tokens of the ends in _ended, added up
 
     def precheck(self, sequences: int) -> None:
         """``check`` before the prompts are tokenized: each sequence at its fewest tokens."""
@@ -77,12 +78,12 @@ class ConcurrencyLimit:
                                 f"({self.tokens}, --max-queued-tokens); send fewer prompts, a lower n or a lower "
                                 f"max_tokens", "max_tokens")
         if self.held_sequences + sequences > self.sequences:
-            seconds = self._retry_after(self.held_sequences + sequences - self.sequences, 1)
+            seconds = self._retry_after(self.held_sequences + sequences - self.sequences, 0)
             raise ApiError(429, f"too many requests in flight: {self.held_sequences} sequences are running, of this "
                                 f"server's limit of {self.sequences} (--max-concurrent), and this request runs "
                                 f"{sequences}; retry after {seconds} s", headers={"retry-after": str(seconds)})
         if self.tokens is not None and self.held_tokens + tokens > self.tokens:
-            seconds = self._retry_after(self.held_tokens + tokens - self.tokens, 2)
+            seconds = self._retry_after(self.held_tokens + tokens - self.tokens, 1)
             raise ApiError(429, f"too many requests in flight: they hold {self.held_tokens} tokens of the KV cache, "
                                 f"of this server's limit of {self.tokens} (--max-queued-tokens), and this request "
                                 f"needs {tokens}; retry after {seconds} s", headers={"retry-after": str(seconds)})
@@ -100,13 +101,14 @@ class ConcurrencyLimit:
             self.held_sequences -= sequences
             self.held_tokens -= tokens
             self._ended.append((self._clock(), sequences, tokens))
+            self._given[0] += sequences
+            self._given[1] += tokens
             self._forget()
 
     def _retry_after(self, lacking: int, kind: int) -> int:
-        """Seconds until ``lacking`` sequences (``kind`` 1, their place in an end's record) or tokens (2) are given
-        back, at the recent pace."""
+        """Seconds until ``lacking`` sequences (``kind`` 0) or tokens (1) are given back, at the recent pace."""
         self._forget()
-        given = sum(ended[kind] for ended in self._ended)
+        given = self._given[kind]
         if not given:
             return 1
         span = max(self._clock() - self._ended[0][0], 1.0)
@@ -116,7 +118,9 @@ class ConcurrencyLimit:
         """Drop the ends older than RELEASES_SECONDS."""
         since = self._clock() - RELEASES_SECONDS
         while self._ended and self._ended[0][0] < since:
-            self._ended.popleft()
+            _, sequences, tokens = self._ended.popleft()
+            self._given[0] -= sequences
+            self._given[1] -= tokens
 
 
 async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
