@@ -90,6 +90,17 @@ def test_the_core_serves_what_the_in_process_engine_serves(world, server):
     assert pid != os.getpid() and f"lorakit_engine_pid {float(pid)}" in metrics
 
 
+def test_the_core_reports_its_cache_and_the_servers_limits_follow(world, server):
+    """The core's Ready carries the KV cache's room and max_num_seqs, as the engine in this process would have them;
+    the server's default limits follow from them."""
+    client = server.server.config.app.state.server.engine
+    engine = load_engine(str(model_dir(world)), "cpu", "float32", CONFIG, {})
+    expected = engine.config.num_blocks * engine.config.block_size
+    assert (client.kv_tokens, client.max_num_seqs, client.servers) == (expected, engine.config.max_num_seqs, 1)
+    limit = server.server.config.app.state.server.in_flight
+    assert (limit.sequences, limit.tokens) == (16 * engine.config.max_num_seqs, 4 * expected)
+
+
 def test_runtime_load_hot_swap_and_unload_go_through_the_core(world, server):
     _, _, _, paths = world
     client = server.client()

@@ -287,7 +287,8 @@ def test_prompts_times_n_count_against_max_concurrent(world, server):
                     next(lines)
                     r = post(server, "/v1/chat/completions", {"model": "tiny", "n": 2, "max_tokens": 2,
                                                               "messages": [{"role": "user", "content": "hi"}]})
-                    assert "too many requests" in error_of(r, 429)["message"]
+                    assert "too many requests" in error_of(r, 429)["message"] and "--max-concurrent" in r.text
+                    assert int(r.headers["retry-after"]) >= 1
                     assert post(server, "/generate", {"text": "hi", "sampling_params": {
                         "max_new_tokens": 2}}).status_code == 200  # the 8th place
                     rest = [line for line in lines if line]

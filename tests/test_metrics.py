@@ -173,7 +173,7 @@ def test_429_499_and_500_and_streams_the_client_leaves(world):
                 assert busy.status_code == 429
                 busy = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": True},
                                   timeout=30)
-                assert busy.status_code == 429 and busy.json()["error"]["code"] == 429
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == 429 and "retry-after" in busy.headers
         # The client left the stream: counted once the server notices, which frees its place.
         wait_for(lambda: by(scrape(url), "lorakit_stream_errors_total", "endpoint", "status"))
         with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a plain request

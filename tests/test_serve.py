@@ -169,7 +169,9 @@ def test_a_client_that_leaves_aborts_and_the_limit_on_requests_in_flight(world):
                 lines = r.iter_lines()  # (kept: dropping the iterator would close the stream)
                 first_line = next(lines)  # one chunk, then this client is busy: a second request is refused
                 other = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
-                assert other.status_code == 429 and "too many requests" in other.json()["error"]["message"], (first_line, other.text)
+                assert other.status_code == 429 and "too many requests" in other.json()["error"]["message"], (
+                    first_line, other.text)
+                assert "--max-concurrent" in other.json()["error"]["message"] and int(other.headers["retry-after"]) >= 1
             # leaving the stream closes the connection
         for _ in range(200):
             if aborted and not engine.has_unfinished():

@@ -175,7 +175,8 @@ def test_the_limit_refuses_at_once_and_a_refused_reply_never_runs():
         return plain.value, streamed.value, refused, started, answered
 
     plain, streamed, refused, started, answered = asyncio.run(main())
-    assert plain.status == streamed.status == 429 and "limit 1" in plain.message
+    assert plain.status == streamed.status == 429 and "limit of 1 (--max-concurrent)" in plain.message
+    assert plain.headers == streamed.headers == {"retry-after": "1"}  # nothing ended yet: nothing to go by
     assert refused.cr_frame is None  # closed, never run (no "never awaited" warning)
     assert started == [1] and answered == {"ok": True}  # the place was freed: the next one ran
 

@@ -33,7 +33,7 @@ from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["Adapter", "EngineClient", "EngineStats", "InProcessClient"]
+__all__ = ["Adapter", "EngineClient", "EngineStats", "InProcessClient", "kv_tokens"]
 
 
 @dataclass
@@ -83,6 +83,9 @@ class EngineClient(Protocol):
     vocab_size: int
     max_seq_len: int
     eos_token_id: int | list[int] | None
+    kv_tokens: int  # the KV cache's room, in tokens (num_blocks x block_size): what the engine can hold at once
+    max_num_seqs: int  # the most requests the engine runs at once; the rest wait in its queue
+    servers: int  # the API server processes that share this engine (each bounds its own requests in flight)
 
     @property
     def adapters(self) -> dict[str, int]: ...  # registered names -> version numbers
@@ -131,6 +134,8 @@ class InProcessClient:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.vocab_size, self.max_seq_len, self.eos_token_id = engine.vocab_size, engine.max_seq_len, engine.eos_token_id
+        self.kv_tokens = kv_tokens(engine)
+        self.max_num_seqs, self.servers = engine.config.max_num_seqs, 1
         self.async_engine: AsyncEngine | None = None
         self.crashed = False
         self.on_death: Callable[[], None] | None = None
@@ -197,6 +202,11 @@ class InProcessClient:
 
     def stats(self) -> EngineStats:
         return engine_stats(self.engine, self.async_engine)
+
+
+def kv_tokens(engine: Engine) -> int:
+    """The tokens an engine's KV cache holds at once: every block full."""
+    return engine.config.num_blocks * engine.config.block_size
 
 
 def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps: int = 0,

@@ -59,7 +59,7 @@ from lorakit.engine.loop import EngineLoop
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.structured import Pending, StructuredOutput
-from lorakit.frontend.client import EngineStats, engine_stats
+from lorakit.frontend.client import EngineStats, engine_stats, kv_tokens
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, Failed, FromCore, Ready, Reply, \
     Step, ToCore
 
@@ -125,7 +125,8 @@ def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], 
         outboxes[0].close(linger=5000)
         raise SystemExit(1) from None
     logger.info("engine core ready (pid %d)", os.getpid())
-    ready = encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id,
+    ready = encode(Ready(os.getpid(), engine.vocab_size, engine.max_seq_len, engine.eos_token_id, kv_tokens(engine),
+                         engine.config.max_num_seqs,
                          [facts(engine, name) for name in sorted(engine.pool.adapters)]))
     for outbox in outboxes:
         outbox.send(ready)

@@ -66,6 +66,7 @@ class CoreClient:
         self.dead: str | None = None  # why the core is gone, once it is
         self.crashed = False  # it exited on its own (not stopped)
         self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
+        self.kv_tokens, self.max_num_seqs = 0, 0  # from the core's Ready
         self._adapters: dict[str, Adapter] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -140,6 +141,7 @@ class CoreClient:
             raise ERRORS.get(message.kind, RuntimeError)(message.message)
         self.vocab_size, self.max_seq_len, self.eos_token_id = message.vocab_size, message.max_seq_len, \
             message.eos_token_id
+        self.kv_tokens, self.max_num_seqs = message.kv_tokens, message.max_num_seqs
         self._stats = EngineStats(pid=message.pid)
         self._heard = time.monotonic()
         for facts in message.adapters:

@@ -83,10 +83,15 @@ class Adapters(msgspec.Struct, tag=True, array_like=True):
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The engine's facts the servers answer from: its vocabulary, context, KV-cache room in tokens (``kv_tokens``:
+    num_blocks x block_size) and ``max_num_seqs`` (what their limits on requests in flight follow), adapters."""
+
     pid: int
     vocab_size: int
     max_seq_len: int
     eos_token_id: int | list[int] | None
+    kv_tokens: int
+    max_num_seqs: int
     adapters: list[AdapterFacts]
 
 

@@ -27,8 +27,9 @@ def run_server(engine, config: ServeConfig, host: str = "127.0.0.1", port: int =
 
     ``api_servers`` > 1 (a ``CoreClient`` launched for as many servers): this process and ``api_servers`` - 1 more
     serve the same port (SO_REUSEPORT: the kernel spreads connections over them, by a hash, not evenly), each with its
-    own sockets to the one core and its own ``max_concurrent``, and ``/metrics`` of any of them adds up all of
-    theirs; ``tokenizer``: a picklable callable that loads the base tokenizer in each of them."""
+    own sockets to the one core and its own limits on what is in flight (by default, the engine's share for one of
+    them: ``ServeConfig.in_flight``), and ``/metrics`` of any of them adds up all of theirs; ``tokenizer``: a
+    picklable callable that loads the base tokenizer in each of them."""
     from lorakit.serve.server import Server
 
     metrics = None

@@ -146,7 +146,7 @@ async def error_response(request: Request, e: Exception) -> JSONResponse:
     elif not isinstance(e, ApiError):
         logger.exception("an unexpected error on %s %s", request.method, request.url.path)
         e = ApiError(500, f"internal error ({type(e).__name__}); the server log has the details")
-    return JSONResponse(e.body(), e.status)
+    return JSONResponse(e.body(), e.status, headers=e.headers or None)
 
 
 def _member(part) -> bool:

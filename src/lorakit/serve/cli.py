@@ -177,12 +177,20 @@ def add_shared_flags(p: argparse.ArgumentParser) -> None:
 
 def add_bound_flags(p: argparse.ArgumentParser) -> None:
     """The bounds on what one request may make the server do; defaults from ``ServeConfig`` (one owner for both)."""
-    from lorakit.serve.state import CHARS_PER_TOKEN, ServeConfig
+    from lorakit.serve.state import CHARS_PER_TOKEN, QUEUE_FACTOR, SEQUENCES_PER_SEAT, ServeConfig
 
     default = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
     p.add_argument("--max-concurrent", type=_positive_int, default=default["max_concurrent"], metavar="N",
-                   help="sequences in flight at once, counting each prompt and each of its n samples; a request "
-                        "that would pass it gets 429, one that alone runs more gets 400 (default: %(default)s)")
+                   help="sequences in flight at once (per API server process), counting each prompt and each of its "
+                        "n samples; the engine queues those it cannot run yet; a request that would pass it gets 429 "
+                        f"with Retry-After, one that alone runs more gets 400 (default: {SEQUENCES_PER_SEAT} x "
+                        f"--max-num-seqs, shared by the --api-servers)")
+    p.add_argument("--max-queued-tokens", type=_positive_int, default=default["max_queued_tokens"], metavar="N",
+                   help="tokens the sequences in flight can occupy in the KV cache together (per API server process): "
+                        "each one's prompt and max_tokens, cut to the context; a request that would pass it gets 429 "
+                        f"with Retry-After, one that alone needs more gets 400 (default: {QUEUE_FACTOR} x the KV "
+                        f"cache's tokens, --num-blocks x --block-size, shared by the --api-servers, at least "
+                        f"--max-seq-len)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=default["max_body_bytes"], metavar="N",
                    help="the largest request body; larger ones get 413 before they are parsed "
                         "(default: %(default)s, 16 MiB)")
@@ -287,6 +295,7 @@ def serve_config(args, name: str):
                        allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
                        lora_roots=list(args.lora_root), api_key=api_key(args.api_key, args.api_key_file),
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
+                       max_queued_tokens=args.max_queued_tokens,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars, **edge,
                        **{name: getattr(args, name) for name in ("health_timeout", "shutdown_grace")

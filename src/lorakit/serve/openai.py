@@ -3,9 +3,10 @@ ServerState) that a test can call without HTTP.
 
 A handler checks the whole request before anything runs (ApiError), tokenizing off the event loop and having the
 engine compile its grammar, if any, off every loop (once for all its prompts and samples), and returns its ``Reply``:
-a coroutine that gives the response, or with ``stream`` an async iterator of chunks, and the number of sequences it
-runs (``streaming.respond`` sends either). A request's choices, ``n`` per prompt and prompt by prompt,
-run together. The usage and logprobs blocks are built here, once.
+a coroutine that gives the response, or with ``stream`` an async iterator of chunks, the number of sequences it
+runs and the tokens they can occupy in the KV cache (``streaming.respond`` sends either, within the limits on both).
+A request's choices, ``n`` per prompt and prompt by prompt, run together. The usage and logprobs blocks are built
+here, once.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
     prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
         body.prompt[0], int) else [body.prompt]
     n = samples(body)
-    state.in_flight.check(len(prompts) * n)  # before the work of tokenizing
+    state.in_flight.precheck(len(prompts) * n)  # before the work of tokenizing
     prompts = [await state.prompt_ids(p, adapter) for p in prompts]
     params = state.sampling_params(body, prompts, default_max_tokens=16)
     await state.body_grammar(body, params, adapter)  # compiled once for every prompt and sample
@@ -78,7 +79,7 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     adapter = state.adapter_of(body.model)
     messages = chat_messages(body)
     n = samples(body)
-    state.in_flight.check(n)
+    state.in_flight.precheck(n)
     prompt = await state.chat_ids(messages, adapter)
     params = state.sampling_params(body, [prompt], default_max_tokens=None)
     await state.body_grammar(body, params, adapter)  # compiled once for every sample
@@ -140,7 +141,7 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
             yield {**head, "choices": [chunk(i, out)], **extra}
         if with_usage:
             yield {**head, "choices": [], "usage": _usage(prompts, generated, cached)}
-    return Reply(chunks() if body.stream else complete(), sequences=len(jobs))
+    return Reply(chunks() if body.stream else complete(), sequences=len(jobs), tokens=state.tokens(jobs))
 
 
 def _finite(logprob: float) -> float:

@@ -36,11 +36,11 @@ def shown(value: Any, limit: int = 100) -> str:
 
 class ApiError(Exception):
     """An error for the client: its HTTP status, message and the parameter at fault; OpenAI's error type follows
-    from the status."""
+    from the status. ``headers``: the response's own (a 429's Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
         self.type = ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:

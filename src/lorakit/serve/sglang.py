@@ -260,7 +260,7 @@ async def generate(body: GenerateBody, state: ServerState) -> Reply:
     """POST /generate: the reply, a coroutine of SGLang's response, or with ``stream`` an iterator of cumulative
     chunks (with ``index`` when batched)."""
     jobs_, batched = jobs(body, lambda name: state.adapter_of(name, "lora_path"), state.config.max_tokens_limit)
-    state.in_flight.check(len(jobs_))  # before the work of tokenizing
+    state.in_flight.precheck(len(jobs_))  # before the work of tokenizing
     for job in jobs_:
         state.check_stop(job.params.stop)
     compiled = set()  # a prompt's n jobs share their structured output: compiled once
@@ -275,17 +275,18 @@ async def generate(body: GenerateBody, state: ServerState) -> Reply:
             tokenized[id(job.prompt), job.adapter] = await state.prompt_ids(job.prompt, job.adapter)
     outputs = [Output(job, tokenized[id(job.prompt), job.adapter], state.eos_token_id,
                       functools.partial(state.text, adapter=job.adapter, skip_special_tokens=True)) for job in jobs_]
-    stream = state.stream([(out.prompt_ids, out.job.params, out.job.adapter) for out in outputs])
+    work = [(out.prompt_ids, out.job.params, out.job.adapter) for out in outputs]
+    stream, tokens = state.stream(work), state.tokens(work)
     if body.stream:
         async def chunks():
             async for i, out in stream:
                 outputs[i].add(out)
                 yield outputs[i].as_dict(i if batched else None)
-        return Reply(chunks(), sequences=len(jobs_))
+        return Reply(chunks(), sequences=len(jobs_), tokens=tokens)
 
     async def complete():
         async for i, out in stream:
             outputs[i].add(out)
         results = [out.as_dict() for out in outputs]
         return results if batched else results[0]
-    return Reply(complete(), sequences=len(jobs_))
+    return Reply(complete(), sequences=len(jobs_), tokens=tokens)

@@ -1,4 +1,4 @@
-"""What every handler is given: ``ServerState``, the server's config, metrics, limit on sequences in flight, and its
+"""What every handler is given: ``ServerState``, the server's config, metrics, limits on what is in flight, and its
 one door to the engine, an ``EngineClient`` (``lorakit.frontend.client``): the engine on a thread of this process, or
 in a core process of its own (``lorakit serve``).
 
@@ -34,6 +34,17 @@ __all__ = ["Result", "ServeConfig", "ServerState"]
 
 INLINE_SIZE = 2048  # prompts up to this many characters (or token ids) are tokenized on the event loop
 CHARS_PER_TOKEN = 32  # max_prompt_chars' default per token of context: 8 times what text averages, about 4
+# max_queued_tokens' default, in KV caches full. The engine runs what its cache holds and queues the rest, so the
+# requests in flight may hold more than the cache: enough that a finished request's place is taken at the next step
+# (the engine never waits on HTTP), and a request admitted last waits about three rounds of the cache, not an
+# unbounded queue's time that its client cannot see (a 429 with Retry-After tells it). Each sequence counts its whole
+# max_tokens, which most do not reach (an EOS, a stop string): what they really occupy is less.
+QUEUE_FACTOR = 4
+# max_concurrent's default, per request the engine runs at once (max_num_seqs). The tokens are the bound that counts;
+# this one bounds what each sequence costs this process whatever its length (a stream, a queue, an output processor):
+# four times QUEUE_FACTOR, so that only sequences shorter than a quarter of a running request's share of the cache
+# (kv_tokens / max_num_seqs) meet it before the tokens' limit.
+SEQUENCES_PER_SEAT = 16
 
 
 @dataclass
@@ -41,11 +52,16 @@ class ServeConfig:
     """model_name: what clients call the base model. max_tokens_limit: the largest max_tokens accepted.
 
     Bounds on what one request may make the server do (each refused before the work it bounds, with a 400 unless
-    said otherwise): max_concurrent, sequences in flight at once (one per prompt and sample; more get 429, and a
-    request that alone runs more, 400); max_body_bytes, a request body's size (413, before it is parsed);
-    max_prompt_chars, a prompt's characters (a chat's messages' together) before it is tokenized (None: 32 per
-    token of the engine's max_seq_len); max_stop_strings and max_stop_chars, a request's stop strings and the
-    characters of each (each is looked for in the output at every token, on the engine thread).
+    said otherwise): max_concurrent, sequences in flight at once in this API process (one per prompt and sample; None:
+    SEQUENCES_PER_SEAT per request the engine runs at once, max_num_seqs); max_queued_tokens, the tokens these
+    sequences can occupy in the KV cache together (each one's prompt and max_tokens, fitted to the context; None:
+    QUEUE_FACTOR times the cache's room). Both defaults are shared by the API server processes of one engine, and
+    the tokens' is at least max_seq_len. A request that would pass either gets 429 with Retry-After (the engine
+    queues what it cannot run yet: these bound its queue), one that alone passes one, 400 (``in_flight``);
+    max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
+    chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
+    max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
+    the output at every token, on the engine thread).
 
     Bounds on what a connection may cost (edge.py): max_body_bytes_in_flight, the bytes of request bodies held at
     once by this process, all connections together (503 at once for one that would pass it; None: an eighth of the
@@ -63,7 +79,8 @@ class ServeConfig:
     lora_roots: list[Path] = field(default_factory=list)
     api_key: str | None = None
     max_tokens_limit: int = 4096
-    max_concurrent: int = 256
+    max_concurrent: int | None = None
+    max_queued_tokens: int | None = None
     max_body_bytes: int = 16 * 2**20
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
@@ -75,10 +92,11 @@ class ServeConfig:
     shutdown_grace: float = 30.0
 
     def __post_init__(self):
-        for name in ("max_tokens_limit", "max_concurrent", "max_body_bytes", "max_prompt_chars", "max_stop_strings",
-                     "max_stop_chars", "max_body_bytes_in_flight"):
+        for name in ("max_tokens_limit", "max_concurrent", "max_queued_tokens", "max_body_bytes", "max_prompt_chars",
+                     "max_stop_strings", "max_stop_chars", "max_body_bytes_in_flight"):
             value = getattr(self, name)
-            if not (value is None and name in ("max_prompt_chars", "max_body_bytes_in_flight")) and not (
+            if not (value is None and name in ("max_concurrent", "max_queued_tokens", "max_prompt_chars",
+                                               "max_body_bytes_in_flight")) and not (
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"ServeConfig.{name} must be an int >= 1, got {value!r}")
         if self.max_body_bytes_in_flight is not None and self.max_body_bytes_in_flight < self.max_body_bytes:
@@ -106,6 +124,14 @@ class ServeConfig:
             return self.max_body_bytes_in_flight
         return max(default_bytes_in_flight(), self.max_body_bytes)
 
+    def in_flight(self, engine: EngineClient) -> tuple[int, int]:
+        """(sequences, tokens) one API process of ``engine`` holds in flight: max_concurrent and max_queued_tokens, or
+        their defaults for this engine, divided among its ``servers``."""
+        servers = engine.servers
+        sequences = self.max_concurrent or max(SEQUENCES_PER_SEAT * engine.max_num_seqs // servers, 1)
+        tokens = self.max_queued_tokens or max(QUEUE_FACTOR * engine.kv_tokens // servers, engine.max_seq_len)
+        return sequences, tokens
+
 
 class Result:
     """One job's outputs, added up."""
@@ -132,7 +158,7 @@ class ServerState:
         self.engine = InProcessClient(engine) if isinstance(engine, Engine) else engine
         self.config = config
         self.metrics = Metrics(self.engine, self.config.model_name)
-        self.in_flight = ConcurrencyLimit(config.max_concurrent)
+        self.in_flight = ConcurrencyLimit(*config.in_flight(self.engine))
         self.bodies = BodyBudget(config.bytes_in_flight)  # request bodies held, all connections together
         self.max_prompt_chars = config.max_prompt_chars or CHARS_PER_TOKEN * self.engine.max_seq_len
         # Adapters this server registers when a request asks for them (a Ray fleet's resolver, lorakit.serve.ray): listed
@@ -320,6 +346,11 @@ class ServerState:
                 raise ApiError(400, str(e), "prompt") from None
             except EngineDead as e:
                 raise ApiError(503, str(e)) from None
+
+    def tokens(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]) -> int:
+        """What the jobs (prompt ids, params, adapter) can occupy in the KV cache together: each one's prompt and its
+        max_tokens, cut to the context as the engine cuts it (``fit_params``)."""
+        return sum(min(len(prompt) + params.max_tokens, self.engine.max_seq_len) for prompt, params, _ in jobs)
 
     def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:

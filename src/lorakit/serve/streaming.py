@@ -1,19 +1,23 @@
-"""How a handler's reply reaches the client, within the limit on sequences in flight.
+"""How a handler's reply reaches the client, within the limits on what is in flight.
 
 A handler checks its request and returns a ``Reply``: its body, a coroutine (one JSON response; a client that
 disconnects cancels it, which aborts its requests) or an async iterator of chunks (server-sent events ``data: {...}``,
 then ``data: [DONE]``; an error once the stream has started, whatever it is, is an error event in OpenAI's shape),
-and the number of sequences it runs. The limit counts sequences, one per prompt and sample: a request that would
-pass it is refused with a 429, never queued, and one that alone runs more than the limit with a 400. ``interleave``
-merges the streams of a request's choices into one.
+the number of sequences it runs and the tokens they can occupy in the KV cache. ``ConcurrencyLimit`` bounds both,
+for all the requests in flight together: the engine queues what it cannot run yet, so the limits are set to what
+its queue should hold, and past them a request is refused at once with a 429 and a Retry-After, never queued here;
+one that alone passes a limit, with a 400. ``interleave`` merges the streams of a request's choices into one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,57 +31,110 @@ __all__ = ["ConcurrencyLimit", "Reply", "interleave", "respond"]
 
 logger = logging.getLogger("lorakit.serve")
 DONE = "data: [DONE]\n\n"
+LEAST_TOKENS = 2  # the fewest a sequence can occupy: one prompt token and one generated
+RELEASES_SECONDS = 10.0  # how far back Retry-After's estimate looks at the requests that ended
+MAX_RETRY_AFTER = 60  # seconds; an estimate past a minute says little more than "later"
 
 
 @dataclass
 class Reply:
     """A checked request's response, not started: ``body`` is a coroutine of its JSON or an async iterator of its
-    chunks (a stream); ``sequences``, how many sequences it runs (one per prompt and sample)."""
+    chunks (a stream); ``sequences``, how many sequences it runs (one per prompt and sample); ``tokens``, what they
+    can occupy in the KV cache together (each one's prompt and max_tokens, fitted to the context)."""
 
     body: Coroutine[Any, Any, Any] | AsyncIterator[dict]
     sequences: int = 1
+    tokens: int = 0
 
 
 class ConcurrencyLimit:
-    """At most ``limit`` sequences in flight: a request that would pass it is refused at once (429), and one that
-    alone runs more than the limit is refused always (400)."""
+    """At most ``sequences`` sequences and ``tokens`` tokens in flight (None: tokens are not bounded). A request that
+    would pass either is refused at once (429, with Retry-After), and one that alone passes one is refused always
+    (400, naming the flag that raises it).
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.held = 0  # only the event loop's thread changes it
+    Retry-After is an estimate from the requests that ended in the last RELEASES_SECONDS: the seconds until, at the
+    pace they gave their sequences or tokens back, as many would be free as this request lacks; 1 when none ended
+    (nothing to go by), at most MAX_RETRY_AFTER. Only the event loop's thread calls it."""
 
-    def check(self, sequences: int = 1) -> None:
-        """ApiError 400 when ``sequences`` alone pass the limit, 429 when they do with those in flight."""
-        if sequences > self.limit:
+    def __init__(self, sequences: int, tokens: int | None = None, clock: Callable[[], float] = time.monotonic):
+        self.sequences, self.tokens, self._clock = sequences, tokens, clock
+        self.held_sequences = self.held_tokens = 0
+        self._ended: collections.deque[tuple[float, int, int]] = collections.deque()  # (when, sequences, tokens)
+        self._given = [0, 0]  # the sequences and tokens of the ends in _ended, added up
+
+    def precheck(self, sequences: int) -> None:
+        """``check`` before the prompts are tokenized: each sequence at its fewest tokens."""
+        self.check(sequences, LEAST_TOKENS * sequences)
+
+    def check(self, sequences: int = 1, tokens: int = 0) -> None:
+        """ApiError 400 when ``sequences`` or ``tokens`` alone pass a limit, 429 when they do with those in
+        flight."""
+        if sequences > self.sequences:
             raise ApiError(400, f"this request runs {sequences} sequences (prompts x n), more than this server runs "
-                                f"at once ({self.limit}, --max-concurrent); send fewer prompts or a lower n", "n")
-        if self.held + sequences > self.limit:
-            raise ApiError(429, f"too many requests in flight (limit {self.limit} sequences, {self.held} running, "
-                                f"this request runs {sequences}); retry later")
+                                f"at once ({self.sequences}, --max-concurrent); send fewer prompts or a lower n", "n")
+        if self.tokens is not None and tokens > self.tokens:
+            raise ApiError(400, f"this request can occupy {tokens} tokens of the KV cache (each of its sequences' "
+                                f"prompt and max_tokens), more than this server holds in flight at once "
+                                f"({self.tokens}, --max-queued-tokens); send fewer prompts, a lower n or a lower "
+                                f"max_tokens", "max_tokens")
+        if self.held_sequences + sequences > self.sequences:
+            seconds = self._retry_after(self.held_sequences + sequences - self.sequences, 0)
+            raise ApiError(429, f"too many requests in flight: {self.held_sequences} sequences are running, of this "
+                                f"server's limit of {self.sequences} (--max-concurrent), and this request runs "
+                                f"{sequences}; retry after {seconds} s", headers={"retry-after": str(seconds)})
+        if self.tokens is not None and self.held_tokens + tokens > self.tokens:
+            seconds = self._retry_after(self.held_tokens + tokens - self.tokens, 1)
+            raise ApiError(429, f"too many requests in flight: they hold {self.held_tokens} tokens of the KV cache, "
+                                f"of this server's limit of {self.tokens} (--max-queued-tokens), and this request "
+                                f"needs {tokens}; retry after {seconds} s", headers={"retry-after": str(seconds)})
 
     @asynccontextmanager
-    async def hold(self, sequences: int = 1):
-        """Places for ``sequences`` while the block runs (checked first: never waits for them)."""
-        self.check(sequences)
-        self.held += sequences
+    async def hold(self, sequences: int = 1, tokens: int = 0):
+        """Places for ``sequences`` and ``tokens`` while the block runs (checked first: never waits for them), given
+        back however it ends."""
+        self.check(sequences, tokens)
+        self.held_sequences += sequences
+        self.held_tokens += tokens
         try:
             yield
         finally:
-            self.held -= sequences
+            self.held_sequences -= sequences
+            self.held_tokens -= tokens
+            self._ended.append((self._clock(), sequences, tokens))
+            self._given[0] += sequences
+            self._given[1] += tokens
+            self._forget()
+
+    def _retry_after(self, lacking: int, kind: int) -> int:
+        """Seconds until ``lacking`` sequences (``kind`` 0) or tokens (1) are given back, at the recent pace."""
+        self._forget()
+        given = self._given[kind]
+        if not given:
+            return 1
+        span = max(self._clock() - self._ended[0][0], 1.0)
+        return max(1, min(MAX_RETRY_AFTER, math.ceil(lacking * span / given)))
+
+    def _forget(self) -> None:
+        """Drop the ends older than RELEASES_SECONDS."""
+        since = self._clock() - RELEASES_SECONDS
+        while self._ended and self._ended[0][0] < since:
+            _, sequences, tokens = self._ended.popleft()
+            self._given[0] -= sequences
+            self._given[1] -= tokens
 
 
 async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
     """The response to send for ``reply``: its JSON, or a stream of its chunks."""
     if asyncio.iscoroutine(reply.body):
         return await _answer(request, reply, limit)
-    limit.check(reply.sequences)  # refused while a 429 status can still be sent
+    limit.check(reply.sequences, reply.tokens)  # refused while a 429 status can still be sent
     return StreamingResponse(_events(reply, limit), media_type="text/event-stream")
 
 
 async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
     task = None
     try:
-        async with limit.hold(reply.sequences):
+        async with limit.hold(reply.sequences, reply.tokens):
             task = asyncio.ensure_future(reply.body)
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -92,7 +149,7 @@ async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
 
 async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[str]:
     try:
-        async with limit.hold(reply.sequences):  # again: places may have been taken since
+        async with limit.hold(reply.sequences, reply.tokens):  # again: places may have been taken since
             async for chunk in reply.body:
                 yield event(chunk)
     except ApiError as e:
