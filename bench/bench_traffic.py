@@ -45,8 +45,9 @@ finite rate, ITL p99 <= 3x ITL p50 and TTFT p50 <= 300 ms (the headline numbers 
 8 req/s); at rate inf, 16 adapters >= 0.85 of base tok/s, GPU busy >= 0.9, host ms/step <= 1 and no request
 refused (in either workload). While the server keeps up, output tokens/s is the offered load in both workloads and
 the cost of adapters shows in latency and in requests running; for a capacity ratio, offer more than it serves
-(``--rate inf``: all at once). The server refuses (429) a request beyond ``--max-concurrent`` (256) in flight: with
-more requests than that waiting, raise it through ``--extra-serve-args``. Requests running ~ rate x mean time per
+(``--rate inf``: all at once). The server refuses (429) a request only past what its KV cache can queue
+(``--max-queued-tokens``, ``--max-concurrent``: by default 4x the cache's tokens, 16x ``--max-num-seqs`` sequences);
+a 429 is counted as refused. Requests running ~ rate x mean time per
 request (Little's law): scale the rate by the target over the reported mean.
 
     PYTHONPATH=src python bench/bench_traffic.py --out DIR [--rate inf,8] [--requests 1000] [--cache DIR]

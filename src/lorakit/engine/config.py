@@ -33,7 +33,7 @@ class EngineConfig:
     """See each field's help (``lorakit serve --help`` prints the same)."""
 
     max_loras: int | None = _opt(None, "adapters resident on the device at once; any number can be registered "
-                                 "(default auto: as many as a tenth of the device's free memory holds at max_rank, "
+                                 "(default: auto, as many as a tenth of the device's free memory holds at max_rank, "
                                  "1 to 64; see docs/engine.md)", "--max-loras", "N|auto")
     max_rank: int = _opt(PatchConfig.max_rank, "the largest adapter rank", "--max-rank", "R")
     max_num_seqs: int = _opt(256, "requests running at once", "--max-num-seqs", "N")
