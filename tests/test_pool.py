@@ -1,6 +1,7 @@
 """The adapter pool: tiers, eviction, hot-swap, pins, bad adapters at every tier, threads, and a stateful
 model of it all (hypothesis), checked against the slot buffers' contents and against PEFT."""
 
+import concurrent.futures
 import copy
 import hashlib
 import threading
@@ -174,6 +175,43 @@ def test_prefetch_in_order_of_need_takes_later_ones_slots_never_earlier_ones(fol
     loads = pool.stats.loads
     assert pool.prefetch(["q4", "all8"]) == ["q4"] and pool.stats.loads == loads  # and keeps it
     assert pool.prefetch(["all8", "q4"]) == ["all8"]
+
+
+def test_a_prefetch_reads_what_the_cpu_tier_dropped_off_the_engine_thread(folders, tmp_path, monkeypatch):
+    """An adapter the CPU tier dropped is read from disk again (files, hash, checks: seconds for an 8B one). A prefetch
+    starts that read on the pool's reader thread and returns at once; the first prefetch after the read loads it;
+    files changed meanwhile fail that adapter alone when the read lands."""
+    import lorakit.adapters.pool as pool_module
+
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=2, budget=6 << 10)  # one q4 or mlp2 image at a time
+    gate, threads = threading.Event(), []
+    reread = pool_module.reread
+
+    def slow(*args, **kw):
+        threads.append(threading.current_thread())
+        assert gate.wait(30)
+        return reread(*args, **kw)
+
+    monkeypatch.setattr(pool_module, "reread", slow)
+    changed = _copy(saved["q4"].path, tmp_path / "changed")
+    pool.register("q4", saved["q4"].path)
+    pool.register("changed", changed)
+    pool.register("mlp2", saved["mlp2"].path)  # drops the others from the CPU tier
+    assert pool.residency() == {"q4": "disk", "changed": "disk", "mlp2": "cpu"}
+    assert pool.prefetch(["q4", "changed"]) == ["q4", "changed"]  # on their way: being read
+    assert pool.slot_of("q4") is None and not pool.ready("q4") and threads[0] is not threading.current_thread()
+    weights = load_file(changed / "adapter_model.safetensors")
+    save_file({k: 2 * v for k, v in weights.items()}, changed / "adapter_model.safetensors", metadata={"format": "pt"})
+    gate.set()
+    concurrent.futures.wait([pool._reads[pool._current[n]] for n in ("q4", "changed")], timeout=30)  # not taken yet
+    assert pool.prefetch(["q4"]) == ["q4"] and pool.ready("q4")
+    slots = pool.acquire(["q4"])
+    check_slot(handle, slots[0], saved["q4"].path)
+    pool.release(slots)
+    with pytest.raises(AdapterError, match="'changed'.*changed on disk since it was registered"):
+        pool.prefetch(["changed"])
+    assert pool.stats.cpu_misses == 2 and len(threads) == 2
 
 
 def test_loads_evictions_and_residency_by_adapter(folders):

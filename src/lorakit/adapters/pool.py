@@ -36,6 +36,7 @@ import os
 import re
 import threading
 from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,8 @@ class AdapterPool:
         self._pins: set[str] = set()
         self._released: dict[int, object] = {}  # slot -> event recorded when its last holder released it
         self._inflight: list[tuple[object, SlotImage]] = []  # uploads whose source must stay alive
+        self._reads: dict[_Version, Future] = {}  # CPU-cache misses a prefetch is reading again off this thread
+        self._reader: ThreadPoolExecutor | None = None
         self.stats = PoolStats()
         self.slots.claim(self)
         logger.info("%d slots on %s; slot buffers %.1f MiB now, %.1f MiB at max_rank=%d; CPU cache "
@@ -364,13 +367,14 @@ class AdapterPool:
         """Start loading adapters a scheduler will soon need, into free or evictable slots, without taking
         references or making the compute stream wait. ``names`` in order of need: each may take the slot of one
         that comes after it (held by nobody), never of one before it. Returns the names now resident or on their
-        way; skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
+        way (an adapter the CPU tier dropped is read from disk again on a thread of its own, and loaded by the first
+        prefetch after its read). Skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
         with self._lock:
             versions = list(dict.fromkeys(v for v in self._lookup(list(names)) if v is not None))
             for i, v in enumerate(versions):
                 if v.slot is None:
                     self._make_resident([v], evict=True, strict=False, keep=versions[:i])
-            return [v.name for v in versions if v.slot is not None]
+            return [v.name for v in versions if v.slot is not None or v in self._reads]
 
     def pin(self, name: str) -> int:
         """Keep ``name`` (its current version) in a GPU slot until ``unpin``; loads it now. Returns the slot."""
@@ -484,6 +488,8 @@ class AdapterPool:
                                f"only {room} of {self.num_slots} can take one; the others hold {busy or 'this batch'}"
                                f"; retry after a release, or patch with a larger max_loras")
             missing = missing[:room]
+        if not strict:  # a prefetch: what must be read from disk again is read off this thread, loaded once read
+            missing = [v for v in missing if self._readable(v)]
         images = [self._image(v) for v in missing]  # may raise: nothing has changed yet
         for v, image in zip(missing, images):
             self._cache(v, image)
@@ -508,15 +514,52 @@ class AdapterPool:
         if image is not None:
             self.stats.cpu_hits += 1
             return image
-        self.stats.cpu_misses += 1
+        reading = self._reads.pop(v, None)
+        if reading is None:
+            self.stats.cpu_misses += 1
         if v.changed is None:
-            try:
-                return reread(self.handle, v.snapshot, strict=self.strict, pin=self._pin)
+            try:  # a read off the thread already started is waited for, not started again
+                return reading.result() if reading is not None else reread(self.handle, v.snapshot,
+                                                                           strict=self.strict, pin=self._pin)
             except Changed as e:
-                v.changed = (f"adapter {v.name!r} at {v.info.path}: changed on disk since it was registered ({e}); "
-                             f"register it again")
-                logger.warning("%s", v.changed)
+                self._changed(v, e)
         raise AdapterError(v.changed)
+
+    def _readable(self, v: _Version) -> bool:
+        """Whether ``v``'s image is at hand (in the CPU cache, or read again off the engine thread: then cached);
+        else its read starts on the reader thread, and a later prefetch finds it (a rank-64 8B adapter takes a
+        second or two to read, hash and check: steps go on meanwhile). AdapterError when its files changed."""
+        if v in self._cpu.images:
+            return True
+        if v.changed is not None:
+            raise AdapterError(v.changed)
+        reading = self._reads.get(v)
+        if reading is None:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
+            self.stats.cpu_misses += 1
+            self._reads[v] = self._reader.submit(reread, self.handle, v.snapshot, strict=self.strict, pin=self._pin)
+            return False
+        if not reading.done():
+            return False
+        del self._reads[v]
+        try:
+            image = reading.result()
+        except Changed as e:
+            self._changed(v, e)
+            raise AdapterError(v.changed) from None
+        self._cache(v, image)
+        return v in self._cpu.images or self._keep_read(v, image)
+
+    def _keep_read(self, v: _Version, image: SlotImage) -> bool:
+        """An image read off the thread that the CPU cache cannot hold (larger than its budget): kept for the load."""
+        self._reads[v] = _Done(image)
+        return True
+
+    def _changed(self, v: _Version, error: Changed) -> None:
+        v.changed = (f"adapter {v.name!r} at {v.info.path}: changed on disk since it was registered ({error}); "
+                     f"register it again")
+        logger.warning("%s", v.changed)
 
     def _cache(self, v: _Version, image: SlotImage) -> None:
         v.nbytes = image.nbytes
@@ -567,6 +610,7 @@ class AdapterPool:
     def _retire(self, v: _Version) -> None:
         v.retired = True
         self._cpu.pop(v)
+        self._reads.pop(v, None)  # a read in flight finishes unseen
         if v.refs == 0:
             self._free(v)
 
@@ -587,6 +631,19 @@ class AdapterPool:
         if cpu_budget > ram // 2:
             raise MemoryError(f"cpu_budget_bytes={cpu_budget / 2**30:.1f} GiB is more than half of this machine's "
                               f"{ram / 2**30:.1f} GiB of memory; lower it")
+
+
+class _Done:
+    """A finished read, as a Future gives it."""
+
+    def __init__(self, image: SlotImage):
+        self.image = image
+
+    def result(self) -> SlotImage:
+        return self.image
+
+    def done(self) -> bool:
+        return True
 
 
 def _count(counts: dict[str, int], name: str) -> None:
