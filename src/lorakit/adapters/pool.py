@@ -10,6 +10,7 @@ Three tiers, as S-LoRA has them:
   on a GPU machine), least-recently-used first out under a byte budget. A version's first image is its
   snapshot's: what is served is what was checked. Read again after an eviction, the files must give the
   same sha256 at the same real paths, or that adapter fails closed (``AdapterError``) until registered again.
+  A ``prefetch`` does that read on a reader thread, so a scheduler's steps never wait for a disk.
 - **GPU**: the patched model's ``max_loras`` slots. ``acquire(names)`` returns slot ids for a batch,
   loading what is missing into free slots or evicting the least recently used adapter that no running
   request holds and nobody pinned; ``release(slots)`` gives them back.
