@@ -5,7 +5,8 @@ bench_engine for adapters). For each model shape and batch B: B requests decode;
 of ``engine.step()``, which ends by reading the sampled tokens, and the device time of its forward from the
 runner's CUDA events), then, ten times, one 128-token prompt arrives beside the B decodes and that mixed step is
 timed the same way; then, for each ``--chunks`` size P, one P-token prompt arrives beside the B decodes (its
-whole prompt in that step: what a step with chunked prefill at P tokens costs the decodes riding along). Modes: mixed steps eager (``graph_token_sizes=()``, as before mixed graphs), mixed steps from
+whole prompt in that step: what a step with chunked prefill at P tokens costs the decodes riding along).
+Modes: mixed steps eager (``graph_token_sizes=()``, as before mixed graphs), mixed steps from
 their CUDA graphs (the default), and that with the decode graphs compiled. Host time = wall - GPU: what the host
 adds that is not hidden behind the device.
 
@@ -160,7 +161,8 @@ def main(argv=None) -> None:
         "steps with no sync between them, per step: with async scheduling the host prepares step N + 1 while the "
         "device runs step N. Target (issue 16): a mixed step <= 1.5x a decode step.",
         "## The chunk sweep: B decodes plus one prompt of P tokens in one step",
-        table("| shape | batch | mode | P prompt tokens | step wall ms | step GPU ms | step / decode wall | prompt tok/s "
+        table("| shape | batch | mode | P prompt tokens | step wall ms | step GPU ms | step / decode wall | "
+              "prompt tok/s "
               "(P / (step - decode)) |", chunk_rows),
         "What a step with a prefill chunk of P tokens costs the B decodes riding along (their inter-token latency "
         "that step), and how fast prompts are prefilled at that chunk size: the default --max-prefill-tokens is "

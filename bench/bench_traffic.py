@@ -11,7 +11,7 @@ times differ):
   * output tokens: lognormal, median 160, sigma 0.8, clipped to [16, 512] (mean ~200, ~7% at 512). Both have the
     long right tail of ShareGPT's conversations; the report states the trace's own means and medians;
   * model: the base with probability 0.2, else adapter k (k = 1..16) with probability proportional to 1/k (Zipf,
-    s = 1): the hottest takes 24% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` (``--max-loras`` here) those
+    s = 1): the hottest takes 24% of all requests, the 8 coldest together 16%, and with ``--max-loras 8`` those
     keep taking slots from the others.
 Prompts are random token ids of exactly that length (``/v1/completions`` takes a list of ids as ``prompt``); each
 output is exactly its length (``max_tokens`` with ``ignore_eos``), greedy. Each request is sent at its arrival

@@ -132,8 +132,8 @@ def test_slot_bytes_read_before_patching_are_what_a_slot_takes(family):
 
 
 def test_max_loras_auto_takes_a_tenth_of_the_memory_and_the_kv_cache_shares_the_rest(monkeypatch):
-    """auto: as many slots as ADAPTER_SHARE of the free memory holds at max_rank (1 to 64); the KV cache gets KV_SHARE of
-    it less what the slots will take at max_rank (one budget: more slots, fewer KV blocks)."""
+    """auto: as many slots as ADAPTER_SHARE of the free memory holds at max_rank (1 to 64); the KV cache gets KV_SHARE
+    of it less what the slots will take at max_rank (one budget: more slots, fewer KV blocks)."""
     from lorakit.engine import engine as engine_module
     from lorakit.engine.runner import kv_shape
     from lorakit.layers.patch import slot_bytes

@@ -85,7 +85,8 @@ class EngineConfig:
                                "their weights, moved into one buffer (False: one GEMM each)")
 
     def __post_init__(self):
-        PatchConfig(1 if self.max_loras is None else self.max_loras, self.max_rank)  # as patch() checks them (None: auto)
+        # max_loras (None: auto) and max_rank, checked as patch() checks them
+        PatchConfig(1 if self.max_loras is None else self.max_loras, self.max_rank)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), 1)
         if self.block_size & (self.block_size - 1):  # the attention kernels index a block by shifts and masks
