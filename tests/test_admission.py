@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from _serve_helpers import build_world, reference, start
+from test_hostile_requests import slow_steps
 from lorakit.engine import Engine
 from lorakit.frontend.client import InProcessClient
 from lorakit.serve import ServeConfig, openai, sglang
@@ -48,17 +49,6 @@ def wait_for(condition, timeout: float = 60.0):
     while not condition():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.01)
-
-
-@contextmanager
-def slow_steps(live, seconds: float = 0.02):
-    engine = live.server.config.app.state.engine
-    step = engine.step
-    engine.step = lambda: (time.sleep(seconds), step())[1]
-    try:
-        yield engine
-    finally:
-        engine.step = step
 
 
 def error_of(r: httpx.Response, status: int) -> dict:
