@@ -557,3 +557,24 @@ def test_the_cost_of_a_token_does_not_grow_with_the_output(tokenizer, bytes_):
     assert reason == "length" and det.text == tokenizer.decode(ids)
     assert counting.decoded <= 64 * len(ids), counting.decoded / len(ids)
     assert sum(map(len, deltas[:-1])) >= len(det.text) - 16  # emitted as it goes, not all held to the end
+
+
+@given(data=BYTES, text=TEXTS, prompt=TEXTS, specials=st.lists(st.integers(0, 80), max_size=3),
+       stop=st.lists(TEXTS.filter(bool), max_size=2))
+def test_the_streaming_decoder_gives_what_the_decodes_give(tokenizer, data, text, prompt, specials, stop):
+    """Issue 32: a fast tokenizer decodes with the tokenizers library's DecodeStream, one call a token. Token for
+    token, its deltas are those of the two decodes (a tokenizer that is not a transformers one has only those),
+    whatever the bytes, special tokens among them (skipped), the prompt and the stop strings."""
+    byte = _byte_tokens(tokenizer)
+    ids = [byte[b] for b in data] + tokenizer.encode(text)
+    for at in specials:
+        ids.insert(at % (len(ids) + 1), tokenizer.eos_token_id)  # a special token, skipped in the text
+    if not ids:
+        return
+    primed = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    assert primed._stream is not None  # the fast path is the one under test
+    fast = run(tokenizer, ids, prompt=tokenizer.encode(prompt), stop=stop, max_tokens=len(ids))
+    slow = run(_CountingTokenizer(tokenizer), ids, prompt=tokenizer.encode(prompt), stop=stop, max_tokens=len(ids))
+    assert fast[:2] == slow[:2] and fast[2].text == slow[2].text
+    if fast[1] == "length" and not stop:
+        assert fast[2].text == tokenizer.decode(ids, skip_special_tokens=True)

@@ -251,6 +251,22 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
     assert not issubclass(PoolFull, RuntimeError)
 
 
+def test_a_request_prepared_for_a_replaced_version_fails_and_the_current_one_runs():
+    """The version a request was prepared for (its tokens checked against that adapter's added tokens, its grammar
+    compiled for its tokenizer) is the one it runs on: one replaced by other files while it waited fails with why,
+    a request for the current version beside it runs, and so does one that names no version."""
+    pool = FakePool(2)
+    pool.prefetch(["x"])
+    sched = Scheduler(pool, BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add(old := Request("old", [1, 2], "x", 2, sched.next_seq(), digest="sha-of-an-earlier-x"))
+    sched.add(new := Request("new", [1, 2], "x", 2, sched.next_seq(), digest="sha-of-x"))
+    sched.add(any_ := Request("any", [1, 2], "x", 2, sched.next_seq()))
+    items = sched.schedule().items
+    assert [i.request for i in items] == [new, any_]
+    assert [(r, why) for r, why in sched.failed] == [(old, "adapter 'x' was replaced by other files while this "
+                                                           "request waited; send it again")]
+
+
 def test_prompts_are_chunked_to_max_prefill_tokens_while_others_decode():
     s = Scheduler(FakePool(2), BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=64)
     first = Request("a", list(range(300)), None, 4, s.next_seq())

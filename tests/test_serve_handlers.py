@@ -188,7 +188,7 @@ async def _chunks(items, error=None):
         raise error
 
 
-async def _body(response) -> list[str]:
+async def _body(response) -> list[bytes]:
     return [part async for part in response.body_iterator]
 
 
@@ -201,9 +201,9 @@ def test_streams_end_with_done_and_an_error_midway_is_an_event():
         return ok, failed
 
     ok, failed = asyncio.run(main())
-    assert ok == ['data: {"a": 1}\n\n', 'data: {"b": 2}\n\n', DONE]
-    assert failed == ['data: {"a": 1}\n\n', 'data: {"error": {"message": "bad", "type": "invalid_request_error", '
-                                            '"param": "model", "code": 400}}\n\n', DONE]
+    assert ok == [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', DONE]
+    assert failed == [b'data: {"a":1}\n\n', b'data: {"error":{"message":"bad","type":"invalid_request_error",'
+                                            b'"param":"model","code":400}}\n\n', DONE]
 
 
 def test_a_client_that_leaves_cancels_its_reply():

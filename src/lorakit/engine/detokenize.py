@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 from lorakit.engine.sampling import SamplingParams
 
 __all__ = ["IncrementalDetokenizer"]
@@ -39,6 +44,12 @@ class IncrementalDetokenizer:
     window from moving; after ``_MAX_PENDING`` such tokens it moves to a cut that splits no character, and the
     "\\ufffd" before it are emitted as final (as ``decode`` of the whole output shows them). Each token costs a
     bounded number of decodes of a bounded window, whatever the bytes.
+
+    A transformers fast tokenizer that cleans up no spaces decodes in one call a token instead: the tokenizers
+    library's streaming decoder (``DecodeStream``, the same diff of two decodes, in Rust: 0.5 us a token against
+    about 4 for the two decodes from Python). Where it is not sure (text still waiting on a character's bytes past
+    ``_MAX_PENDING`` tokens, a finish while it waits, or an error), the request goes on by the decodes above from
+    the tokens it had not turned into text yet, with the same context: the text is the same either way.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
@@ -51,6 +62,9 @@ class IncrementalDetokenizer:
         self._decoded = ""  # final text of the output so far (incomplete characters excluded)
         self._emitted = 0  # self._decoded[:emitted] has been returned
         self._finish_reason: str | None = None
+        # The streaming decoder, while it is used: (the Rust tokenizer, its DecodeStream); the window then holds the
+        # last _PROMPT_CONTEXT tokens turned into text and, from read on, those it has not turned into text yet.
+        self._stream = _stream_decoder(tokenizer, self._window)
 
     @property
     def text(self) -> str:
@@ -82,7 +96,11 @@ class IncrementalDetokenizer:
             return "", reason
         if reason != "stop":  # a stop token's text is never shown
             self._window.append(token_id)
-        self._decoded += self._decode_new(flush=reason is not None)
+            if self._stream is not None:
+                self._decoded += self._stream_new(token_id)
+        if self._stream is None or (reason is not None and self._read < len(self._window)):
+            self._stream = None  # a finish flushes what the stream still waits on, by the decodes
+            self._decoded += self._decode_new(flush=reason is not None)
         end = len(self._decoded)
         if len(self._ids) >= self._params.min_tokens:
             cut = self._find_stop_string()
@@ -95,6 +113,30 @@ class IncrementalDetokenizer:
         self._emitted = end
         self._finish_reason = reason
         return delta, reason
+
+    def _stream_new(self, token_id: int) -> str:
+        """The text the streaming decoder makes final with ``token_id`` (just appended to the window); it gives way
+        to the decodes (``_stream`` None, the window as they need it) when it waits too long or fails."""
+        rust, stream = self._stream
+        try:
+            text = stream.step(rust, token_id)
+        except Exception:  # noqa: BLE001 - its prefix check failed (a decoder that is not byte-wise): decode instead
+            text = None
+            self._stream = None
+        window = self._window
+        if text is not None:
+            if len(window) > 4 * _PROMPT_CONTEXT:
+                del window[: len(window) - _PROMPT_CONTEXT]
+            self._read, text, self._taken = len(window), text[self._taken:], 0
+            return text
+        if self._stream is None or len(window) - self._read > _MAX_PENDING:
+            self._stream = None
+            return ""
+        # It waits on a character's bytes: the text before that character is final already (decoded, rarely).
+        prefix = self._decode(window[: self._read])
+        ready = self._decode(window)[len(prefix):].rstrip("\ufffd")
+        delta, self._taken = ready[self._taken:], max(self._taken, len(ready))
+        return delta
 
     def _decode_new(self, flush: bool) -> str:
         """Text the newest tokens add, up to an incomplete last character (all of it when flushing)."""
@@ -145,6 +187,19 @@ class IncrementalDetokenizer:
         tail = self._decoded[self._emitted :]
         lengths = (j for s in self._params.stop for j in range(1, min(len(s), len(tail) + 1)) if tail.endswith(s[:j]))
         return max(lengths, default=0)
+
+
+def _stream_decoder(tokenizer, context: list[int]):
+    """(the Rust tokenizer, a ``DecodeStream`` primed with ``context``) for a transformers fast tokenizer whose
+    ``decode`` is the Rust one's (no clean-up of spaces), else None."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or not isinstance(tokenizer, PreTrainedTokenizerBase) or rust is None or \
+            getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        return rust, DecodeStream(ids=list(context), skip_special_tokens=True)
+    except TypeError:  # tokenizers < 0.22: no priming with a context
+        return None
 
 
 def _decoder(tokenizer):

@@ -217,7 +217,8 @@ class Engine:
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, name, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info))
+                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info),
+                          digest=None if snapshot is None else snapshot.sha256)
         request.state = _State(stop_token_ids(limited, self.eos_token_id),
                                [] if params.logprobs is not None else None, constraint,
                                sync=constraint is not None or params.penalized or bool(params.logit_bias))

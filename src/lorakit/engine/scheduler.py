@@ -94,6 +94,7 @@ class Request:
     slot: int = -1  # its adapter slot while running, -1 for the base model
     lora_start: int = 0  # positions before it run as the base model (an activated LoRA's invocation; 0: none)
     adapter_key: bytes | None = None  # its adapter version's content hash while running (None: the base model)
+    digest: str | None = None  # the content hash of the adapter version it was prepared for (None: any version)
     block_keys: list[bytes] = field(default_factory=list)  # the prefix-cache keys of its first full blocks
     num_cached: int | None = None  # prompt tokens its first admission found in the prefix cache
     num_pending: int = 0  # trailing output tokens still on the device (async scheduling): not hashed yet
@@ -390,6 +391,11 @@ class Scheduler:
             except AdapterError as e:  # unknown (unregistered since), or its weights turned out bad
                 state = e
             ready[name] = state
+        if request.digest is not None and not isinstance(state, AdapterError):
+            digest = ready.get((name, "digest")) or ready.setdefault((name, "digest"), self.pool.digest(name))
+            if digest != request.digest:  # what it was prepared for (its tokens, its grammar) may not fit the new one
+                state = AdapterError(f"adapter {name!r} was replaced by other files while this request waited; "
+                                     f"send it again")
         if isinstance(state, AdapterError):
             self.waiting.remove(request)
             self.failed.append((request, str(state)))

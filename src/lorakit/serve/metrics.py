@@ -12,6 +12,7 @@ The series are bounded by the adapters registered now: an adapter's series go wh
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -130,8 +131,8 @@ class RequestMetrics:
                 self._ttft.observe(now - self._last)
                 self._prompt.inc(out.num_prompt_tokens)
                 n -= 1
-            for _ in range(n):
-                self._tpot.observe((now - self._last) / len(out.token_ids))
+            if n:
+                observe(self._tpot, (now - self._last) / len(out.token_ids), n)
             self._first, self._last = False, now
             self._generated.inc(len(out.token_ids))
         if out.finished:
@@ -206,6 +207,20 @@ class _EngineCollector:
                                 value=stats.prefix_cached_blocks)
         yield CounterMetricFamily("lorakit_prefix_cache_evictions", "Cached KV blocks evicted to make room",
                                   value=stats.prefix_evictions)
+
+def observe(histogram, value: float, times: int) -> None:
+    """``histogram.observe(value)`` ``times`` times, in one update of its bucket and sum (an output that carries
+    several tokens counts each; per output, not per token). prometheus_client's Histogram keeps a value per
+    bucket (``_buckets``, not cumulative), ``_upper_bounds`` and ``_sum``, in this process or in its multiprocess
+    files alike; a histogram without them is observed one by one."""
+    buckets, bounds = getattr(histogram, "_buckets", None), getattr(histogram, "_upper_bounds", None)
+    if buckets is None or bounds is None or not hasattr(histogram, "_sum"):
+        for _ in range(times):
+            histogram.observe(value)
+        return
+    histogram._sum.inc(value * times)
+    buckets[bisect.bisect_left(bounds, value)].inc(times)
+
 
 class CountResponses:
     """Counts every HTTP response by endpoint and status, and streams that end in an error (an SSE error event,

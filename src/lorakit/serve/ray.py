@@ -339,7 +339,7 @@ class Router:
                 self.failures.labels("mid_answer").inc()
                 logger.warning("replica failed mid-answer: %r", e)
                 if streaming:  # as lorakit serve ends a stream whose engine died
-                    yield (event(ApiError(503, REPLICA_FAILED).body()) + DONE).encode()
+                    yield event(ApiError(503, REPLICA_FAILED).body()) + DONE
 
         return StreamingResponse(rest(), status_code=status, headers=out_headers)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -30,7 +30,7 @@ from lorakit.serve.protocol import ApiError
 __all__ = ["ConcurrencyLimit", "Reply", "interleave", "respond"]
 
 logger = logging.getLogger("lorakit.serve")
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 LEAST_TOKENS = 2  # the fewest a sequence can occupy: one prompt token and one generated
 RELEASES_SECONDS = 10.0  # how far back Retry-After's estimate looks at the requests that ended
 MAX_RETRY_AFTER = 60  # seconds; an estimate past a minute says little more than "later"
@@ -147,7 +147,7 @@ async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
             reply.body.close()  # refused: never started
 
 
-async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[str]:
+async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[bytes]:
     try:
         async with limit.hold(reply.sequences, reply.tokens):  # again: places may have been taken since
             async for chunk in reply.body:
@@ -160,9 +160,12 @@ async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[str]:
     yield DONE
 
 
-def event(obj: dict) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(obj)}\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def event(obj: dict) -> bytes:
+    """One server-sent event (compact JSON)."""
+    return b"data: " + _encode(obj) + b"\n\n"
 
 
 async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
