@@ -110,7 +110,7 @@ def test_every_response_and_every_adapter_is_counted_exactly(world):
         with httpx.stream("POST", f"{url}/v1/completions", headers=KEY, timeout=60, json={
                 "model": "nan", "prompt": "hi", "max_tokens": 3, "stream": True}) as r:
             events = list(r.iter_lines())
-            assert r.status_code == 200 and '"code": 400' in events[0] and events[-2] == "data: [DONE]"
+            assert r.status_code == 200 and '"code":400' in events[0] and events[-2] == "data: [DONE]"
         sent["/v1/completions", "200"] += 1
         used["nan"] = [(0, 0, "error")]
         # Refusals, from every layer: FastAPI's validation, the handlers, the API-key check, the router.

@@ -28,6 +28,7 @@ from pathlib import Path
 from fastapi.responses import JSONResponse
 
 from lorakit.serve.protocol import ApiError
+from lorakit.serve.streaming import RAW_SEND
 
 __all__ = ["MAX_HEADER_BYTES", "BodyBudget", "BodyGate", "default_bytes_in_flight", "guarded_protocol",
            "machine_memory", "uvicorn_config"]
@@ -298,6 +299,17 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
     return Guarded
 
 
+class _WithRawSend:
+    """``app`` with the server's own ``send`` in each scope (RAW_SEND), for ``streaming.EventStream``."""
+
+    def __init__(self, app):
+        self.app, self.state = app, app.state
+
+    async def __call__(self, scope, receive, send):
+        scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
 def uvicorn_config(app, host: str, port: int, http: type[asyncio.Protocol] | None = None, **options):
     """uvicorn's Config for serving ``app`` (a ``create_app`` app, whose ServeConfig gives the header timeout) with
     the edge's bounds; ``http``: uvicorn's protocol class to guard (default, the one it picks); ``options``: other
@@ -307,5 +319,5 @@ def uvicorn_config(app, host: str, port: int, http: type[asyncio.Protocol] | Non
     config = app.state.server.config
     # h11 buffers an incomplete request line and headers up to this (16 KiB by default, and refuses more with a 400):
     # above MAX_HEADER_BYTES, so that the guard's 431 speaks for both protocols.
-    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(config.header_timeout, http),
+    return uvicorn.Config(_WithRawSend(app), host=host, port=port, http=guarded_protocol(config.header_timeout, http),
                           h11_max_incomplete_event_size=2 * MAX_HEADER_BYTES, **options)

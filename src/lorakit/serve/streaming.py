@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
 from lorakit.serve.protocol import ApiError
 
@@ -31,6 +32,7 @@ __all__ = ["ConcurrencyLimit", "Reply", "interleave", "respond"]
 
 logger = logging.getLogger("lorakit.serve")
 DONE = b"data: [DONE]\n\n"
+_ERROR_EVENT = b'data: {"error"'  # how an error event starts (``event`` of ``ApiError.body()``)
 LEAST_TOKENS = 2  # the fewest a sequence can occupy: one prompt token and one generated
 RELEASES_SECONDS = 10.0  # how far back Retry-After's estimate looks at the requests that ended
 MAX_RETRY_AFTER = 60  # seconds; an estimate past a minute says little more than "later"
@@ -128,7 +130,49 @@ async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
     if asyncio.iscoroutine(reply.body):
         return await _answer(request, reply, limit)
     limit.check(reply.sequences, reply.tokens)  # refused while a 429 status can still be sent
-    return StreamingResponse(_events(reply, limit), media_type="text/event-stream")
+    return EventStream(_events(reply, limit))
+
+
+RAW_SEND = "lorakit.raw_send"  # the scope key of the server's own ``send`` (``edge.uvicorn_config`` puts it there)
+
+
+class EventStream(Response):
+    """A stream of server-sent events, sent with less per event than Starlette's ``StreamingResponse``: its start,
+    its end and error events go through the app's middleware (which counts statuses and error events); every other
+    event goes straight to the server's ``send`` (the scope's RAW_SEND, when there is one), one ASGI send an event,
+    with no task group. One task waits for the client to leave and then cancels the stream (its requests are
+    aborted as the iterator closes)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.status_code, self.background, self.body_iterator = 200, None, events
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]  # no length: chunked
+
+    async def __call__(self, scope, receive, send) -> None:
+        raw = scope.get(RAW_SEND, send)
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        streaming, left = asyncio.current_task(), False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async for event in self.body_iterator:
+                await (send if event.startswith(_ERROR_EVENT) else raw)(
+                    {"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+        finally:
+            watcher.cancel()
+            await self.body_iterator.aclose()
 
 
 async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
