@@ -291,19 +291,19 @@ def test_an_adapter_that_fails_to_load_ends_only_its_requests(setup, tmp_path):
 def test_a_stream_that_falls_behind_catches_up_in_one_output():
     from lorakit.engine.outputs import OutputProcessor, RequestOutput, TokenLogprob
     from lorakit.engine.sampling import SamplingParams as Params
-    from lorakit.frontend.streams import stream
+    from lorakit.frontend.streams import RequestStream
 
     class Letters:  # token t reads "a" or "b"
         def decode(self, ids, skip_special_tokens=True):
             return "".join("ab"[t % 2] for t in ids)
 
     async def consume(items):
-        queue = asyncio.Queue()
-        for item in items:
-            queue.put_nowait(item)
+        outs = RequestStream(OutputProcessor("r", [], Params(), Letters()), lambda: None)
+        for item in items:  # what one step's pass hands it before its reader wakes
+            outs.fail(item) if isinstance(item, BaseException) else outs.put(item)
         got = []
         try:
-            async for out in stream(queue, OutputProcessor("r", [], Params(), Letters()), lambda: None):
+            async for out in outs:
                 got.append(out)
         except RuntimeError as e:
             got.append(e)
@@ -317,3 +317,39 @@ def test_a_stream_that_falls_behind_catches_up_in_one_output():
     # An error behind outputs: they come first, merged, then the error is raised.
     got = asyncio.run(consume([outs[0], outs[1], RuntimeError("gone")]))
     assert got[0].token_ids == [0, 1] and isinstance(got[1], RuntimeError)
+
+
+def test_a_request_stream_aborts_once_and_only_a_request_the_engine_still_runs():
+    """Issue 32: outputs are processed as the client's reader hands them over (one pass per step), so a stop string
+    found there aborts the request at once; a reader that leaves early aborts it; a finished one is not aborted."""
+    from lorakit.engine.outputs import OutputProcessor, RequestOutput
+    from lorakit.engine.sampling import SamplingParams as Params
+    from lorakit.frontend.streams import RequestStream
+
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("ab"[t % 2] for t in ids)
+
+    def outputs(n, last_finishes=False):
+        return [RequestOutput("r", "", [t], last_finishes and t == n - 1, "length" if last_finishes and t == n - 1
+                              else None, None, 1, t + 1) for t in range(n)]
+
+    async def read(params, items, leave_after=None):
+        aborts = []
+        outs = RequestStream(OutputProcessor("r", [], params, Letters()), lambda: aborts.append(1))
+        for item in items:
+            outs.put(item)
+        got = []
+        async for out in outs:
+            got.append(out)
+            if leave_after is not None and len(got) >= leave_after:
+                break
+        outs.close()
+        return got, aborts
+
+    got, aborts = asyncio.run(read(Params(stop=["ba"]), outputs(6)))  # "ab|a..." stops at the first "ba"
+    assert [o.text for o in got] == ["a"] and got[0].finish_reason == "stop" and aborts == [1]
+    got, aborts = asyncio.run(read(Params(), outputs(3), leave_after=1))
+    assert aborts == [1]
+    got, aborts = asyncio.run(read(Params(), outputs(3, last_finishes=True)))
+    assert [o.text for o in got] == ["aba"] and got[0].finished and aborts == []

@@ -102,12 +102,12 @@ class IncrementalDetokenizer:
             self._stream = None  # a finish flushes what the stream still waits on, by the decodes
             self._decoded += self._decode_new(flush=reason is not None)
         end = len(self._decoded)
-        if len(self._ids) >= self._params.min_tokens:
+        if self._params.stop and len(self._ids) >= self._params.min_tokens:
             cut = self._find_stop_string()
             if cut is not None:
                 end, reason = cut, "stop"
                 self._decoded = self._decoded[:cut]
-        if reason is None:
+        if reason is None and self._params.stop:
             end -= self._stop_prefix_len()
         delta = self._decoded[self._emitted : end]
         self._emitted = end

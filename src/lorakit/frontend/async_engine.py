@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +21,7 @@ from lorakit.engine.loop import EngineLoop, ThreadInbox
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
-from lorakit.frontend.streams import stream
+from lorakit.frontend.streams import RequestStream
 
 __all__ = ["AsyncEngine"]
 
@@ -40,7 +39,7 @@ class AsyncEngine:
         self.dead: str | None = None  # why the engine cannot step any more, once it cannot
         self._inbox = ThreadInbox()
         self._loop = EngineLoop(engine, self._inbox, self._emit)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # the engine thread's
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # the engine thread's
         self._lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lorakit-engine", daemon=True)
@@ -69,23 +68,26 @@ class AsyncEngine:
         """Yield the request's outputs as they come, with their text; leaving early (a client gone) aborts it. A
         bad request raises here, before anything is yielded. Its grammar, if any, is compiled on a worker thread
         while this coroutine waits (``Engine.grammar``): never on the engine thread."""
-        queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         grammar = None
         if params is not None and params.structured_output is not None:  # compiled first, off the engine thread
             grammar = await self.engine.grammar(params.structured_output, adapter).wait_async()
+        tokenizer = self.engine.tokenizer_for(adapter)
+        outs: list[RequestStream] = []
 
-        def add():
+        def add():  # the stream exists before the request can step: its first output finds it
             rid = self.engine.add_request(prompt, params, adapter, request_id, grammar)
-            self._queues[rid] = (loop, queue)
             request = self.engine._requests[rid]
-            return rid, request.prompt_ids, request.params
+            processor = OutputProcessor(rid, request.prompt_ids, request.params, tokenizer)
+            outs.append(RequestStream(processor, lambda: self.abort(rid)))
+            self._queues[rid] = (loop, outs[0])
 
-        rid, prompt_ids, fitted = await asyncio.wrap_future(self._post(add))
-        processor = OutputProcessor(rid, prompt_ids, fitted, self.engine.tokenizer_for(adapter))
-        async with contextlib.aclosing(stream(queue, processor, lambda: self.abort(rid))) as outs:
-            async for out in outs:  # closed (and aborted if unfinished) as soon as this generator is
+        await asyncio.wrap_future(self._post(add))
+        try:
+            async for out in outs[0]:
                 yield out
+        finally:  # closed (and aborted, if unfinished) as soon as this generator is
+            outs[0].close()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread; does not wait)."""
@@ -103,7 +105,7 @@ class AsyncEngine:
         with self._lock:
             self._stopping = True
             if self.dead is None:
-                self._inbox.post(lambda: self._loop.drain(timeout))
+                self._inbox.post(_Call(self._loop.drain, (timeout,), None))
         self._thread.join(timeout + 10)
         for call in self._inbox.clear():  # posted too late: their callers get the error
             call.fail(RuntimeError("the engine is shutting down"))
@@ -113,8 +115,8 @@ class AsyncEngine:
         """End every request in flight now (from any thread): each stream gets a last output, finish_reason "abort"
         with ``reason`` as its error, and the engine drops them between steps."""
         queues, self._queues = self._queues, {}
-        for request_id, (loop, queue) in queues.items():
-            loop.call_soon_threadsafe(queue.put_nowait, RequestOutput(request_id, "", [], True, "abort", error=reason))
+        for request_id, (loop, outs) in queues.items():
+            loop.call_soon_threadsafe(outs.put, RequestOutput(request_id, "", [], True, "abort", error=reason))
 
         def abort():
             for request_id in queues:
@@ -136,8 +138,8 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         queues, self._queues = self._queues, {}
-        for loop, queue in queues.values():
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+        for loop, outs in queues.values():
+            loop.call_soon_threadsafe(outs.fail, error)
 
     def _run(self) -> None:
         try:
@@ -179,10 +181,17 @@ class _Call:
             if self.future is None:
                 logger.exception("a command of the engine thread failed")
             else:
-                self.future.set_exception(e)
+                self._settle(self.future.set_exception, e)
         else:
             if self.future is not None:
-                self.future.set_result(result)
+                self._settle(self.future.set_result, result)
+
+    @staticmethod
+    def _settle(setter: Callable, value) -> None:
+        try:
+            setter(value)
+        except concurrent.futures.InvalidStateError:  # its caller stopped waiting (cancelled): nobody to tell
+            pass
 
     def fail(self, error: BaseException) -> None:
         if self.future is not None and not self.future.done():
@@ -190,5 +199,5 @@ class _Call:
 
 
 def _deliver(items: list) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+    for outs, out in items:
+        outs.put(out)

@@ -11,7 +11,6 @@ and every waiting request gets ``EngineDead``; ``health`` reads the core's beats
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -37,7 +36,7 @@ from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.client import Adapter, EngineStats
 from lorakit.frontend.core import run_core
-from lorakit.frontend.streams import stream
+from lorakit.frontend.streams import RequestStream
 from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, \
     Step, ToCore
 from lorakit.layers.adapter import AdapterError
@@ -68,7 +67,7 @@ class CoreClient:
         self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
         self.kv_tokens, self.max_num_seqs = 0, 0  # from the core's Ready
         self._adapters: dict[str, Adapter] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, RequestStream] = {}  # the requests in flight
         self._calls: dict[int, asyncio.Future] = {}
         self._ids, self._call_ids = itertools.count(), itertools.count()
         self._stats = EngineStats()
@@ -246,13 +245,13 @@ class CoreClient:
             return
         if self.dead is None:
             self._send(Abort(list(queues)))
-        for request_id, queue in queues.items():
-            queue.put_nowait(RequestOutput(request_id, "", [], True, "abort", error=reason))
+        for request_id, outs in queues.items():
+            outs.put(RequestOutput(request_id, "", [], True, "abort", error=reason))
 
     def _fail_all(self, error: Exception) -> None:
         queues, self._queues = self._queues, {}
-        for queue in queues.values():
-            queue.put_nowait(error)
+        for outs in queues.values():
+            outs.fail(error)
         calls, self._calls = self._calls, {}
         for future in calls.values():
             if not future.done():
@@ -292,16 +291,17 @@ class CoreClient:
         request_id = f"s{self.index}-r{next(self._ids)}"
         params = fit_params(params, len(prompt), self.max_seq_len)
         processor = OutputProcessor(request_id, prompt, params, self.tokenizer_for(adapter))
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._send(Add(request_id, prompt, params, None if adapter is None else adapter.ref))
 
         def abort():
             if self._queues.pop(request_id, None) is not None:
                 self._send(Abort([request_id]))
-        async with contextlib.aclosing(stream(queue, processor, abort)) as outs:  # closed (and aborted) as soon
-            async for out in outs:  # as this is
+        outs = self._queues[request_id] = RequestStream(processor, abort)
+        self._send(Add(request_id, prompt, params, None if adapter is None else adapter.ref))
+        try:
+            async for out in outs:
                 yield out
+        finally:  # closed (and aborted, if unfinished) as soon as this generator is
+            outs.close()
 
     async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
         """Have the core compile ``spec``'s grammar for ``adapter`` (on a worker there, while it steps): returns
@@ -372,9 +372,9 @@ class CoreClient:
 
     def _deliver(self, out: RequestOutput) -> None:
         """A request's new tokens to its stream (its text is made there); none for a request aborted here."""
-        queue = self._queues.get(out.request_id)
-        if queue is None:
+        outs = self._queues.get(out.request_id)
+        if outs is None:
             return
         if out.finished:
             del self._queues[out.request_id]
-        queue.put_nowait(out)
+        outs.put(out)

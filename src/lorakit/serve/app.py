@@ -66,7 +66,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 
 # Routes: each binds a path to its handler.
 
-def _state(request: Request) -> ServerState:
+async def _state(request: Request) -> ServerState:  # async: FastAPI runs a plain function on a worker thread
     return request.app.state.server
 
 
