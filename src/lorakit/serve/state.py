@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
+from transformers import PreTrainedTokenizerBase
 
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.errors import EngineDead
@@ -150,6 +151,16 @@ class Result:
             self.finish_reason = out.finish_reason
 
 
+def _encode_rendered(tokenizer, text: str) -> list[int]:
+    """The ids of a rendered chat template, as ``apply_chat_template(..., tokenize=True)`` makes them (its text holds
+    the special tokens itself: none are added); a transformers fast tokenizer's Rust one is called directly, without
+    the Python around ``__call__`` (about a third of a chat request's tokenizing time)."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and rust is not None and hasattr(rust, "encode"):
+        return rust.encode(text, add_special_tokens=False).ids
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class ServerState:
     """See the module docstring. ``start`` (at the app's startup) runs the engine thread; ``stop`` lets the requests
     in flight finish, and fails the rest."""
@@ -242,10 +253,10 @@ class ServerState:
 
         def render() -> list[int]:
             try:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
                 raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
-            return self._checked_ids(list(ids["input_ids"] if hasattr(ids, "keys") else ids), adapter)
+            return self._checked_ids(_encode_rendered(tokenizer, text), adapter)
         return await self._tokenize(chars + 64 * len(messages), render)
 
     def _check_chars(self, count: int, param: str) -> None:
