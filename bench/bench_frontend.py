@@ -186,7 +186,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(src: Path, args, port: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in [str(src), os.environ.get("PYTHONPATH", "")] if p)  # the tree first
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     folder = tempfile.mkdtemp(prefix="bench-frontend-")
     to_core, from_core = f"ipc://{folder}/to-core", f"ipc://{folder}/from-core-0"
     me = [sys.executable, str(Path(__file__).resolve()), "--role"]
