@@ -21,10 +21,24 @@ BENCH = ROOT / "bench"
 HANG_S = 900  # a subprocess timeout: a hang, not a slow machine (the runs take well under a minute alone)
 
 
+def test_bench_frontend_smoke_run(tmp_path):
+    """bench_frontend end to end, small: a fake core, one API server, streams that each get all their tokens."""
+    from _serve_helpers import make_tokenizer
+
+    make_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(BENCH / "bench_frontend.py"), "--out", str(tmp_path), "--tokenizer",
+                           str(tmp_path / "tokenizer"), "--clients", "8", "--requests", "32", "--max-tokens", "8",
+                           "--client-procs", "1"], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (row,) = json.loads((tmp_path / "bench_frontend.json").read_text())["rows"]
+    assert row["requests"] == 32 and row["tokens"] == 32 * 8 and row["api_cpu_us_per_token"] > 0
+
+
 def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
               "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve, "
-              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar\n"
+              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)

@@ -1,6 +1,7 @@
 """Sampling parameters, the batched sampler (support, distribution, reproducibility whatever the batch) and
 incremental detokenization with stop conditions on a tiny byte-level BPE tokenizer trained here."""
 
+import asyncio
 import math
 import re
 
@@ -578,3 +579,44 @@ def test_the_streaming_decoder_gives_what_the_decodes_give(tokenizer, data, text
     assert fast[:2] == slow[:2] and fast[2].text == slow[2].text
     if fast[1] == "length" and not stop:
         assert fast[2].text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@given(data=BYTES, text=TEXTS, stop=st.lists(TEXTS.filter(bool), max_size=2), cuts=st.lists(st.integers(0, 80),
+       max_size=6), reads=st.lists(st.integers(0, 80), max_size=6))
+def test_streamed_text_is_the_text_of_the_whole_request(tokenizer, data, text, stop, cuts, reads):
+    """Issue 32: however a request's tokens come in outputs (one step, several, a catch-up) and however often its
+    reader wakes (outputs merged while it was busy), the streamed text adds up to the text of the request's tokens
+    decoded in one output, its finish too, for any bytes and stop strings."""
+    from lorakit.engine.outputs import OutputProcessor, RequestOutput
+    from lorakit.frontend.streams import RequestStream
+
+    byte = _byte_tokens(tokenizer)
+    ids = [byte[b] for b in data] + tokenizer.encode(text)
+    if not ids:
+        return
+    params = SamplingParams(stop=stop, max_tokens=len(ids))
+    bounds = sorted({0, len(ids), *(c % (len(ids) + 1) for c in cuts)})
+
+    def outputs(groups):
+        return [RequestOutput("r", "", ids[a:b], b == len(ids), "length" if b == len(ids) else None, None, 1, b)
+                for a, b in zip(groups, groups[1:])]
+
+    def streamed(groups, wake_after):
+        async def go():
+            outs = RequestStream(OutputProcessor("r", [], params, tokenizer), lambda: None)
+            got = []
+            for n, out in enumerate(outputs(groups)):
+                outs.put(out)
+                if n in wake_after:  # the reader wakes here and takes what is pending (nothing once it ended)
+                    try:
+                        got.append(await outs.__anext__())
+                    except StopAsyncIteration:
+                        break
+            got += [out async for out in outs]
+            return "".join(o.text for o in got), got[-1].finish_reason, sum(len(o.token_ids) for o in got)
+        return asyncio.run(go())
+
+    whole = streamed([0, len(ids)], set())
+    assert streamed(bounds, {r % len(bounds) for r in reads}) == whole
+    if not stop:
+        assert whole == (tokenizer.decode(ids), "length", len(ids))

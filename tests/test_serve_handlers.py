@@ -7,6 +7,8 @@ import copy
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _serve_helpers import build_world, reference
 from lorakit.engine import Engine, SamplingParams
@@ -277,3 +279,20 @@ def test_confined_resolves_links_and_refuses_what_escapes(tmp_path):
         assert e.value.status == 403 and e.value.param == "lora_path"
     with pytest.raises(ApiError, match="no --lora-root"):
         confined(str(root / "a"), [])
+
+
+@settings(max_examples=50, deadline=None)
+@given(contents=st.lists(st.text(st.characters(codec="utf-8"), max_size=40), min_size=1, max_size=4))
+def test_chat_ids_are_the_templates_own(contents):
+    """Issue 32: a chat prompt is rendered by the template, then encoded by the Rust tokenizer directly; the ids are
+    those of apply_chat_template(..., tokenize=True), whatever the text (special tokens' text included)."""
+    from _serve_helpers import make_tokenizer
+    from lorakit.serve.state import _encode_rendered
+
+    tokenizer = make_tokenizer()
+    roles = ["user", "assistant"]
+    messages = [{"role": roles[i % 2], "content": c + ("<eos>" if i == 1 else "")} for i, c in enumerate(contents)]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert _encode_rendered(tokenizer, text) == want
