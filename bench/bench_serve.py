@@ -8,7 +8,9 @@ first token (p50 / p99) and time between streamed chunks (p50 / p99). The baseli
 in-process (``LLM.generate`` on the same prompts and adapters, no HTTP): the ratio says what the server costs.
 The server's own engine-step time (from /metrics) tells the engine's share of that from the HTTP side's. The
 clients run in one process per 32 of them (at most 8; ``--client-procs``): one Python process parsing every
-server-sent event caps what it can measure (runs before this option, up to ce31b5b, used one).
+server-sent event caps what it can measure (runs before this option, up to ce31b5b, used one). The client
+processes begin together once all have started, and the wall time runs from then to the last one's end (up to
+issue 32's runs it ran from the first process's start, and took in the spread of their start-ups).
 
     PYTHONPATH=src python bench/bench_serve.py --out DIR [--requests 256] [--max-tokens 128]
     PYTHONPATH=src python bench/bench_serve.py --out DIR --random-weights CONFIG_DIR
@@ -68,14 +70,15 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int, procs: int 
     """``requests`` streaming requests, ``concurrency`` at a time, from ``procs`` client processes (each with its share
     of both): one Python process parsing every server-sent event can itself be what limits a run."""
     procs = max(1, min(procs, concurrency, requests))
-    shares = [(url, k, range(k, requests, procs), len(range(k, concurrency, procs)), max_tokens) for k in range(procs)]
-    if procs == 1:
-        results = [_share(*shares[0])]
-    else:
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=spawn) as pool:
-            results = list(pool.map(_share, *zip(*shares)))
-    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Manager() as manager, concurrent.futures.ProcessPoolExecutor(
+            procs, mp_context=spawn, initializer=_ready, initargs=(manager.Barrier(procs),)) as pool:
+        list(pool.map(time.sleep, [0] * procs))  # returns once every client process is up (the barrier) ...
+        start = time.time() + 0.2  # ... so all of them begin together: the wall is not their start-up's spread
+        shares = [(url, start, range(k, requests, procs), len(range(k, concurrency, procs)), max_tokens)
+                  for k in range(procs)]
+        results = list(pool.map(_share, *zip(*shares)))
+    wall = max(r["end"] for r in results) - start
     ttfts = [t for r in results for t in r["ttfts"]]
     gaps = [g for r in results for g in r["gaps"]]
     return {"concurrency": concurrency, "requests": requests, "client_procs": procs, "wall_s": wall,
@@ -84,8 +87,15 @@ def load(url: str, requests: int, concurrency: int, max_tokens: int, procs: int 
             "gap_p50_ms": 1e3 * pct(gaps, 0.5), "gap_p99_ms": 1e3 * pct(gaps, 0.99)}
 
 
-def _share(url: str, _: int, indices: range, concurrency: int, max_tokens: int) -> dict:
-    """One client process's requests (by index: the model and question round robin), with wall-clock start and end."""
+def _ready(barrier) -> None:
+    """A client process's start: it waits until all of them have started and imported what they run."""
+    barrier.wait()
+
+
+def _share(url: str, start: float, indices: range, concurrency: int, max_tokens: int) -> dict:
+    """One client process's requests (by index: the model and question round robin), begun at wall-clock time
+    ``start``, with their end."""
+    time.sleep(max(0.0, start - time.time()))
     async def run() -> list[dict]:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -96,9 +106,8 @@ def _share(url: str, _: int, indices: range, concurrency: int, max_tokens: int) 
                     return await one_request(client, i, max_tokens)
             return await asyncio.gather(*(gated(i) for i in indices))
 
-    start = time.time()
     results = asyncio.run(run())
-    return {"start": start, "end": time.time(), "ttfts": [r["ttft"] for r in results],
+    return {"end": time.time(), "ttfts": [r["ttft"] for r in results],
             "gaps": [g for r in results for g in r["gaps"]]}
 
 

@@ -18,7 +18,7 @@ from lorakit.layers.patch import PatchConfig
 
 
 # Prompt tokens a step takes beside decodes by default. On the H200 a Llama-3-8B decode step of 64 takes 8.4 ms and a
-# prompt token adds ~27 us (bench/results/bench_step_3f3ed57.md; 16 GFLOP a token at ~600 TFLOP/s): 384 keep a mixed
+# prompt token adds ~27 us (16 GFLOP a token at ~600 TFLOP/s; the measurement: docs/engine.md): 384 keep a mixed
 # step within ~2.3x a decode step, so the decodes' ITL p99 stays under 3x their p50 (docs/engine.md#chunked-prefill).
 MAX_PREFILL_TOKENS = 384
 
