@@ -40,11 +40,11 @@ def main(dst: str) -> None:
         "  tokenizing, chat templates,",
         "  adapter tokenizers",
         "",
-        "each request's stream, on the event loop:",
-        "  OutputProcessor: token ids -> text,",
-        "  stop strings (then Abort to the core)",
-        "CoreClient: one queue per request,",
-        "  the core's facts for lookups",
+        "each Step, in one pass on the event loop:",
+        "  OutputProcessor: token ids -> text, stop",
+        "  strings (then Abort to the core), into each",
+        "  request's RequestStream (one wake-up)",
+        "CoreClient: the core's facts for lookups",
         "  (adapter versions, vocabulary, context)",
     ], "#dbe9f6")
     box(ax, 16.0, 3.4, 7.8, 7.0, "engine core process", [
