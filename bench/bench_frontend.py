@@ -5,7 +5,8 @@ each Add, and every ``--step-ms`` emits one Step with the next token of every ru
 real text, cycled; the tokenizer's, so detokenizing does its real work), ``max_tokens`` of them, then "length".
 It never waits on a model, so what the API server process does per token (wire decode, the output processor's
 text and stop strings, chunk JSON, the ASGI send, metrics) is all that is measured. One ``lorakit`` API server
-process (``lorakit.serve``'s attach path, as ``--api-servers`` starts its extra ones) serves it on a port, and
+process (``lorakit.serve``'s attach path, as ``--api-servers`` starts its extra ones; ``--api-servers N``: N of
+them on the one port, their CPU times added up) serves it on a port, and
 ``--clients`` streaming chat requests at a time (``max_tokens`` each, stream_options.include_usage) are sent by
 client processes that parse no JSON but the usage chunk.
 
@@ -15,6 +16,7 @@ threads, from /proc, over the timed window), its CPU use (1.0: one core busy), t
 fell behind and were merged), TTFT p50 / p99.
 
     PYTHONPATH=src python bench/bench_frontend.py --out DIR [--src OLD_TREE/src] [--clients 256] [--requests 2048]
+        [--api-servers N]
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ FIRST_TOKEN = re.compile(rb'"delta": ?\{"content"')  # a token's chunk (the role
 # ------------------------------------------------------------------ the fake core
 
 
-def fake_core(to_core: str, from_core: str, step_s: float, tokenizer_dir: str, ready: multiprocessing.Event) -> None:
-    """The engine core's wire with no engine behind it (see the module docstring)."""
+def fake_core(to_core: str, from_cores: list[str], step_s: float, tokenizer_dir: str) -> None:
+    """The engine core's wire with no engine behind it (see the module docstring), for one API server per address
+    of ``from_cores``: each step, each server gets one Step with the outputs of its requests (their ids start with
+    the server's index, as ``CoreClient`` makes them)."""
     import msgspec
     import zmq
     from transformers import AutoTokenizer
@@ -55,14 +59,16 @@ def fake_core(to_core: str, from_core: str, step_s: float, tokenizer_dir: str, r
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.bind(to_core)
-    push = context.socket(zmq.PUSH)
-    push.connect(from_core)
+    pushes = []
+    for address in from_cores:
+        pushes.append(context.socket(zmq.PUSH))
+        pushes[-1].connect(address)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(wire.ToCore).decode
     fields = wire.Ready.__struct_fields__  # the trees measured may differ in Ready's fields
     facts = dict(pid=os.getpid(), vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), max_seq_len=8192,
                  eos_token_id=None, kv_tokens=1 << 22, max_num_seqs=4096, adapters=[])
-    push.send(encode(wire.Ready(**{k: v for k, v in facts.items() if k in fields})))
-    ready.set()
+    for push in pushes:
+        push.send(encode(wire.Ready(**{k: v for k, v in facts.items() if k in fields})))
     running: dict[str, list] = {}  # request id -> [prompt length, tokens sent, max_tokens, offset into ids]
     next_step = time.perf_counter()
     while True:
@@ -84,19 +90,23 @@ def fake_core(to_core: str, from_core: str, step_s: float, tokenizer_dir: str, r
         if not running or time.perf_counter() < next_step:
             continue
         next_step = max(next_step + step_s, time.perf_counter() - step_s)
-        outputs = []
+        outputs: list[list] = [[] for _ in pushes]
         for request_id, r in list(running.items()):
             r[1] += 1
             done = r[1] >= r[2]
-            outputs.append(RequestOutput(request_id, "", [ids[(r[3] + r[1]) % len(ids)]], done,
-                                         "length" if done else None, None, r[0], r[1]))
+            server = int(request_id[1:request_id.index("-")]) if len(pushes) > 1 else 0  # "s{index}-r{n}"
+            outputs[server].append(RequestOutput(request_id, "", [ids[(r[3] + r[1]) % len(ids)]], done,
+                                                 "length" if done else None, None, r[0], r[1]))
             if done:
                 del running[request_id]
-        push.send(encode(wire.Step(outputs)))
+        for push, outs in zip(pushes, outputs):
+            if outs:
+                push.send(encode(wire.Step(outs)))
 
 
-def api_server(to_core: str, from_core: str, core_pid: int, tokenizer_dir: str, port: int) -> None:
-    """One API server attached to the fake core, as ``lorakit serve --api-servers N`` starts its extra ones."""
+def api_server(to_core: str, from_cores: list[str], index: int, core_pid: int, tokenizer_dir: str, port: int) -> None:
+    """API server ``index`` attached to the fake core, as ``lorakit serve --api-servers N`` starts its extra ones
+    (all of them on ``port``, SO_REUSEPORT)."""
     import functools
 
     import lorakit.serve as serve
@@ -108,7 +118,7 @@ def api_server(to_core: str, from_core: str, core_pid: int, tokenizer_dir: str, 
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
-    serve._serve_more((to_core, [from_core]), 0, core_pid, functools.partial(load_tokenizer, tokenizer_dir), config,
+    serve._serve_more((to_core, from_cores), index, core_pid, functools.partial(load_tokenizer, tokenizer_dir), config,
                       "127.0.0.1", port)
     if profile:
         profiler.disable()
@@ -118,12 +128,11 @@ def api_server(to_core: str, from_core: str, core_pid: int, tokenizer_dir: str, 
 def roles() -> None:
     """``bench_frontend.py --role core|server ...``: one of the two processes, with the tree under test on the
     path (the parent sets PYTHONPATH)."""
-    role, to_core, from_core, rest = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+    role, to_core, from_cores, rest = sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5:]
     if role == "core":
-        event = multiprocessing.Event()
-        fake_core(to_core, from_core, float(rest[0]), rest[1], event)
+        fake_core(to_core, from_cores, float(rest[0]), rest[1])
     else:
-        api_server(to_core, from_core, int(rest[0]), rest[1], int(rest[2]))
+        api_server(to_core, from_cores, int(rest[0]), int(rest[1]), rest[2], int(rest[3]))
 
 
 # ------------------------------------------------------------------ the clients
@@ -189,12 +198,13 @@ def measure(src: Path, args, port: int) -> dict:
     path = os.pathsep.join(p for p in [str(src), os.environ.get("PYTHONPATH", "")] if p)  # the tree first
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     folder = tempfile.mkdtemp(prefix="bench-frontend-")
-    to_core, from_core = f"ipc://{folder}/to-core", f"ipc://{folder}/from-core-0"
+    to_core = f"ipc://{folder}/to-core"
+    from_cores = ",".join(f"ipc://{folder}/from-core-{i}" for i in range(args.api_servers))
     me = [sys.executable, str(Path(__file__).resolve()), "--role"]
-    core = subprocess.Popen([*me, "core", to_core, from_core, str(args.step_ms / 1000), str(args.tokenizer)],
+    core = subprocess.Popen([*me, "core", to_core, from_cores, str(args.step_ms / 1000), str(args.tokenizer)],
                             env=env)
-    server = subprocess.Popen([*me, "server", to_core, from_core, str(core.pid), str(args.tokenizer), str(port)],
-                              env=env)
+    servers = [subprocess.Popen([*me, "server", to_core, from_cores, str(i), str(core.pid), str(args.tokenizer),
+                                 str(port)], env=env) for i in range(args.api_servers)]
     try:
         import httpx
         for _ in range(600):
@@ -206,18 +216,20 @@ def measure(src: Path, args, port: int) -> dict:
             time.sleep(0.1)
         else:
             raise RuntimeError("the API server did not come up")
+        time.sleep(1.0 if args.api_servers > 1 else 0.0)  # the other servers listen a moment after the first
         drive(port, min(args.clients, 32), 64, 16, 1)  # warm-up
-        cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
+        cpu0, t0 = sum(cpu_seconds(s.pid) for s in servers), time.perf_counter()
         results = drive(port, args.clients, args.requests, args.max_tokens, args.client_procs)
-        wall, cpu = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, sum(cpu_seconds(s.pid) for s in servers) - cpu0
     finally:
-        for p in (server, core):
+        for p in (*servers, core):
             p.terminate()
-        for p in (server, core):
+        for p in (*servers, core):
             p.wait(10)
     tokens = sum(r[2] for r in results)
     ttft = sorted(r[0] for r in results)
-    return {"src": str(src), "commit": _commit(src), "clients": args.clients, "requests": len(results),
+    return {"src": str(src), "commit": _commit(src), "api_servers": args.api_servers, "clients": args.clients,
+            "requests": len(results),
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "api_cpu_us_per_token": 1e6 * cpu / tokens,
             "api_cpu_use": cpu / wall, "tokens_per_chunk": tokens / max(1, sum(r[1] for r in results)),
             "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2], "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))]}
@@ -241,6 +253,7 @@ def main() -> None:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder (default: the bundled SmolLM2-135M-Instruct's)")
     p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--api-servers", type=int, default=1, help="API server processes on the one port (SO_REUSEPORT)")
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--requests", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -258,9 +271,11 @@ def main() -> None:
     s = setup("device", "torch", "transformers", "commit", "date_utc", device="cpu",
               workload=f"{args.clients} streams, {args.requests} requests of {args.max_tokens} tokens, fake core step "
               f"{args.step_ms} ms, {args.client_procs} client processes, {os.cpu_count()} CPUs")
-    md = f"# bench_frontend: one API server process, fake core\n\n{setup_line(s)}\n\n{s['workload']}.\n\n" + table(
-        "| tree | commit | tok/s | API CPU us/token | API CPU use | tok/chunk | TTFT p50 ms | TTFT p99 ms |",
-        [(r["src"], r["commit"], fmt(r["tokens_per_s"], ".0f"), fmt(r["api_cpu_us_per_token"]),
+    head = ("| tree | commit | API servers | tok/s | API CPU us/token | API CPU use | tok/chunk | TTFT p50 ms "
+            "| TTFT p99 ms |")
+    md = f"# bench_frontend: API server processes, fake core\n\n{setup_line(s)}\n\n{s['workload']}.\n\n" + table(
+        head,
+        [(r["src"], r["commit"], r["api_servers"], fmt(r["tokens_per_s"], ".0f"), fmt(r["api_cpu_us_per_token"]),
           fmt(r["api_cpu_use"], ".2f"), fmt(r["tokens_per_chunk"], ".2f"), fmt(r["ttft_p50_ms"]),
           fmt(r["ttft_p99_ms"])) for r in rows])
     write_report(args.out, "bench_frontend", md, {"setup": s, "rows": rows})
