@@ -96,6 +96,15 @@ class _Held:
         self.size = 0
 
 
+async def _within(awaitable, seconds: float):
+    """``await awaitable``, TimeoutError after ``seconds``: in the same task where asyncio can (3.11's
+    ``asyncio.timeout``; ``wait_for`` made a task of it for every request)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
 class BodyGate:
     """Reads a request's body whole before the app runs, within its bounds (see the module), and hands it on in one
     message; after it, ``receive`` is the server's (a disconnect still reaches the app). Plain ASGI: streamed
@@ -116,7 +125,7 @@ class BodyGate:
                     raise _Refused(self._too_large())
                 held.take(declared)
             try:
-                body = await asyncio.wait_for(self._read(receive, declared, held), self.timeout)
+                body = await _within(self._read(receive, declared, held), self.timeout)
             except asyncio.TimeoutError:
                 raise _Refused(ApiError(408, f"the request body did not arrive within {self.timeout:g} s "
                                              f"(--body-timeout); send it faster, or smaller")) from None
