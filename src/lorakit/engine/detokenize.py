@@ -15,7 +15,7 @@ except ImportError:  # tokenizers < 0.21
 
 from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "rust_tokenizer"]
 
 # Prompt tokens decoded ahead of the output, so tokenizers that render a token by its left neighbour
 # (SentencePiece's leading space) give the output's first token its in-context text (as vLLM does).
@@ -189,12 +189,20 @@ class IncrementalDetokenizer:
         return max(lengths, default=0)
 
 
+def rust_tokenizer(tokenizer):
+    """The tokenizers library's ``Tokenizer`` behind a transformers fast tokenizer (None for any other): what its
+    ``decode`` and ``__call__`` call, without the Python around them."""
+    rust = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and rust is not None and hasattr(rust, "encode"):
+        return rust
+    return None
+
+
 def _stream_decoder(tokenizer, context: list[int]):
     """(the Rust tokenizer, a ``DecodeStream`` primed with ``context``) for a transformers fast tokenizer whose
     ``decode`` is the Rust one's (no clean-up of spaces), else None."""
-    rust = getattr(tokenizer, "_tokenizer", None)
-    if DecodeStream is None or not isinstance(tokenizer, PreTrainedTokenizerBase) or rust is None or \
-            getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    rust = rust_tokenizer(tokenizer)
+    if DecodeStream is None or rust is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
     try:
         return rust, DecodeStream(ids=list(context), skip_special_tokens=True)

@@ -257,7 +257,7 @@ class Scheduler:
         if not self._adapter_ready(request, ready):
             return "slot"
         if request.adapter is not None and self.blocks.prefix_cache:
-            request.adapter_key = self.pool.digest(request.adapter).encode()
+            request.adapter_key = self._digest(request.adapter, ready).encode()
         keys = self._prefix_keys(request)
         cached = self.blocks.lookup(keys)
         start = len(cached) * self.blocks.block_size
@@ -378,6 +378,13 @@ class Scheduler:
         if request.computing:
             self._done_computing(request, request.block_keys[done:])
 
+    def _digest(self, name: str, ready: dict) -> str:
+        """The content hash of ``name``'s current version, asked of the pool once per step (cached in ``ready``)."""
+        key = (name, "digest")
+        if key not in ready:
+            ready[key] = self.pool.digest(name)
+        return ready[key]
+
     def _adapter_ready(self, request: Request, ready: dict[str, bool | AdapterError]) -> bool:
         """Whether ``request``'s adapter has landed in a slot (None: the base model, always); ``ready`` caches the
         answer per adapter for this step. A request whose adapter cannot be served fails."""
@@ -392,8 +399,7 @@ class Scheduler:
                 state = e
             ready[name] = state
         if request.digest is not None and not isinstance(state, AdapterError):
-            digest = ready.get((name, "digest")) or ready.setdefault((name, "digest"), self.pool.digest(name))
-            if digest != request.digest:  # what it was prepared for (its tokens, its grammar) may not fit the new one
+            if self._digest(name, ready) != request.digest:  # what it was prepared for (its tokens, its grammar) may not fit the new one
                 state = AdapterError(f"adapter {name!r} was replaced by other files while this request waited; "
                                      f"send it again")
         if isinstance(state, AdapterError):

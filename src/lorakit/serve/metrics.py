@@ -25,13 +25,13 @@ from starlette.routing import Match
 
 from lorakit.engine import RequestOutput
 from lorakit.frontend.client import EngineClient
+from lorakit.serve.streaming import ERROR_EVENT
 
 __all__ = ["CountResponses", "Metrics"]
 
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where each process writes its values
 UNMATCHED = "unmatched"  # the endpoint label of every path no route matches (a scanner cannot add labels)
 TIERS = ("gpu", "cpu", "disk")
-_ERROR_EVENT = b'data: {"error"'  # how an SSE error event starts (streaming.event of ApiError.body())
 
 
 class Metrics:
@@ -256,7 +256,7 @@ class CountResponses:
                 self.metrics.responses.labels(endpoint, str(status)).inc()
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                if events and body[:len(_ERROR_EVENT)] == _ERROR_EVENT:
+                if events and body[:len(ERROR_EVENT)] == ERROR_EVENT:
                     self.metrics.stream_errors.labels(endpoint, _error_code(body)).inc()
                 done = not message.get("more_body", False)
             await send(message)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
-from transformers import PreTrainedTokenizerBase
 
 from lorakit.engine import Engine, RequestOutput, SamplingParams
+from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
@@ -155,8 +155,8 @@ def _encode_rendered(tokenizer, text: str) -> list[int]:
     """The ids of a rendered chat template, as ``apply_chat_template(..., tokenize=True)`` makes them (its text holds
     the special tokens itself: none are added); a transformers fast tokenizer's Rust one is called directly, without
     the Python around ``__call__`` (about a third of a chat request's tokenizing time)."""
-    rust = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(tokenizer, PreTrainedTokenizerBase) and rust is not None and hasattr(rust, "encode"):
+    rust = rust_tokenizer(tokenizer)
+    if rust is not None:
         return rust.encode(text, add_special_tokens=False).ids
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -32,7 +32,7 @@ __all__ = ["ConcurrencyLimit", "Reply", "interleave", "respond"]
 
 logger = logging.getLogger("lorakit.serve")
 DONE = b"data: [DONE]\n\n"
-_ERROR_EVENT = b'data: {"error"'  # how an error event starts (``event`` of ``ApiError.body()``)
+ERROR_EVENT = b'data: {"error"'  # how an error event starts (``event`` of ``ApiError.body()``)
 LEAST_TOKENS = 2  # the fewest a sequence can occupy: one prompt token and one generated
 RELEASES_SECONDS = 10.0  # how far back Retry-After's estimate looks at the requests that ended
 MAX_RETRY_AFTER = 60  # seconds; an estimate past a minute says little more than "later"
@@ -143,8 +143,6 @@ class EventStream(Response):
     with no task group. One task waits for the client to leave and then cancels the stream (its requests are
     aborted as the iterator closes)."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, events: AsyncIterator[bytes]):
         self.status_code, self.background, self.body_iterator = 200, None, events
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]  # no length: chunked
@@ -164,12 +162,14 @@ class EventStream(Response):
         watcher = asyncio.ensure_future(watch())
         try:
             async for event in self.body_iterator:
-                await (send if event.startswith(_ERROR_EVENT) else raw)(
+                await (send if event.startswith(ERROR_EVENT) else raw)(
                     {"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not left:
                 raise
+            if hasattr(streaming, "uncancel"):  # 3.11+: the task goes on (the middleware's ends), not cancelling
+                streaming.uncancel()
         finally:
             watcher.cancel()
             await self.body_iterator.aclose()
