@@ -281,3 +281,22 @@ def test_prompts_are_chunked_to_max_prefill_tokens_while_others_decode():
         assert [len(i.tokens) for i in plan.items] == [1, chunk]
         s.postprocess(plan, {first: 7} | ({second: 9} if plan.items[1].sample else {}), {})
     assert second.num_computed == 200 and len(second.output_ids) == 1
+
+
+def test_a_queue_that_waited_past_patience_is_admitted_together():
+    """Requests that all waited past ``patience`` (queued behind a full batch) start in one step once the batch
+    ends, within the budget: the rule that nothing passes an overdue head holds no one back once the head has
+    started (it admitted one request a step, the rest of the queue each overdue in turn)."""
+    sched = Scheduler(FakePool(1), BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, patience=2)
+    first = [Request(f"a{i}", [1, 2, 3], None, 6, sched.next_seq()) for i in range(8)]
+    queued = [Request(f"b{i}", [4, 5, 6], None, 4, sched.next_seq()) for i in range(8)]
+    for r in first + queued:
+        sched.add(r)
+    while any(r.finish_reason is None for r in first):
+        plan = sched.schedule()
+        finished = {i.request: "length" for i in plan.items if i.sample and len(i.request.output_ids) + 1 >=
+                    i.request.max_tokens}
+        sched.postprocess(plan, {i.request: 1 for i in plan.items if i.sample}, finished)
+    assert all(r.waited > 2 for r in queued)
+    sched.schedule()
+    assert sched.running == queued and not sched.waiting

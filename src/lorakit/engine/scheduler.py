@@ -223,6 +223,7 @@ class Scheduler:
         overdue = head is not None and head.waited > self.patience
         ready = self._lookahead()  # adapter -> landed in a slot, or why it cannot be served (asked once a step)
         reserve = None  # (blocks, sequences) an overdue head waiting for a slot keeps for itself
+        promoted = False  # the head started this step, and the next in line became the head
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -240,8 +241,12 @@ class Scheduler:
                 n = len(items[-1].tokens)
                 budget -= n
                 prefill -= n
-                if request is head:
+                if request is head:  # the next in line is the head now, and may start too
                     self.draining = None
+                    head, promoted = (self.waiting[0] if self.waiting else None), True
+                    overdue = head is not None and head.waited > self.patience
+            elif request is head and overdue and promoted:
+                break  # a new head, overdue, that cannot start: what may pass it is decided next step
             elif request is head and overdue and waits == "slot":
                 reserve = (self.blocks.blocks_for(min(head.num_tokens, self.max_prefill_tokens)), 1)
                 if self.draining is None and head.adapter not in self._on_the_way:
