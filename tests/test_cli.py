@@ -164,3 +164,8 @@ def test_an_adapter_the_model_cannot_serve_exits_with_its_message(tmp_path):
     with pytest.raises(SystemExit, match="adapter 'pirate'"):
         main(["serve", "--model", str(tmp_path / "tiny"), "--lora", f"pirate={bundled_adapters()['pirate']}",
               "--device", "cpu"])
+
+
+def test_api_servers_auto_is_one_per_four_cores_up_to_four():
+    assert [cli.auto_api_servers(cores) for cores in (1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 2, 3, 4, 4]
+    assert 1 <= cli.auto_api_servers() <= cli.MAX_API_SERVERS  # this machine's

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +22,18 @@ from lorakit.serve.model import (bundled_adapters, check_model, load_engine, loa
                                  served_name)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CORES_PER_API_SERVER = 4  # --api-servers auto (docs/serve.md, "Two processes", says why)
+MAX_API_SERVERS = 4
+
+
+def auto_api_servers(cores: int | None = None) -> int:
+    """``--api-servers auto``: one API server process per CORES_PER_API_SERVER of ``cores`` (default: the CPU cores
+    this process may run on), 1 to MAX_API_SERVERS. A saturated server takes one core; the others are left to the
+    engine core process (its step loop, beats and grammar workers), each server's tokenizing thread and the
+    kernel's network work. Past four, one GPU's engine is the limit, not the servers (docs/serve.md)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_API_SERVERS, cores // CORES_PER_API_SERVER))
 
 
 def _or_auto(parse):
@@ -96,9 +109,10 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server's process instead of a core process of its own "
                         "(default: off; the server and the engine then share one GIL)")
-    p.add_argument("--api-servers", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--api-servers", type=_or_auto(_positive_int), default=None, metavar="N|auto",
                    help="API server processes in front of the engine core, sharing --port: HTTP, tokenizing and "
-                        "streaming spread over N cores (default: %(default)s)")
+                        f"streaming spread over N cores (default: auto: one per {CORES_PER_API_SERVER} CPU cores this "
+                        f"process may use, 1 to {MAX_API_SERVERS}; 1 with --engine-in-process or --port 0)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
     p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
@@ -252,6 +266,10 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        if args.api_servers is None:  # auto
+            args.api_servers = 1 if args.engine_in_process or args.port == 0 else auto_api_servers()
+        elif args.api_servers > 1 and args.port == 0:
+            raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         adapters = check_options(args)
         served = serve_config(args, served_name(args.model))
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
@@ -271,6 +289,8 @@ def run(args) -> int:
                 raise ValueError("--api-servers needs the engine core process; drop --engine-in-process")
             engine = build()
         else:
+            logging.getLogger("lorakit.serve").info("%d API server process%s (--api-servers)", args.api_servers,
+                        "" if args.api_servers == 1 else "es")
             engine = CoreClient(build, load_tokenizer(folder), servers=args.api_servers)
             engine.launch()  # the model loads and the graphs are captured in the core before the server listens
     except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
@@ -307,6 +327,10 @@ def run_ray(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        if args.api_servers is None:  # auto
+            args.api_servers = 1 if args.engine_in_process or args.port == 0 else auto_api_servers()
+        elif args.api_servers > 1 and args.port == 0:
+            raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         adapters = check_options(args)
         served = dataclasses.asdict(serve_config(args, served_name(args.model)))
         import lorakit.serve.ray as fleet
