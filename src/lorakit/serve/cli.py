@@ -101,6 +101,15 @@ def _port(text: str) -> int:
     return value
 
 
+def api_servers(args) -> int:
+    """The API server processes the parsed flags ask for: --api-servers N, or auto's (1 with --engine-in-process
+    or --port 0; 1 for a command without the flag, such as serve-ray)."""
+    n = getattr(args, "api_servers", 1)
+    if n is None:
+        n = 1 if getattr(args, "engine_in_process", False) or getattr(args, "port", 0) == 0 else auto_api_servers()
+    return n
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server; each request's `model` picks its adapter",
                        description="Serve a transformers model (default: the bundled SmolLM2-135M-Instruct) with "
@@ -266,10 +275,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if args.api_servers is None:  # auto
-            args.api_servers = 1 if args.engine_in_process or args.port == 0 else auto_api_servers()
-        elif args.api_servers > 1 and args.port == 0:
+        if args.api_servers is not None and args.api_servers > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
+        args.api_servers = api_servers(args)
         adapters = check_options(args)
         served = serve_config(args, served_name(args.model))
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
@@ -308,7 +316,7 @@ def serve_config(args, name: str):
 
     edge = {name: getattr(args, name) for name in ("max_body_bytes_in_flight", "header_timeout", "body_timeout")
             if hasattr(args, name)}  # lorakit serve's (add_edge_flags)
-    processes = getattr(args, "api_servers", 1)
+    processes = api_servers(args)
     if edge.get("max_body_bytes_in_flight", 0) is None and processes > 1:  # the default is the machine's, shared
         edge["max_body_bytes_in_flight"] = max(default_bytes_in_flight(processes), args.max_body_bytes)
     return ServeConfig(model_name=args.served_model_name or name,
@@ -327,10 +335,9 @@ def run_ray(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if args.api_servers is None:  # auto
-            args.api_servers = 1 if args.engine_in_process or args.port == 0 else auto_api_servers()
-        elif args.api_servers > 1 and args.port == 0:
+        if args.api_servers is not None and args.api_servers > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
+        args.api_servers = api_servers(args)
         adapters = check_options(args)
         served = dataclasses.asdict(serve_config(args, served_name(args.model)))
         import lorakit.serve.ray as fleet
