@@ -275,7 +275,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if args.api_servers is not None and args.api_servers > 1 and args.port == 0:
+        if (getattr(args, "api_servers", None) or 1) > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         args.api_servers = api_servers(args)
         adapters = check_options(args)
@@ -335,7 +335,7 @@ def run_ray(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if args.api_servers is not None and args.api_servers > 1 and args.port == 0:
+        if (getattr(args, "api_servers", None) or 1) > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         args.api_servers = api_servers(args)
         adapters = check_options(args)
