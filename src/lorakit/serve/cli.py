@@ -275,7 +275,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if (getattr(args, "api_servers", None) or 1) > 1 and args.port == 0:
+        if (args.api_servers or 1) > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         args.api_servers = api_servers(args)
         adapters = check_options(args)
@@ -335,9 +335,6 @@ def run_ray(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
-        if (getattr(args, "api_servers", None) or 1) > 1 and args.port == 0:
-            raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
-        args.api_servers = api_servers(args)
         adapters = check_options(args)
         served = dataclasses.asdict(serve_config(args, served_name(args.model)))
         import lorakit.serve.ray as fleet
