@@ -15,7 +15,7 @@ from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, adapters, confined, openai, sglang
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, nth_sample
 from lorakit.serve.state import ServerState
-from lorakit.serve.streaming import DONE, ConcurrencyLimit, Reply, interleave, respond
+from lorakit.serve.streaming import DONE, ConcurrencyLimit, Reply, outputs, respond
 
 PROMPT = "What is the capital of France?"
 
@@ -226,28 +226,103 @@ def test_a_client_that_leaves_cancels_its_reply():
     assert asyncio.run(main()) == 499
 
 
-def test_interleave_merges_and_the_first_error_ends_all():
+def test_outputs_merge_what_came_while_busy_and_the_first_error_ends_all():
+    from lorakit.engine import RequestOutput
+
+    def out(text, finished=False):
+        return RequestOutput("r", text, [len(text)], finished, "stop" if finished else None)
+
+    class Handle:
+        closed = 0
+
+        def close(self):
+            Handle.closed += 1
+
     async def main():
-        merged = [item async for item in interleave([_chunks(["a", "b"]), _chunks(["c"])])]
-        closed = []
+        feed = {}
 
-        async def endless():
-            try:
-                while True:
-                    yield "x"
-                    await asyncio.sleep(0)
-            finally:
-                closed.append(True)
+        async def start(listener):
+            feed["listener"] = listener
+            return Handle()
 
+        read = []
+        stream = outputs(start, 2)
+        task = asyncio.ensure_future(_collect(stream, read))
+        await asyncio.sleep(0)
+        push = feed["listener"]
+        push(0, out("a"))
+        push(0, out("b"))  # before the reader ran: merged with "a"
+        push(1, out("c", True))
+        await asyncio.sleep(0)
+        push(0, out("d", True))
+        await task
+        merged = [(i, o.text, o.token_ids, o.finished) for i, o in read]
+
+        failing = asyncio.ensure_future(_collect(outputs(start, 2), []))
+        await asyncio.sleep(0)
+        feed["listener"](1, ApiError(400, "bad"))
         with pytest.raises(ApiError, match="bad"):
-            async for _ in interleave([endless(), _chunks(["y"], ApiError(400, "bad"))]):
-                pass
-        await asyncio.sleep(0.01)
-        return merged, closed
+            await failing
+        return merged
 
-    merged, closed = asyncio.run(main())
-    assert sorted(merged) == [(0, "a"), (0, "b"), (1, "c")] and [x for i, x in merged if i == 0] == ["a", "b"]
+    merged = asyncio.run(main())
+    assert merged == [(0, "ab", [1, 1], False), (1, "c", [1], True), (0, "d", [1], True)]
+    assert Handle.closed == 2  # read to the end, and ended by the error: closed either way
+
+
+def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_missed_merged():
+    import json
+
+    from lorakit.engine import RequestOutput
+    from lorakit.serve.streaming import Push, _pushed
+
+    wire, writable, feed, closed = [], [True], {}, []
+
+    def write(data: bytes) -> bool:  # the connection: full (False) while the client reads slowly
+        if writable[0]:
+            wire.append(data)
+        return writable[0]
+
+    class Handle:
+        def close(self):
+            closed.append(True)
+
+    async def start(listener):
+        feed["listener"] = listener
+        return Handle()
+
+    def out(text, finished=False):
+        return RequestOutput("r", text, [0] * len(text), finished, "length" if finished else None)
+
+    push = Push([{"first": True}], start, 1, lambda i, o: {"text": o.text}, lambda: [{"last": True}])
+
+    async def main():
+        async def send_all():  # EventStream's part: what the iterator gives is sent in order
+            async for data in _pushed(Reply(None, push=push), ConcurrencyLimit(1), write):
+                wire.append(data)
+        task = asyncio.ensure_future(send_all())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        listener = feed["listener"]
+        listener(0, out("a"))  # written on the delivering pass
+        writable[0] = False
+        listener(0, out("bc"))
+        listener(0, out("d"))  # merged with "bc" while the client is slow
+        writable[0] = True
+        listener(0, out("e"))  # still behind what waits: merged too, never ahead of it
+        await asyncio.sleep(0)
+        listener(0, out("f", finished=True))
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    events = [json.loads(e[len(b"data: "):]) if e != DONE else "DONE" for e in wire]
+    assert events == [{"first": True}, {"text": "a"}, {"text": "bcde"}, {"text": "f"}, {"last": True}, "DONE"]
     assert closed == [True]
+
+
+async def _collect(stream, into):
+    async for item in stream:
+        into.append(item)
 
 
 def test_one_mapping_to_sampling_params():

@@ -63,10 +63,10 @@ class AsyncEngine:
             self._inbox.post(call)
         return call.future
 
-    async def generate(self, prompt, params: SamplingParams | None = None, adapter: AdapterRef | str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come, with their text; leaving early (a client gone) aborts it. A
-        bad request raises here, before anything is yielded. Its grammar, if any, is compiled on a worker thread
+    async def submit(self, prompt, params: SamplingParams | None = None, adapter: AdapterRef | str | None = None,
+                     request_id: str | None = None) -> RequestStream:
+        """Add the request to the engine: its stream, which gets its outputs with their text as they come (closing
+        it before the end aborts it). A bad request raises here. Its grammar, if any, is compiled on a worker thread
         while this coroutine waits (``Engine.grammar``): never on the engine thread."""
         loop = asyncio.get_running_loop()
         grammar = None
@@ -83,11 +83,18 @@ class AsyncEngine:
             self._queues[rid] = (loop, outs[0])
 
         await asyncio.wrap_future(self._post(add))
+        return outs[0]
+
+    async def generate(self, prompt, params: SamplingParams | None = None, adapter: AdapterRef | str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come, with their text; leaving early (a client gone) aborts it. A
+        bad request raises here, before anything is yielded (``submit``)."""
+        outs = await self.submit(prompt, params, adapter, request_id)
         try:
-            async for out in outs[0]:
+            async for out in outs:
                 yield out
         finally:  # closed (and aborted, if unfinished) as soon as this generator is
-            outs[0].close()
+            outs.close()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread; does not wait)."""

@@ -30,6 +30,7 @@ from lorakit.engine.engine import Engine
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.frontend.async_engine import AsyncEngine
+from lorakit.frontend.streams import RequestStream
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
@@ -116,6 +117,9 @@ class EngineClient(Protocol):
 
     def end_requests(self, reason: str) -> None: ...  # every request in flight ends now: "abort", error ``reason``
 
+    async def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
+                     ) -> RequestStream: ...  # the request sent: its stream (read it, or ``listen``)
+
     def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
                  ) -> AsyncIterator[RequestOutput]: ...
 
@@ -186,6 +190,9 @@ class InProcessClient:
     def end_requests(self, reason: str) -> None:
         if self.async_engine is not None:
             self.async_engine.end_requests(reason)
+
+    async def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> RequestStream:
+        return await self.async_engine.submit(prompt, params, None if adapter is None else adapter.ref)
 
     def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
                  ) -> AsyncIterator[RequestOutput]:

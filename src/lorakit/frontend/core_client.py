@@ -45,6 +45,8 @@ __all__ = ["CoreClient"]
 
 logger = logging.getLogger("lorakit.core")
 
+CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``CoreClient._read``)
+
 
 class CoreClient:
     """The engine in a child process (see the module docstring), behind the ``EngineClient`` interface.
@@ -283,9 +285,9 @@ class CoreClient:
 
     # Requests and calls.
 
-    async def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
-                       ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come, with their text; leaving early aborts it in the core."""
+    async def submit(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None) -> RequestStream:
+        """Send the request to the core: its stream, which gets its outputs with their text as they come (closing
+        it before the end aborts it in the core)."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         request_id = f"s{self.index}-r{next(self._ids)}"
@@ -297,6 +299,12 @@ class CoreClient:
                 self._send(Abort([request_id]))
         outs = self._queues[request_id] = RequestStream(processor, abort)
         self._send(Add(request_id, prompt, params, None if adapter is None else adapter.ref))
+        return outs
+
+    async def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come, with their text; leaving early aborts it in the core."""
+        outs = await self.submit(prompt, params, adapter)
         try:
             async for out in outs:
                 yield out
@@ -338,43 +346,66 @@ class CoreClient:
     # The core's messages.
 
     async def _read(self) -> None:
+        """The core's messages in order. Steps that queued up while this process was busy are read together and
+        each request's outputs in them merged into one before they are delivered: a server that falls behind
+        catches up with one output (one detokenizing pass, one event) per request, not one per step it missed."""
+        sock, outputs = self._from_core, {}
         while True:
-            message = self._decode(await self._from_core.recv())
+            batch = [await sock.recv()]
+            while len(batch) < CATCH_UP_STEPS:
+                ready = sock.recv(zmq.NOBLOCK)  # done at once: a message, or zmq.Again
+                if ready.exception() is not None:
+                    break
+                batch.append(ready.result())
             self._heard = time.monotonic()
-            if isinstance(message, Step):
-                for out in message.outputs:
-                    self._deliver(out)
-                if message.stats is not None:
-                    self._stats = message.stats
-            elif isinstance(message, Adapters):  # another server registered or removed one
-                if message.removed is not None:
-                    self._adapters.pop(message.removed, None)
+            for data in batch:
+                message = self._decode(data)
+                if isinstance(message, Step):
+                    for out in message.outputs:
+                        earlier = outputs.get(out.request_id)
+                        outputs[out.request_id] = out if earlier is None else earlier.merged(out)
+                    if message.stats is not None:
+                        self._stats = message.stats
                 else:
-                    facts = message.facts
-                    roots = [Path(r) for r in message.roots] if message.roots else None
-                    try:
-                        tokenizer = await asyncio.to_thread(read_tokenizer, facts.ref.name, facts.path, roots)
-                    except AdapterError as e:  # read by the core already: only a file changed since
-                        logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.ref.name, e)
-                        continue
-                    self._adapters[facts.ref.name] = Adapter.of(facts, tokenizer)
-            elif isinstance(message, Failed):  # its engine cannot step any more: it exits
-                self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}")
-            elif isinstance(message, Reply):
-                future = self._calls.pop(message.call_id, None)
-                if future is None or future.done():
-                    continue
-                if message.error is None:
-                    future.set_result(message.result)
-                else:
-                    kind, text = message.error
-                    future.set_exception(ERRORS.get(kind, RuntimeError)(text))
+                    self._deliver(outputs)
+                    await self._handle(message)
+            self._deliver(outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        """A request's new tokens to its stream (its text is made there); none for a request aborted here."""
-        outs = self._queues.get(out.request_id)
-        if outs is None:
-            return
-        if out.finished:
-            del self._queues[out.request_id]
-        outs.put(out)
+    async def _handle(self, message: FromCore) -> None:
+        """One of the core's messages other than a Step."""
+        if isinstance(message, Adapters):  # another server registered or removed one
+            if message.removed is not None:
+                self._adapters.pop(message.removed, None)
+            else:
+                facts = message.facts
+                roots = [Path(r) for r in message.roots] if message.roots else None
+                try:
+                    tokenizer = await asyncio.to_thread(read_tokenizer, facts.ref.name, facts.path, roots)
+                except AdapterError as e:  # read by the core already: only a file changed since
+                    logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.ref.name, e)
+                    return
+                self._adapters[facts.ref.name] = Adapter.of(facts, tokenizer)
+        elif isinstance(message, Failed):  # its engine cannot step any more: it exits
+            self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}")
+        elif isinstance(message, Reply):
+            future = self._calls.pop(message.call_id, None)
+            if future is None or future.done():
+                return
+            if message.error is None:
+                future.set_result(message.result)
+            else:
+                kind, text = message.error
+                future.set_exception(ERRORS.get(kind, RuntimeError)(text))
+
+    def _deliver(self, outputs: dict[str, RequestOutput]) -> None:
+        """Each request's new tokens to its stream (their text is made there), ``outputs`` emptied; none for a
+        request aborted here."""
+        queues = self._queues
+        for request_id, out in outputs.items():
+            outs = queues.get(request_id)
+            if outs is None:
+                continue
+            if out.finished:
+                del queues[request_id]
+            outs.put(out)
+        outputs.clear()

@@ -7,16 +7,22 @@ thread's outputs, ``CoreClient`` once per ``Step`` message of the core. ``put`` 
 come while it is busy wait merged into one (a stream that fell behind catches up in one output, not one per token).
 The stream aborts the request in the engine when a stop string ended it, or when its reader closes it before the
 end (a client gone).
+
+Or it is not read at all: ``listen`` hands each processed output (and a failure) to a callable at once, on the pass
+that delivers it, with no wake-up and no task: how the server streams (``serve.state.ServerState.submit``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Union
 
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
 
-__all__ = ["RequestStream"]
+__all__ = ["Listener", "RequestStream"]
+
+Listener = Callable[[Union[RequestOutput, BaseException]], None]  # an output, or the error that ends the request
 
 
 class RequestStream:
@@ -24,7 +30,7 @@ class RequestStream:
     is raised there, after the outputs before it). ``abort`` is called once if the request still runs in the engine
     when the stream ends: a stop string found here, or ``close`` before the end."""
 
-    __slots__ = ("processor", "_abort", "_pending", "_error", "_waiter", "_done")
+    __slots__ = ("processor", "_abort", "_pending", "_error", "_waiter", "_done", "_listener")
 
     def __init__(self, processor: OutputProcessor, abort: Callable[[], None]):
         self.processor, self._abort = processor, abort
@@ -32,6 +38,7 @@ class RequestStream:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits
         self._done = False  # the engine has nothing more for it (finished, failed, aborted)
+        self._listener: Listener | None = None
 
     def put(self, out: RequestOutput) -> None:
         """The engine's next output for this request (on the event loop)."""
@@ -44,6 +51,9 @@ class RequestStream:
         if out is None:
             return
         self._done = out.finished
+        if self._listener is not None:
+            self._listener(out)
+            return
         self._pending = out if self._pending is None else self._pending.merged(out)
         self._wake()
 
@@ -51,7 +61,21 @@ class RequestStream:
         """The request cannot go on (its engine is gone): the reader gets ``error`` after what is pending."""
         if not self._done:
             self._done, self._error = True, error
+            if self._listener is not None:
+                self._error = None
+                self._listener(error)
+                return
             self._wake()
+
+    def listen(self, listener: Listener) -> None:
+        """From now on every processed output, and the error of ``fail``, goes to ``listener`` as it comes instead of
+        waiting to be read; what came before is given to it first. It is not read with ``async for`` then."""
+        self._listener = listener
+        pending, error, self._pending, self._error = self._pending, self._error, None, None
+        if pending is not None:
+            listener(pending)
+        if error is not None:
+            listener(error)
 
     def close(self) -> None:
         """The reader leaves: the request is aborted in the engine if it still runs there."""

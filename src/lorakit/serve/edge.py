@@ -23,12 +23,13 @@ import asyncio
 import json
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
 from lorakit.serve.protocol import ApiError
-from lorakit.serve.streaming import RAW_SEND
+from lorakit.serve.streaming import RAW_SEND, WRITE_BODY
 
 __all__ = ["MAX_HEADER_BYTES", "BodyBudget", "BodyGate", "default_bytes_in_flight", "guarded_protocol",
            "machine_memory", "uvicorn_config"]
@@ -309,14 +310,42 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
 
 
 class _WithRawSend:
-    """``app`` with the server's own ``send`` in each scope (RAW_SEND), for ``streaming.EventStream``."""
+    """``app`` with the server's own ``send`` in each scope (RAW_SEND), and where the server is uvicorn's httptools
+    protocol a function that writes a body chunk at once (WRITE_BODY: ``body_writer``), for
+    ``streaming.EventStream``."""
 
     def __init__(self, app):
         self.app, self.state = app, app.state
 
     async def __call__(self, scope, receive, send):
         scope[RAW_SEND] = send
+        write = body_writer(send)
+        if write is not None:
+            scope[WRITE_BODY] = write
         await self.app(scope, receive, send)
+
+
+_CYCLE = ("transport", "flow", "chunked_encoding", "response_started", "response_complete", "disconnected")
+
+
+def body_writer(send) -> Callable[[bytes], bool] | None:
+    """For uvicorn's httptools protocol (whose ``send`` is its request cycle's method): ``write(body)``, which
+    writes one chunk of a chunked response body at once, as that ``send`` does for ``{"type":
+    "http.response.body", "body": body, "more_body": True}`` when it would not wait, and returns True; False, having
+    written nothing, where that ``send`` would wait (the connection's buffer is full: flow control) or could not write
+    (the response not started, not chunked, complete, or the client gone). None for any other server."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or \
+            not all(hasattr(cycle, name) for name in _CYCLE) or not hasattr(cycle.flow, "write_paused"):
+        return None
+
+    def write(body: bytes) -> bool:
+        if cycle.flow.write_paused or cycle.disconnected or not cycle.response_started or cycle.response_complete \
+                or cycle.chunked_encoding is not True:
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+    return write
 
 
 def uvicorn_config(app, host: str, port: int, http: type[asyncio.Protocol] | None = None, **options):

@@ -142,7 +142,10 @@ class RequestMetrics:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        reason = self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort"
+        self.end(self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort")
+
+    def end(self, reason: str | None) -> None:
+        """Count the request as ended with ``reason`` (None: it did not finish, "abort"); once."""
         self._metrics.labels(self._metrics.finished, self._adapter, reason or "abort").inc()
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from lorakit.engine.outputs import RequestOutput, TokenLogprob
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import ChatBody, CompletionBody, chat_messages, nth_sample, samples
 from lorakit.serve.state import Result, ServerState
-from lorakit.serve.streaming import Reply
+from lorakit.serve.streaming import Push, Reply, pulled
 
 __all__ = ["chat", "completions", "model", "models"]
 
@@ -129,19 +129,24 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
         return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
                 "usage": _usage(prompts, sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results])}
 
-    async def chunks() -> AsyncIterator[dict]:
-        with_usage = body.stream_options is not None and body.stream_options.include_usage
-        extra = {"usage": None} if with_usage else {}
-        for c in first:
-            yield {**head, "choices": [c], **extra}
-        generated, cached = 0, [0] * len(jobs)
-        async for i, out in state.stream(jobs):
-            generated += len(out.token_ids)
-            cached[i] = out.num_cached_tokens
-            yield {**head, "choices": [chunk(i, out)], **extra}
-        if with_usage:
-            yield {**head, "choices": [], "usage": _usage(prompts, generated, cached)}
-    return Reply(chunks() if body.stream else complete(), sequences=len(jobs), tokens=state.tokens(jobs))
+    with_usage = body.stream_options is not None and body.stream_options.include_usage
+    extra = {"usage": None} if with_usage else {}
+    generated, cached = 0, [0] * len(jobs)
+
+    def output(i: int, out: RequestOutput) -> dict:
+        nonlocal generated
+        generated += len(out.token_ids)
+        cached[i] = out.num_cached_tokens
+        return {**head, "choices": [chunk(i, out)], **extra}
+
+    def last() -> list[dict]:
+        return [{**head, "choices": [], "usage": _usage(prompts, generated, cached)}] if with_usage else []
+
+    if not body.stream:
+        return Reply(complete(), sequences=len(jobs), tokens=state.tokens(jobs))
+    push = Push([{**head, "choices": [c], **extra} for c in first], lambda listener: state.submit(jobs, listener),
+                len(jobs), output, last)
+    return Reply(pulled(push), sequences=len(jobs), tokens=state.tokens(jobs), push=push)
 
 
 def _finite(logprob: float) -> float:

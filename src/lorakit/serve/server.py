@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from lorakit.frontend.core import freeze_heap
 from lorakit.serve.state import ServerState
 
 __all__ = ["END_SECONDS", "Server"]
@@ -43,6 +44,10 @@ class Server(uvicorn.Server):
         self.state, self.grace = state, state.config.shutdown_grace
         config.timeout_graceful_shutdown = self.grace + END_SECONDS
         super().__init__(config)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        freeze_heap()  # what the startup built lives as long as the server
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

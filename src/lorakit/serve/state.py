@@ -24,14 +24,17 @@ from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
+from lorakit.frontend.streams import RequestStream
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.auth import check_key
 from lorakit.serve.edge import BodyBudget, default_bytes_in_flight
-from lorakit.serve.metrics import Metrics
+from lorakit.serve.metrics import Metrics, RequestMetrics
 from lorakit.serve.protocol import ApiError, shown, ChatBody, CompletionBody, sampling_params, structured_param
-from lorakit.serve.streaming import ConcurrencyLimit, interleave
+from lorakit.serve.streaming import ConcurrencyLimit, outputs
 
-__all__ = ["Result", "ServeConfig", "ServerState"]
+__all__ = ["JobListener", "Result", "ServeConfig", "ServerState", "Submitted"]
+
+JobListener = Callable[[int, "RequestOutput | BaseException"], None]  # (job index, an output or the job's error)
 
 INLINE_SIZE = 2048  # prompts up to this many characters (or token ids) are tokenized on the event loop
 CHARS_PER_TOKEN = 32  # max_prompt_chars' default per token of context: 8 times what text averages, about 4
@@ -337,26 +340,34 @@ class ServerState:
         await self.engine.unregister_adapter(name)
         self.metrics.prune()  # its series go with it
 
-    async def generate(self, prompt: list[int], params: SamplingParams, adapter: Adapter | None
-                       ) -> AsyncIterator[RequestOutput]:
-        """One request's outputs, counted in the metrics; a request the engine refuses, or one that fails (its
-        adapter could not be loaded or was unloaded before it ran, its grammar failed), is a 400. An abort this
-        client did not cause (a client that leaves stops reading before its own comes) is a 503: a request never
-        ends empty with a 200."""
-        with self.metrics.request(self.config.model_name if adapter is None else adapter.name) as measured:
-            try:
-                async for out in self.engine.generate(prompt, params, adapter):
-                    measured.update(out)
-                    if out.finish_reason == "error":
-                        raise ApiError(400, out.error or "the request failed", "model")
-                    if out.finish_reason == "abort":
-                        why = f" ({out.error})" if out.error else ""
-                        raise ApiError(503, f"the server ended this request before it finished{why}; send it again")
-                    yield out
-            except (ValueError, AdapterError) as e:
-                raise ApiError(400, str(e), "prompt") from None
-            except EngineDead as e:
-                raise ApiError(503, str(e)) from None
+    async def submit(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]], listener: JobListener
+                     ) -> Submitted:
+        """Start every job (prompt ids, params, adapter): each of job ``i``'s outputs goes to ``listener(i, out)`` as
+        it comes, on the pass that delivers its step (no task and no wake-up per job), counted in the metrics. A job
+        that fails gives ``listener(i, error)`` once, and nothing more: an ApiError 400 for a request the engine
+        refuses or fails (its adapter could not be loaded or was unloaded before it ran, its grammar failed), 503 for
+        an abort this server did not cause and for an engine that is gone (a request never ends empty with a 200).
+        A request refused as it is sent raises here, the jobs started before it closed. ``close()`` on the handle
+        ends the jobs still running (aborted in the engine: a client gone)."""
+        submitted = Submitted()
+        try:
+            for i, (prompt, params, adapter) in enumerate(jobs):
+                watched = _Watched(i, listener, self.metrics.request(
+                    self.config.model_name if adapter is None else adapter.name))
+                try:
+                    stream = await self.engine.submit(prompt, params, adapter)
+                except BaseException as e:
+                    watched.end("error" if isinstance(e, Exception) else "abort")
+                    told = _api_error(e)
+                    if told is e:
+                        raise
+                    raise told from None
+                submitted.add(stream, watched)
+                stream.listen(watched)
+        except BaseException:
+            submitted.close()
+            raise
+        return submitted
 
     def tokens(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]) -> int:
         """What the jobs (prompt ids, params, adapter) can occupy in the KV cache together: each one's prompt and its
@@ -365,9 +376,9 @@ class ServerState:
 
     def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The outputs of every job (prompt ids, params, adapter) as they come, each with its job's index; the first
-        error ends them all (raised here), and leaving early aborts every job."""
-        return interleave([self.generate(*job) for job in jobs])
+        """The outputs of every job (prompt ids, params, adapter) as they come, each with its job's index (``submit``
+        read with ``async for``); the first error ends them all (raised here), and leaving early aborts every job."""
+        return outputs(lambda listener: self.submit(jobs, listener), len(jobs))
 
     async def results(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]) -> list[Result]:
         """Every job's outputs added up, in the order of ``jobs``."""
@@ -375,3 +386,66 @@ class ServerState:
         async for i, out in self.stream(jobs):
             results[i].add(out)
         return results
+
+
+def _api_error(error: BaseException) -> BaseException:
+    """What a client is told of an engine's error: a request it refused (ValueError, AdapterError) is a 400, a gone
+    engine a 503; anything else is itself (a bug)."""
+    if isinstance(error, (ValueError, AdapterError)):
+        return ApiError(400, str(error), "prompt")
+    if isinstance(error, EngineDead):
+        return ApiError(503, str(error))
+    return error
+
+
+class _Watched:
+    """Job ``index``'s listener on its engine stream: counts its outputs in ``measured`` and turns how it ends into
+    what the client is told (``ServerState.submit``); nothing reaches ``listener`` after its end."""
+
+    __slots__ = ("index", "listener", "measured", "ended")
+
+    def __init__(self, index: int, listener: JobListener, measured: RequestMetrics):
+        self.index, self.listener, self.measured, self.ended = index, listener, measured, False
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        if self.ended:
+            return
+        if isinstance(item, BaseException):
+            self.end("error")
+            self.listener(self.index, _api_error(item))
+            return
+        self.measured.update(item)
+        reason = item.finish_reason
+        if reason == "error":
+            self.end("error")
+            self.listener(self.index, ApiError(400, item.error or "the request failed", "model"))
+        elif reason == "abort":
+            self.end("error")
+            why = f" ({item.error})" if item.error else ""
+            self.listener(self.index, ApiError(503, f"the server ended this request before it finished{why}; send "
+                                                    f"it again"))
+        else:
+            if item.finished:
+                self.end(reason)
+            self.listener(self.index, item)
+
+    def end(self, reason: str | None) -> None:
+        if not self.ended:
+            self.ended = True
+            self.measured.end(reason)
+
+
+class Submitted:
+    """The jobs ``ServerState.submit`` started: ``close()`` ends those still running (aborted in the engine, counted
+    as aborted)."""
+
+    def __init__(self):
+        self._jobs: list[tuple[RequestStream, _Watched]] = []
+
+    def add(self, stream: RequestStream, watched: _Watched) -> None:
+        self._jobs.append((stream, watched))
+
+    def close(self) -> None:
+        for stream, watched in self._jobs:
+            watched.end("abort")
+            stream.close()

@@ -6,7 +6,14 @@ then ``data: [DONE]``; an error once the stream has started, whatever it is, is 
 the number of sequences it runs and the tokens they can occupy in the KV cache. ``ConcurrencyLimit`` bounds both,
 for all the requests in flight together: the engine queues what it cannot run yet, so the limits are set to what
 its queue should hold, and past them a request is refused at once with a 429 and a Retry-After, never queued here;
-one that alone passes a limit, with a 400. ``interleave`` merges the streams of a request's choices into one.
+one that alone passes a limit, with a 400.
+
+A stream's reply may also say how its events are made (``Push``): then ``EventStream`` writes each output's event
+on the pass that delivers the engine's step, straight to the connection (``edge``'s WRITE_BODY: uvicorn's httptools
+protocol), with no task woken and no async generator per event; only a client that reads slower than the stream is
+fed by the stream's own task, its outputs merged meanwhile (one event for all it missed, as ``RequestStream``
+merges them for a reader that falls behind). ``outputs`` reads submitted jobs with ``async for`` instead (a test, a
+server without WRITE_BODY, the non-streamed answers).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +35,7 @@ from starlette.responses import Response
 
 from lorakit.serve.protocol import ApiError
 
-__all__ = ["ConcurrencyLimit", "Reply", "interleave", "respond"]
+__all__ = ["ConcurrencyLimit", "Push", "Reply", "outputs", "pulled", "respond"]
 
 logger = logging.getLogger("lorakit.serve")
 DONE = b"data: [DONE]\n\n"
@@ -47,6 +54,68 @@ class Reply:
     body: Coroutine[Any, Any, Any] | AsyncIterator[dict]
     sequences: int = 1
     tokens: int = 0
+    push: Push | None = None  # a stream's events as its outputs come (``body`` is ``pulled(push)``)
+
+
+@dataclass
+class Push:
+    """How a stream's events are made: ``first``, the chunks before any output; ``start(listener)`` submits its
+    ``jobs`` jobs, whose outputs go to ``listener(i, out)`` (``ServerState.submit``; an error: ``listener(i,
+    error)``); ``chunk(i, out)``, job ``i``'s output's chunk (called once per output, in order); ``last()``, the
+    chunks after the last output."""
+
+    first: list[dict]
+    start: Callable[[Callable[[int, Any], None]], Awaitable[Any]]
+    jobs: int
+    chunk: Callable[[int, Any], dict]
+    last: Callable[[], list[dict]]
+
+
+async def pulled(push: Push) -> AsyncIterator[dict]:
+    """``push``'s chunks, read with ``async for``."""
+    for c in push.first:
+        yield c
+    async for i, out in outputs(push.start, push.jobs):
+        yield push.chunk(i, out)
+    for c in push.last():
+        yield c
+
+
+async def outputs(start: Callable[[Callable[[int, Any], None]], Awaitable[Any]], jobs: int
+                  ) -> AsyncIterator[tuple[int, Any]]:
+    """The outputs of ``jobs`` jobs that ``start(listener)`` submits, each with its job's index, until every one
+    finished; a job's error ends them all (raised here, after the outputs before it), and leaving early closes the
+    handle ``start`` gave (aborting what still runs). A job's outputs that come while the reader is busy are merged
+    into one."""
+    pending: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    left, waiter = jobs, None
+
+    def listener(i: int, item) -> None:
+        nonlocal left, waiter
+        if isinstance(item, BaseException):
+            errors.append(item)
+        else:
+            pending[i] = item if i not in pending else pending[i].merged(item)
+            left -= item.finished
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    submitted = await start(listener)
+    try:
+        while True:
+            if pending:
+                i = next(iter(pending))
+                yield i, pending.pop(i)
+            elif errors:
+                raise errors[0]
+            elif left <= 0:
+                return
+            else:
+                waiter = asyncio.get_running_loop().create_future()
+                await waiter
+    finally:
+        submitted.close()
 
 
 class ConcurrencyLimit:
@@ -130,10 +199,11 @@ async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
     if asyncio.iscoroutine(reply.body):
         return await _answer(request, reply, limit)
     limit.check(reply.sequences, reply.tokens)  # refused while a 429 status can still be sent
-    return EventStream(_events(reply, limit))
+    return EventStream(_events(reply, limit), reply, limit)
 
 
 RAW_SEND = "lorakit.raw_send"  # the scope key of the server's own ``send`` (``edge.uvicorn_config`` puts it there)
+WRITE_BODY = "lorakit.write_body"  # ... and of a function that writes a body chunk at once, where the server has one
 
 
 class EventStream(Response):
@@ -143,12 +213,17 @@ class EventStream(Response):
     with no task group. One task waits for the client to leave and then cancels the stream (its requests are
     aborted as the iterator closes)."""
 
-    def __init__(self, events: AsyncIterator[bytes]):
+    def __init__(self, events: AsyncIterator[bytes], reply: Reply | None = None, limit: ConcurrencyLimit | None = None):
         self.status_code, self.background, self.body_iterator = 200, None, events
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]  # no length: chunked
+        self._reply, self._limit = reply, limit
 
     async def __call__(self, scope, receive, send) -> None:
         raw = scope.get(RAW_SEND, send)
+        write = scope.get(WRITE_BODY)
+        if write is not None and self._reply is not None and self._reply.push is not None:
+            await self.body_iterator.aclose()  # never started: the events are pushed instead
+            self.body_iterator = _pushed(self._reply, self._limit, write)
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         streaming, left = asyncio.current_task(), False
 
@@ -204,43 +279,64 @@ async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[bytes]
     yield DONE
 
 
+async def _pushed(reply: Reply, limit: ConcurrencyLimit, write: Callable[[bytes], bool]) -> AsyncIterator[bytes]:
+    """``_events`` of a ``Push`` reply: each output's event is written by ``write`` as it comes (see the module
+    docstring), and only what it could not write (the connection's buffer is full: the client reads slowly) comes
+    out of this iterator, merged per job, together with the first and last events."""
+    push = reply.push
+    pending: dict[int, Any] = {}  # outputs not written yet, merged per job
+    errors: list[BaseException] = []
+    left, waiter, sending = push.jobs, None, False  # sending: an event of this iterator is being sent
+
+    def listener(i: int, item) -> None:
+        nonlocal left, waiter
+        if isinstance(item, BaseException):
+            errors.append(item)
+        else:
+            left -= item.finished
+            if pending or sending or not write(event(push.chunk(i, item))):
+                pending[i] = item if i not in pending else pending[i].merged(item)
+            elif left > 0:
+                return
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    try:
+        async with limit.hold(reply.sequences, reply.tokens):
+            sending = True
+            for c in push.first:
+                yield event(c)
+            sending = False
+            submitted = await push.start(listener)
+            try:
+                while True:
+                    if pending:
+                        i = next(iter(pending))
+                        sending = True
+                        yield event(push.chunk(i, pending.pop(i)))
+                        sending = False
+                    elif errors:
+                        raise errors[0]
+                    elif left <= 0:
+                        break
+                    else:
+                        waiter = asyncio.get_running_loop().create_future()
+                        await waiter
+            finally:
+                submitted.close()
+            for c in push.last():
+                yield event(c)
+    except ApiError as e:
+        yield event(e.body())
+    except Exception as e:  # noqa: BLE001 - a bug: the client still gets an error event, not a stream cut short
+        logger.exception("a stream failed")
+        yield event(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details").body())
+    yield DONE
+
+
 _encode = msgspec.json.Encoder().encode
 
 
 def event(obj: dict) -> bytes:
     """One server-sent event (compact JSON)."""
     return b"data: " + _encode(obj) + b"\n\n"
-
-
-async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """The items of several async iterators as they come, each with its iterator's index. An error in one ends
-    them all (re-raised here); leaving early cancels the rest."""
-    if len(streams) == 1:  # the common case, without a task and a queue per item
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, stream: AsyncIterator) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item, None))
-            await queue.put((i, end, None))
-        except Exception as e:  # noqa: BLE001 - re-raised by the reader
-            await queue.put((i, None, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is end:
-                remaining -= 1
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
