@@ -319,6 +319,57 @@ def test_a_stream_that_falls_behind_catches_up_in_one_output():
     assert got[0].token_ids == [0, 1] and isinstance(got[1], RuntimeError)
 
 
+def test_the_core_client_merges_the_steps_that_queued_up_into_one_output_per_request():
+    import msgspec
+    import zmq
+
+    from lorakit.engine.outputs import OutputProcessor, RequestOutput
+    from lorakit.engine.sampling import SamplingParams as Params
+    from lorakit.frontend.core_client import CoreClient
+    from lorakit.frontend.streams import RequestStream
+    from lorakit.frontend.wire import Step
+
+    class Letters:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("ab"[t % 2] for t in ids)
+
+    encode = msgspec.msgpack.Encoder().encode
+    steps = [encode(Step([RequestOutput(r, "", [t], t == 2, "length" if t == 2 else None) for r in ("x", "y")]))
+             for t in range(3)]
+
+    class Socket:  # the three steps queued up before the reader ran, then nothing more
+        def __init__(self):
+            self.queued, self.reads = list(steps), 0
+
+        def recv(self, flags=0):
+            future = asyncio.get_running_loop().create_future()
+            if self.queued:
+                self.reads += 1
+                future.set_result(self.queued.pop(0))
+            elif flags & zmq.NOBLOCK:
+                future.set_exception(zmq.Again())
+            return future
+
+    async def main():
+        client = CoreClient(None)
+        client._from_core = Socket()
+        got = {}
+        for r in ("x", "y"):
+            outs = client._queues[r] = RequestStream(OutputProcessor(r, [], Params(), Letters()), lambda: None)
+            outs.listen(lambda out, r=r: got.setdefault(r, []).append(out))
+        reader = asyncio.ensure_future(client._read())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        reader.cancel()
+        return got, client._from_core.reads, client._queues
+
+    got, reads, left = asyncio.run(main())
+    assert reads == 3 and not left
+    for r in ("x", "y"):  # one output each, with all three tokens and their text
+        (out,) = got[r]
+        assert out.token_ids == [0, 1, 2] and out.text == "aba" and out.finish_reason == "length"
+
+
 def test_a_request_stream_aborts_once_and_only_a_request_the_engine_still_runs():
     """Issue 32: outputs are processed as the client's reader hands them over (one pass per step), so a stop string
     found there aborts the request at once; a reader that leaves early aborts it; a finished one is not aborted."""
