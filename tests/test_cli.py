@@ -53,6 +53,33 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"lorakit {lorakit.__version__}"
 
 
+def test_version_and_help_are_answered_without_torch_or_the_server():
+    """``lorakit --version`` and ``lorakit --help`` took 6 s (25 s on a loaded machine) importing torch and the
+    server stack for nothing."""
+    probe = ("import sys\nfrom lorakit.__main__ import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print('exit', e.code)\nprint(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in "
+             "sys.modules))")
+    for args, shown in ((["--version"], f"lorakit {lorakit.__version__}"), (["--help"], "serve-ray"),
+                        ([], "required")):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        lines = proc.stdout.strip().splitlines()
+        assert lines[-1] == "[]", (args, proc.stdout, proc.stderr)
+        assert shown in proc.stdout + proc.stderr and lines[-2] == f"exit {2 if not args else 0}"
+
+
+def test_a_busy_port_stops_serve_before_the_model_loads(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as e:  # the autouse fixture fails the test if a model were looked for
+            main(["serve", "--port", str(port), "--device", "cpu"])
+    assert f"127.0.0.1:{port}" in str(e.value) and "--port" in str(e.value)
+
+
 def test_serve_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

@@ -300,6 +300,7 @@ def test_a_dead_tensor_parallel_worker_is_a_dead_engine(world):
     with serve_cli(world, "--tensor-parallel-size", "2") as (server, url, log):
         core = engine_pid(url)
         [worker] = children(core)
+        assert (command_line(core), command_line(worker)) == ("lorakit engine-core", "lorakit tp-worker 1")
         streams = [Stream(url) for _ in range(2)]
         for stream in streams:
             assert stream.started.wait(60)
@@ -346,6 +347,11 @@ def test_health_follows_a_stopped_core_and_the_core_and_its_workers_die_with_the
         wait_gone([core, worker], within=2.0)
 
 
+def command_line(pid: int) -> str:
+    """What ps shows for ``pid``: its command line, as setproctitle leaves it."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
 def test_several_api_servers_share_one_core(world):
     """--api-servers 2: two server processes on one port (the kernel spreads connections), one core. Every request
     answers as the single server does, and an adapter loaded through one server is served by both."""
@@ -373,6 +379,7 @@ def test_several_api_servers_share_one_core(world):
         pids = {line.split()[1] for text in scrapes for line in text.splitlines()
                 if line.startswith("lorakit_engine_pid ")}
         assert len(pids) == 1  # one core behind both
+        assert "lorakit api-server 1" in [command_line(pid) for pid in children(server.pid)]
         done = {line.split()[1] for text in scrapes for line in text.splitlines()
                 if line.startswith('lorakit_requests_total{endpoint="/v1/completions",status="200"}')}
         assert done == {"36.0"}  # every server's completions, added up, whichever answers the scrape

@@ -156,6 +156,8 @@ REFUSALS = [  # (path, body changes, the parameter named)
     ("/v1/chat/completions", dict(guided_json={"type": "nonsense"}), "guided_json"),
     ("/v1/chat/completions", dict(guided_regex="(a", guided_choice=["a"]), "guided_regex"),
     ("/v1/chat/completions", dict(logit_bias={"abc": 1}), "logit_bias"),
+    ("/v1/chat/completions", dict(logit_bias={"99999999": 1}), "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", dict(logit_bias={"-1": 1}), "logit_bias"),
     ("/v1/chat/completions", dict(presence_penalty=3), "presence_penalty"),
     ("/v1/chat/completions", dict(max_tokens=65), "max_tokens"),  # above the server's limit of 64
     ("/v1/chat/completions", dict(stream_options={"include_usage": True, "chunked": 1}, stream=True),

@@ -73,6 +73,32 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(world):
     assert f'lorakit_prefix_cache_prompt_tokens_total{{adapter="sql"}} {3 * n}.0' in metrics
 
 
+def test_the_small_things_in_openai_shape(world):
+    """A stable ``created`` per model in /v1/models, ``system_fingerprint`` on every answer and chunk, and each chat
+    logprobs entry's ``bytes`` (the UTF-8 of its token's text)."""
+    _, tokenizer, _, _ = world
+
+    async def run(state):
+        listed = openai.models(state)
+        await asyncio.sleep(1.1)
+        again = openai.models(state)
+        chat = await (await openai.chat(ChatBody(model="sql", messages=[{"role": "user", "content": "hello"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, top_logprobs=2),
+                                        state)).body
+        streamed = await openai.chat(ChatBody(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3, stream=True), state)
+        return listed, again, chat, [c async for c in streamed.body]
+
+    (listed, again, chat, chunks), _ = served(world, run)
+    assert listed == again and {m["id"] for m in listed["data"]} >= {"tiny", "sql"}
+    assert chat["system_fingerprint"] and all(c["system_fingerprint"] == chat["system_fingerprint"] for c in chunks)
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert entries
+    for entry in entries:
+        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 2
+        assert all(top["bytes"] == list(top["token"].encode()) for top in entry["top_logprobs"])
+
+
 def test_handlers_are_plain_functions_equal_to_llm_generate(world):
     _, tokenizer, root, paths = world
 

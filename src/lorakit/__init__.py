@@ -3,14 +3,45 @@
 Layers, from the bottom up: ``lorakit.ops`` (custom ops: shrink and expand), ``lorakit.layers``
 (modules that call them, and ``patch``), ``lorakit.engine`` (pool, scheduler, runner: ``Engine``, and ``LLM``
 for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP server that ``lorakit serve`` starts).
+
+The names below are imported when first used (PEP 562), so that ``import lorakit`` (and ``lorakit --version``) does
+not import torch.
 """
 
-from lorakit import ops
-from lorakit.engine import LLM, AdapterPool, Engine, EngineConfig, PoolFull, SamplingParams
-from lorakit.frontend.async_engine import AsyncEngine
-from lorakit.layers import LoraHandle, PatchConfig, patch
-from lorakit.layers.adapter import AdapterError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_HOMES = {  # name -> the module that defines it
+    "LLM": "lorakit.engine", "AdapterPool": "lorakit.engine", "Engine": "lorakit.engine",
+    "EngineConfig": "lorakit.engine", "PoolFull": "lorakit.engine", "SamplingParams": "lorakit.engine",
+    "AsyncEngine": "lorakit.frontend.async_engine", "LoraHandle": "lorakit.layers", "PatchConfig": "lorakit.layers",
+    "patch": "lorakit.layers", "AdapterError": "lorakit.layers.adapter",
+}
 __all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "EngineConfig", "LoraHandle", "PatchConfig",
            "PoolFull", "SamplingParams", "ops", "patch"]
+
+if TYPE_CHECKING:
+    from lorakit import ops
+    from lorakit.engine import LLM, AdapterPool, Engine, EngineConfig, PoolFull, SamplingParams
+    from lorakit.frontend.async_engine import AsyncEngine
+    from lorakit.layers import LoraHandle, PatchConfig, patch
+    from lorakit.layers.adapter import AdapterError
+
+
+def __getattr__(name: str):
+    if name == "ops":
+        value = importlib.import_module("lorakit.ops")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'lorakit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

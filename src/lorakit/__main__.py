@@ -7,15 +7,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from lorakit import __version__
-from lorakit.ops import add_lora, build_lora_meta
-from lorakit.serve import cli as serve_cli
-from lorakit.ops.reference import lora_ref_by_slot
+
+COMMANDS = {  # name -> its line in ``lorakit --help``
+    "demo": "run one layer's multi-adapter delta and check it against the reference",
+    "serve": "an OpenAI-compatible server; each request's `model` picks its adapter",
+    "serve-ray": "replicas of `lorakit serve` behind Ray Serve, routed by adapter",
+}
+DESCRIPTION = "Serve many LoRA adapters on one base model."
 
 
-def demo(device: str) -> int:
+def demo(device: str | None) -> int:
+    import torch
+
+    from lorakit.ops import add_lora, build_lora_meta
+    from lorakit.ops.reference import lora_ref_by_slot
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     num_slots, r_max, h_in, widths = 4, 64, 512, [512, 128, 128]  # a q/k/v projection under GQA
@@ -46,15 +54,27 @@ def demo(device: str) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lorakit", description="Serve many LoRA adapters on one base model.")
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = argparse.ArgumentParser(prog="lorakit", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"lorakit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("demo", help="run one layer's multi-adapter delta and check it against the reference")
-    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                     help="cpu or cuda (default: cuda when available, else cpu)")
-    serve_cli.add_parser(sub)
-    serve_cli.add_ray_parser(sub)
+    return parser, parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not any(arg in COMMANDS for arg in argv):
+        # --version, --help, or no command (argparse's usage error): answered without importing torch or the server
+        parser, sub = _top_parser()
+        for name, help_ in COMMANDS.items():
+            sub.add_parser(name, help=help_, add_help=False)
+        parser.parse_args(argv)
+    from lorakit.serve import cli as serve_cli
+
+    parser, sub = _top_parser()
+    run = sub.add_parser("demo", help=COMMANDS["demo"])
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    serve_cli.add_parser(sub, COMMANDS["serve"])
+    serve_cli.add_ray_parser(sub, COMMANDS["serve-ray"])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_cli.run(args)

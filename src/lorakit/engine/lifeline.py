@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["POLL_SECONDS", "die_with_parent", "on_main_thread", "parent_death_signal"]
+__all__ = ["POLL_SECONDS", "die_with_parent", "name_process", "on_main_thread", "parent_death_signal"]
 
 logger = logging.getLogger("lorakit.lifeline")
 
@@ -84,3 +84,11 @@ def parent_death_signal() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died before the signal was asked for
             os._exit(1)
     return preexec
+
+
+def name_process(title: str) -> None:
+    """Show this process as ``title`` in ps, top and /proc (its command line and its thread name), not as the
+    ``python3 -B -c from multiprocessing.spawn ...`` that spawned processes run as."""
+    import setproctitle
+
+    setproctitle.setproctitle(title)

@@ -55,7 +55,7 @@ import zmq
 
 from lorakit.engine.engine import Engine
 from lorakit.engine.errors import FatalEngineError
-from lorakit.engine.lifeline import die_with_parent
+from lorakit.engine.lifeline import die_with_parent, name_process
 from lorakit.engine.loop import EngineLoop
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
@@ -112,6 +112,7 @@ def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], 
     them too, lets the requests in flight finish and then stops the core. It exits when the server ``parent_pid`` is
     gone (``kernel``: the kernel may kill it then, see ``lifeline``)."""
     die_with_parent(parent_pid, "the engine core", kernel=kernel)
+    name_process("lorakit engine-core")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO,

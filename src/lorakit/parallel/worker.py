@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lorakit.engine.lifeline import die_with_parent
+from lorakit.engine.lifeline import die_with_parent, name_process
 from lorakit.adapters.snapshot import Snapshot
 
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer for a peer fails
@@ -151,6 +151,7 @@ def run(rank: int, world_size: int, init_file: str, factory, device: str, pipe, 
     """A worker process: join, build the shard, then run rank 0's calls until it stops them or is gone
     (``lifeline``: rank 0's pid, and whether the kernel may kill this process with it: ``die_with_parent``)."""
     die_with_parent(lifeline[0], f"tensor-parallel rank {rank}", kernel=lifeline[1])
+    name_process(f"lorakit tp-worker {rank}")
     what = "starting"
     try:
         where = join(rank, world_size, init_file, device)

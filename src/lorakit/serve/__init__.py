@@ -74,9 +74,11 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve_more(addresses, index: int, core_pid: int, tokenizer: Callable | None, config: ServeConfig, host: str,
                 port: int) -> None:
     """One more API server process: server ``index`` of the core that the first one launched."""
+    from lorakit.engine.lifeline import name_process
     from lorakit.frontend.core_client import CoreClient
     from lorakit.serve.server import Server
 
+    name_process(f"lorakit api-server {index}")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: %(message)s")
     client = CoreClient(None, tokenizer() if tokenizer is not None else None)

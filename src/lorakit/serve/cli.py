@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -110,8 +111,8 @@ def api_servers(args) -> int:
     return n
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible server; each request's `model` picks its adapter",
+def add_parser(sub, help: str | None = None) -> None:
+    p = sub.add_parser("serve", help=help,
                        description="Serve a transformers model (default: the bundled SmolLM2-135M-Instruct) with "
                                    "LoRA adapters over an OpenAI-compatible HTTP API.")
     add_shared_flags(p)
@@ -141,8 +142,8 @@ def add_parser(sub) -> None:
                         "ends with a 503 (a stream: an error event, then [DONE]) (default: %(default)s)")
 
 
-def add_ray_parser(sub) -> None:
-    p = sub.add_parser("serve-ray", help="replicas of `lorakit serve` behind Ray Serve, routed by adapter",
+def add_ray_parser(sub, help: str | None = None) -> None:
+    p = sub.add_parser("serve-ray", help=help,
                        description="Serve the same OpenAI-compatible API from N engine replicas behind Ray Serve "
                                    "(pip install 'lorakit[ray]'): each request goes to a replica that holds its "
                                    "adapter, which loads adapters by name from --lora-root folders.")
@@ -278,6 +279,8 @@ def run(args) -> int:
         if (args.api_servers or 1) > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         args.api_servers = api_servers(args)
+        if args.port != 0:
+            check_port(args.host, args.port)  # now, not after the model has loaded
         adapters = check_options(args)
         served = serve_config(args, served_name(args.model))
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
@@ -305,6 +308,17 @@ def run(args) -> int:
         raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
     return run_server(engine, served, args.host, args.port, api_servers=args.api_servers,
                       tokenizer=functools.partial(load_tokenizer, folder))
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError naming ``host``:``port`` when it cannot be listened on now (another process holds it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}): another process holds the port; "
+                             f"give another --port, or stop that process") from None
 
 
 def serve_config(args, name: str):

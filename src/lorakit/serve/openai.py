@@ -16,20 +16,23 @@ import time
 import uuid
 from collections.abc import Callable
 
+from lorakit import __version__
 from lorakit.engine.outputs import RequestOutput, TokenLogprob
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import ChatBody, CompletionBody, chat_messages, nth_sample, samples
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Push, Reply, pulled
 
-__all__ = ["chat", "completions", "model", "models"]
+__all__ = ["SYSTEM_FINGERPRINT", "chat", "completions", "model", "models"]
+
+SYSTEM_FINGERPRINT = f"lorakit-{__version__}"  # what OpenAI's answers carry to name the backend's configuration
 
 
 def models(state: ServerState) -> dict:
     """GET /v1/models: the base model, then every adapter by name, with its version and sha256 under "lorakit"
     once registered (a fleet's replica lists the adapters it registers on request too)."""
-    created, versions = int(time.time()), state.adapter_versions
-    return {"object": "list", "data": [_model(name, state, created, versions)
+    versions = state.adapter_versions
+    return {"object": "list", "data": [_model(name, state, versions)
                                        for name in (state.config.model_name, *state.servable())]}
 
 
@@ -37,12 +40,12 @@ def model(model_id: str, state: ServerState) -> dict:
     """GET /v1/models/{model_id}."""
     if model_id not in state.servable():
         state.adapter_of(model_id)
-    return _model(model_id, state, int(time.time()), state.adapter_versions)
+    return _model(model_id, state, state.adapter_versions)
 
 
-def _model(name: str, state: ServerState, created: int, versions: dict[str, tuple[int, str]]) -> dict:
+def _model(name: str, state: ServerState, versions: dict[str, tuple[int, str]]) -> dict:
     base = state.config.model_name
-    entry = {"id": name, "object": "model", "created": created, "owned_by": "lorakit",
+    entry = {"id": name, "object": "model", "created": state.created(name), "owned_by": "lorakit",
              "parent": None if name == base else base}
     if name != base and name in versions:
         number, sha256 = versions[name]
@@ -58,7 +61,7 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
     n = samples(body)
     state.in_flight.precheck(len(prompts) * n)  # before the work of tokenizing
     prompts = [await state.prompt_ids(p, adapter) for p in prompts]
-    params = state.sampling_params(body, prompts, default_max_tokens=16)
+    params = state.sampling_params(body, prompts, default_max_tokens=16, adapter=adapter)
     await state.body_grammar(body, params, adapter)  # compiled once for every prompt and sample
     jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
     echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
@@ -81,7 +84,7 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     n = samples(body)
     state.in_flight.precheck(n)
     prompt = await state.chat_ids(messages, adapter)
-    params = state.sampling_params(body, [prompt], default_max_tokens=None)
+    params = state.sampling_params(body, [prompt], default_max_tokens=None, adapter=adapter)
     await state.body_grammar(body, params, adapter)  # compiled once for every sample
     logprobs = _Logprobs(state, adapter, n)
 
@@ -104,7 +107,8 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
 
 
 def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model}
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) -> dict:
@@ -173,6 +177,11 @@ class _Logprobs:
                 "top_logprobs": [{self._text(i): _finite(v) for i, v in t.top.items()} for t in lps]}
 
     def chat(self, lps: list[TokenLogprob]) -> dict:
-        return {"content": [{"token": self._text(t.token_id), "logprob": _finite(t.logprob),
-                             "top_logprobs": [{"token": self._text(i), "logprob": _finite(v)}
-                                              for i, v in t.top.items()]} for t in lps]}
+        return {"content": [{**self._token(t.token_id, t.logprob),
+                             "top_logprobs": [self._token(i, v) for i, v in t.top.items()]} for t in lps]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        """A chat logprobs entry: the token's text, its logprob and the UTF-8 bytes of that text (as vLLM gives
+        them: a token that holds part of a character reads as U+FFFD)."""
+        text = self._text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}

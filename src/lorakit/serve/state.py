@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -181,6 +182,12 @@ class ServerState:
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
         self._stopped = False
+        self._created: dict[str, int] = {config.model_name: int(time.time())}
+
+    def created(self, name: str) -> int:
+        """``/v1/models``' ``created`` of a model: when this server started (the base model) or first listed it
+        (an adapter); the same at every call while it stays registered."""
+        return self._created.setdefault(name, int(time.time()))
 
     def start(self) -> None:
         self.engine.start()
@@ -283,11 +290,20 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def sampling_params(self, body: CompletionBody | ChatBody, prompts: list[list[int]],
-                        default_max_tokens: int | None) -> SamplingParams:
+                        default_max_tokens: int | None, adapter: Adapter | None = None) -> SamplingParams:
+        """The body's SamplingParams; a logit_bias id outside ``adapter``'s vocabulary (the model's and the tokens
+        the adapter adds) is a 400 naming ``logit_bias``, here rather than as the engine's refusal."""
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         self.check_stop(stop)
-        return sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self.engine.max_seq_len,
-                               max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
+        params = sampling_params(body, prompt_len=max(map(len, prompts)), max_seq_len=self.engine.max_seq_len,
+                                 max_tokens_limit=self.config.max_tokens_limit, default_max_tokens=default_max_tokens)
+        added = frozenset() if adapter is None else adapter.added
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.engine.vocab_size and t not in added]
+        if bad:
+            raise ApiError(400, f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, "
+                                f"{self.engine.vocab_size}){' and the tokens its adapter adds' if added else ''}",
+                           "logit_bias")
+        return params
 
     async def check_grammar(self, spec: StructuredOutput | None, adapter: Adapter | None, param: str) -> None:
         """Has the engine compile the request's grammar (on its grammar workers, while it steps and this loop serves
@@ -339,6 +355,7 @@ class ServerState:
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.unregister_adapter(name)
         self.metrics.prune()  # its series go with it
+        self._created.pop(name, None)
 
     async def submit(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]], listener: JobListener
                      ) -> Submitted:
