@@ -23,9 +23,11 @@ from lorakit.layers.patch import PatchConfig
 MAX_PREFILL_TOKENS = 384
 
 
-def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1):
-    """A field with its CLI flag (None: the API only), help text and, for ints, the least value."""
-    return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min})
+def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1,
+         off: str | None = None):
+    """A field with its CLI flag (None: the API only), help text and, for ints, the least value; ``off``, for a
+    switch that is on by default, what its flag does (default: "turn off: " and the help)."""
+    return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min, "off": off})
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,9 @@ class EngineConfig:
                                       "compile (on a worker thread, while the engine steps); slower ones are refused "
                                       "(400)", "--max-grammar-seconds", "S")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
-                             "--lora-non-strict")
+                             "--lora-non-strict", off="load an adapter whose weights and adapter_config.json targets "
+                             "disagree as PEFT loads it, with a warning (weights of modules its config does not adapt "
+                             "dropped, adapted modules without weights left untrained) (default: refused)")
     base_twins: bool = _opt(True, "steps without adapter tokens run without LoRA kernels, decode steps from base twins "
                             "of the decode graphs captured with the LoRA ops silenced (False: they run their empty "
                             "LoRA kernels)")

@@ -252,9 +252,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for f in EngineConfig.cli_fields():
         meta, default = f.metadata, f.default
         if isinstance(default, bool):  # a switch that turns on what is off (--compile) or off what is on
-            dest, what = (f.name, meta["help"]) if not default else (f"no_{f.name}", f"turn off: {meta['help']}")
-            p.add_argument(meta["flag"], dest=dest, action="store_true",
-                           help=f"{what} (default: {'on' if default else 'off'})")
+            if not default:
+                dest, what = f.name, f"{meta['help']} (default: off)"
+            else:
+                dest, what = f"no_{f.name}", meta.get("off") or f"turn off: {meta['help']} (default: on)"
+            p.add_argument(meta["flag"], dest=dest, action="store_true", help=what)
         else:
             kind = _positive_float if isinstance(default, float) else _int_at_least(meta.get("min", 1))
             if meta["metavar"].endswith("|auto"):  # "auto" is None: the engine chooses
