@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from _serve_helpers import Bystander, build_world, reference, start
+from lorakit.serve.protocol import error_status
 from lorakit.engine import Engine, EngineConfig
 from lorakit.serve import cli
 
@@ -69,7 +70,7 @@ def error_of(r: httpx.Response, status: int, param: str | None = None) -> str:
     """The message of an error response in OpenAI's shape with this status (and param)."""
     assert r.status_code == status and r.headers["content-type"] == "application/json", (r.status_code, r.text)
     error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    assert set(error) == {"message", "type", "param", "code"} and error_status(error["code"]) == status, error
     assert param is None or error["param"] == param, error
     return error["message"]
 

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _serve_helpers import Bystander, build_world, start
+from lorakit.serve.protocol import error_status
 from lorakit.serve import ServeConfig
 from lorakit.serve.auth import ENV_KEY, api_key, authorized
 from lorakit.serve.edge import MAX_HEADER_BYTES, BodyBudget, BodyGate
@@ -66,7 +67,8 @@ def response(sock: socket.socket) -> tuple[int, dict]:
 
 def openai_error(status: int, body: dict, code: int) -> dict:
     assert status == code, body
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert error_status(body["error"]["code"]) == code, body
     return body["error"]
 
 

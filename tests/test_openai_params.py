@@ -18,6 +18,7 @@ from _peft_models import save_adapter
 from _tokenizers import bpe_tokenizer
 from test_logits_params import CORPUS, SCHEMA, reference
 from _serve_helpers import CHAT_TEMPLATE, LiveServer
+from lorakit.serve.protocol import error_status
 from lorakit.engine import LLM, Engine, SamplingParams
 from lorakit.engine.structured import StructuredOutput
 from lorakit.serve import ServeConfig, create_app
@@ -176,7 +177,7 @@ def test_refusals_are_400s_in_openai_shape_naming_the_parameter(server, path, ch
     r = httpx.post(f"{server.url}{path}", json=body | change)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["code"] == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] is None and error["type"] == "invalid_request_error"
     assert param.split(".")[-1].split("[")[0] in error["message"], error["message"]
 
 
@@ -184,6 +185,6 @@ def test_unknown_paths_and_methods_answer_in_openai_shape(server):
     for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
                                  ("DELETE", "/v1/models", 405)):
         r = httpx.request(method, f"{server.url}{path}")
-        assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+        assert r.status_code == status and error_status(r.json()["error"]["code"]) == status, r.text
     ok = server.client().completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"user": None})
     assert ok.choices[0].finish_reason in ("length", "stop")

@@ -166,7 +166,7 @@ def test_a_handler_refuses_before_anything_runs(world):
 
 def test_api_error_is_openais_shape_and_its_type_follows_the_status():
     assert ApiError(400, "bad", "temperature").body() == {"error": {
-        "message": "bad", "type": "invalid_request_error", "param": "temperature", "code": 400}}
+        "message": "bad", "type": "invalid_request_error", "param": "temperature", "code": None}}
     assert [ApiError(s, "x").type for s in (401, 403, 404, 429, 500, 503)] == [
         "authentication_error", "permission_error", "not_found_error", "rate_limit_error", "internal_server_error",
         "internal_server_error"]
@@ -231,7 +231,7 @@ def test_streams_end_with_done_and_an_error_midway_is_an_event():
     ok, failed = asyncio.run(main())
     assert ok == [b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', DONE]
     assert failed == [b'data: {"a":1}\n\n', b'data: {"error":{"message":"bad","type":"invalid_request_error",'
-                                            b'"param":"model","code":400}}\n\n', DONE]
+                                            b'"param":"model","code":null}}\n\n', DONE]
 
 
 def test_a_client_that_leaves_cancels_its_reply():

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from _serve_helpers import build_world, reference, start
+from lorakit.serve.protocol import error_status
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 from lorakit.serve.sglang import GenerateBody, Refused, jobs
@@ -210,5 +211,5 @@ def test_refusals_are_4xx_in_openai_error_shape(server, body, status):
     r = httpx.post(f"{server.url}/generate", content=body if isinstance(body, str) else json.dumps(body),
                    headers={"content-type": "application/json"}, timeout=30)
     error = r.json()["error"]
-    assert r.status_code == status and error["code"] == status and error["message"], r.text
+    assert r.status_code == status and error_status(error["code"]) == status and error["message"], r.text
     assert set(error) == {"message", "type", "param", "code"}

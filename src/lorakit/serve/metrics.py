@@ -25,6 +25,7 @@ from starlette.routing import Match
 
 from lorakit.engine import RequestOutput
 from lorakit.frontend.client import EngineClient
+from lorakit.serve.protocol import error_status
 from lorakit.serve.streaming import ERROR_EVENT
 
 __all__ = ["CountResponses", "Metrics"]
@@ -278,12 +279,12 @@ class CountResponses:
 
 
 def _error_code(event: bytes) -> str:
-    """The ``code`` of an SSE error event ``data: {"error": {..., "code": 400}}``, else "500"."""
+    """The HTTP status an SSE error event ``data: {"error": {..., "code": ...}}`` stands for, else "500"."""
     try:
         code = json.loads(bytes(event)[len(b"data: "):])["error"].get("code")
     except (ValueError, KeyError, AttributeError, TypeError):
         return "500"
-    return str(code) if isinstance(code, int) else "500"
+    return str(error_status(code)) if code is None or isinstance(code, str) else "500"
 
 
 def share_across_processes(folder: str) -> None:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras", "chat_messages",
+__all__ = ["ERROR_CODES", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras",
+           "chat_messages", "error_status",
            "nth_sample", "parse_body", "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -34,18 +35,39 @@ def shown(value: Any, limit: int = 100) -> str:
     return text if len(text) <= limit + 2 else f"{text[:limit]}..."
 
 
+# OpenAI's error ``code``: a string or null. Its own where it has one (a wrong key, an unknown model, a rate limit),
+# else one naming the status, so that a stream's error event (sent after a 200) still tells a 503 from a 500; a 400
+# has none (its ``param`` names what is wrong).
+ERROR_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found", 405: "method_not_allowed",
+               408: "request_timeout",
+               413: "request_too_large", 429: "rate_limit_exceeded", 431: "request_header_fields_too_large",
+               500: "internal_error", 503: "service_unavailable"}
+
+
 class ApiError(Exception):
-    """An error for the client: its HTTP status, message and the parameter at fault; OpenAI's error type follows
-    from the status. ``headers``: the response's own (a 429's Retry-After)."""
+    """An error for the client: its HTTP status, message and the parameter at fault; OpenAI's error type and code
+    follow from the status (a 404 for ``model`` is "model_not_found"). ``headers``: the response's own (a 429's
+    Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
         self.type = ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
+        self.code = "model_not_found" if status == 404 and param == "model" else ERROR_CODES.get(status)
 
     def body(self) -> dict:
         """OpenAI's error shape, as a response body and as a stream's error event."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_status(code: str | None) -> int:
+    """The HTTP status of an error ``code`` (an error event's, sent after a 200): None is a 400's; unknown, 500."""
+    if code is None:
+        return 400
+    return 404 if code == "model_not_found" else _STATUSES.get(code, 500)
+
+
+_STATUSES = {code: status for status, code in ERROR_CODES.items()}
 
 
 # Text a tokenizer cannot take. JSON can spell a UTF-16 surrogate that is not half of a pair (\ud800), and Python's
