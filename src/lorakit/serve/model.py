@@ -96,8 +96,7 @@ def check_model(path: str | Path | None) -> None:
     else:
         return
     raise FileNotFoundError(f"--model {path}: {what}. --model takes a local transformers model folder (config.json, "
-                            f"weights, tokenizer), not a Hugging Face hub name; download a hub model first, e.g. "
-                            f"'hf download ORG/NAME --local-dir DIR', and pass DIR")
+                            f"weights, tokenizer) or a Hugging Face hub id ORG/NAME[@REVISION]")
 
 
 def model_folder(path: str | Path | None) -> tuple[Path, str]:
