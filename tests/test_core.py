@@ -4,6 +4,7 @@ hot-swaps and unloads), a core that cannot start says why, and a core that dies 
 makes ``lorakit serve`` exit non-zero instead of hanging."""
 
 import contextlib
+import copy
 import functools
 import os
 import signal
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from _serve_helpers import LiveServer, build_world, children, engine_pid, gone, reference, wait_gone
-from lorakit.engine import EngineConfig
+from lorakit.engine import Engine, EngineConfig, SamplingParams
 from lorakit.frontend.core_client import CoreClient
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.layers.adapter import AdapterError
@@ -88,6 +89,25 @@ def test_the_core_serves_what_the_in_process_engine_serves(world, server):
     metrics = httpx.get(f"{server.url}/metrics").text
     pid = server.server.config.app.state.server.engine.pid
     assert pid != os.getpid() and f"lorakit_engine_pid {float(pid)}" in metrics
+
+
+def test_prompt_logprobs_come_through_the_core(world, server):
+    """echo with logprobs (the prompt's logprobs) and vLLM's prompt_logprobs cross the core's wire: the same values
+    as the in-process engine gives."""
+    base, tokenizer, _, paths = world
+    prompt = tokenizer.encode(PROMPT)
+    body = {"model": "sql", "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": 1}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"sql": paths["sql"]}, block_size=4)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2), "sql")
+    (out,) = [o for o in engine.step() if o.request_id == rid]
+    want = [None] + [lp.logprob for lp in out.prompt_logprobs[1:]]
+    got = choice["logprobs"]["token_logprobs"][: len(prompt)]
+    assert got[0] is None and all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got[1:], want[1:])), (got, want)
+    assert [e is None for e in choice["prompt_logprobs"]] == [True] + [False] * (len(prompt) - 1)
 
 
 def test_the_core_reports_its_cache_and_the_servers_limits_follow(world, server):

@@ -163,7 +163,6 @@ REFUSALS = [  # (path, body changes, the parameter named)
     ("/v1/chat/completions", dict(max_tokens=65), "max_tokens"),  # above the server's limit of 64
     ("/v1/chat/completions", dict(stream_options={"include_usage": True, "chunked": 1}, stream=True),
      "stream_options.chunked"),
-    ("/v1/completions", dict(echo=True, logprobs=1), "echo"),
     ("/v1/completions", dict(best_of=3), "best_of"),
     ("/v1/completions", dict(suffix="x"), "suffix"),
     ("/v1/completions", dict(max_tokens=4, max_completion_tokens=5), "max_tokens"),

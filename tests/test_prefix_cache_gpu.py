@@ -50,3 +50,39 @@ def test_prefix_cache_keeps_greedy_tokens_with_graphs(tmp_path):
     assert on == off
     assert computed_off == 2 * sum(len(p) for p, _ in work)
     assert computed_on < computed_off / 4, (computed_on, computed_off)
+
+
+def test_prompt_logprobs_with_graphs_and_a_cached_prefix_equal_peft(tmp_path):
+    """On the GPU, CUDA graphs on: prompts that ask for their logprobs (their steps run eagerly) beside greedy
+    requests that replay graphs, one of them after its prefix was cached; each position equals HF + PEFT's
+    log-softmax (float32)."""
+    from peft import PeftModel
+
+    base = tiny_model("llama", seed=3)
+    path = save_adapter(base, "a", LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS["llama"][:7],
+                                              init_lora_weights=False), tmp_path, seed=1, std=0.2).path
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(20, VOCAB, (n,), generator=gen).tolist() for n in (9, 23, 40)]
+    engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, max_num_seqs=8, block_size=4, num_blocks=200,
+                    max_seq_len=64, max_num_batched_tokens=16, adapters={"a": path})
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompts[2], greedy, "a")  # its blocks cached before the scored requests come
+    while engine.has_unfinished():
+        engine.step()
+    jobs = [(p, name) for p in prompts for name in (None, "a")]
+    rids = {engine.add_request(p, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1), name): (p, name)
+            for p, name in jobs}
+    engine.add_request(prompts[0], greedy, None)
+    first = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in rids and out.prompt_logprobs is not None:
+                first[out.request_id] = out.prompt_logprobs
+    assert engine.runner.decode_replays > 0 and set(first) == set(rids)
+    for rid, (prompt, name) in rids.items():
+        model = copy.deepcopy(base) if name is None else PeftModel.from_pretrained(copy.deepcopy(base), path)
+        with torch.no_grad():
+            ref = model.eval()(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+        for p in range(1, len(prompt)):
+            want = ref[p - 1, prompt[p]].item()
+            assert abs(first[rid][p].logprob - want) <= 1e-4 * abs(want), (name, p, first[rid][p], want)

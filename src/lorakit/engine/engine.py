@@ -89,6 +89,7 @@ class _State:
     logprobs: list[TokenLogprob] | None = field(default=None)
     constraint: Constraint | None = None  # structured output: the tokens allowed next
     sync: bool = False  # its next step needs its last token on the host (grammar, penalties, logit bias)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs: one per prompt token
 
 
 class Engine:
@@ -219,9 +220,11 @@ class Engine:
         request = Request(request_id, prompt_ids, name, limited.max_tokens, self.scheduler.next_seq(),
                           params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info),
                           digest=None if snapshot is None else snapshot.sha256)
+        prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         request.state = _State(stop_token_ids(limited, self.eos_token_id),
                                [] if params.logprobs is not None else None, constraint,
-                               sync=constraint is not None or params.penalized or bool(params.logit_bias))
+                               sync=constraint is not None or params.penalized or bool(params.logit_bias)
+                               or prompt_logprobs is not None, prompt_logprobs=prompt_logprobs)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -344,6 +347,8 @@ class Engine:
         structured-output masks, sampling, and the copy of the sampled tokens to the host. No host sync; it changes
         no request's state (its KV writes are of the plan's own positions), so it can run again."""
         logits = self.runner.execute(plan, self._fill(plan))
+        if any(item.all_logits for item in plan.items):
+            logits = self._prompt_logprobs(plan, logits)
         requests = [item.request for item in plan.items if item.sample]
         if not requests:  # only prompt chunks that do not end a prompt
             return _Flight([], None, (), None)
@@ -364,6 +369,36 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
         return _Flight(requests, result.token_ids, host, done)
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        """A step with items that keep every position's logits (``all_logits``: prompts that asked for their
+        logprobs): each such position's logprob of the next prompt token, its rank and the top ``prompt_logprobs``,
+        written into the request's state (by position: a step that runs again writes the same); returns the rows
+        that sample. Synchronous (such requests run synchronous steps)."""
+        sample_rows, row = [], 0
+        for item in plan.items:
+            n = len(item.tokens) if item.all_logits else int(item.sample)
+            if item.all_logits:
+                request, first = item.request, row
+                prompt = request.prompt_ids
+                positions = [p for p in range(item.start, item.start + n) if p + 1 < len(prompt)]
+                if positions:
+                    rows = torch.arange(first + positions[0] - item.start, first + positions[-1] - item.start + 1,
+                                        device=logits.device)
+                    lp = logits.index_select(0, rows).float().log_softmax(dim=-1)
+                    targets = torch.tensor([prompt[p + 1] for p in positions], device=logits.device)
+                    chosen = lp.gather(-1, targets[:, None])
+                    ranks = (lp > chosen).sum(dim=-1) + 1
+                    k = min(request.params.prompt_logprobs, lp.shape[-1])
+                    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+                    chosen, ranks, top_lp, top_ids = (t.tolist() for t in (chosen[:, 0], ranks, top_lp, top_ids))
+                    for j, p in enumerate(positions):
+                        request.state.prompt_logprobs[p + 1] = TokenLogprob(prompt[p + 1], chosen[j],
+                                                                            dict(zip(top_ids[j], top_lp[j])), ranks[j])
+            if item.sample:
+                sample_rows.append(row + n - 1)
+            row += n
+        return logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
 
     def _fill(self, plan: StepPlan):
         """Where the plan's inputs hold PLACEHOLDERs of the step in flight: their token positions in the step and the
@@ -479,8 +514,10 @@ class Engine:
             top = {} if not k else dict(zip(result.top_ids[row][:k], result.top_logprobs[row][:k]))
             logprobs = [TokenLogprob(token, result.logprobs[row], top)]
             state.logprobs += logprobs
+        prompt_logprobs = list(state.prompt_logprobs) if count == 1 and state.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, "", [token], reason is not None, reason, logprobs,
-                             len(request.prompt_ids), count, num_cached_tokens=request.num_cached or 0)
+                             len(request.prompt_ids), count, num_cached_tokens=request.num_cached or 0,
+                             prompt_logprobs=prompt_logprobs)
 
     def _fail(self, request: Request, reason: str) -> RequestOutput:
         """The last output of a request that ends with an error (it alone)."""
@@ -698,6 +735,8 @@ class LLM:
                 result.token_ids += out.token_ids
                 if out.logprobs is not None:
                     result.logprobs = (result.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
         return [results[request_id] for request_id in ids]

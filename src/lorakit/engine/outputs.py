@@ -33,6 +33,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: dict[int, float]  # the top tokens' logprobs (empty unless asked for)
+    rank: int | None = None  # a prompt token's rank among the model's choices there (1: the most likely)
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -49,6 +50,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_output_tokens: int = 0
     error: str | None = None  # why, when finish_reason is "error" (or an "abort" the server caused)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs, on the request's first output: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one, as one."""
@@ -56,7 +59,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
             (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
                              later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
-                             later.error, later.num_cached_tokens)
+                             later.error, later.num_cached_tokens,
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def stop_token_ids(params: SamplingParams, eos_token_id: int | list[int] | None) -> frozenset[int]:
@@ -124,6 +129,6 @@ class OutputProcessor:
             return Processed(RequestOutput(out.request_id, text, out.token_ids[:taken], True, reason,
                                            out.logprobs[:taken] if out.logprobs is not None else None,
                                            out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken,
-                                           out.error, out.num_cached_tokens), abort)
+                                           out.error, out.num_cached_tokens, out.prompt_logprobs), abort)
         out.text, out.finished, out.finish_reason = text, self.finished, reason
         return Processed(out, abort)

@@ -158,14 +158,15 @@ class Bucket(NamedTuple):
     decode: bool
 
 
-# A step's tensors in the packed buffer: int64 [4, T] (these four), then int64 keep (room for max(S, 1)), then int32
+# A step's tensors in the packed buffer: int64 [4, T] (these four), then int64 keep (room for max(S, T, 1): a step
+# whose items keep every position's logits keeps up to T), then int32
 # seq_lens [S], query_start [S + 1], block_tables [S, max_blocks]. The graphs read views of a static copy of it.
 STEP_TENSORS = ("input_ids", "positions", "lora_ids", "kv_index", "seq_lens", "query_start", "block_tables")
 
 
 def _sizes(rows: int, tokens: int, max_blocks: int) -> tuple[int, int]:
     """The int64 and int32 entries of a packed step of ``rows`` sequences and ``tokens`` tokens."""
-    return 4 * tokens + max(rows, 1), 2 * rows + 1 + rows * max_blocks
+    return 4 * tokens + max(rows, tokens, 1), 2 * rows + 1 + rows * max_blocks
 
 
 def packed_bytes(rows: int, tokens: int, max_blocks: int) -> int:
@@ -366,7 +367,13 @@ class ModelRunner:
         h["kv_index"][:t] = tables[seq, pos // self.block_size] * np.int64(self.block_size) + pos % self.block_size
         for name, pad in (("input_ids", 0), ("positions", 0), ("lora_ids", -1), ("kv_index", -1)):
             h[name][t:] = pad
-        keep = np.flatnonzero(sample) if per_sequence else qs[1: n + 1][sample] - 1
+        if per_sequence:
+            keep = np.flatnonzero(sample)
+        elif any(i.all_logits for i in items):  # every position of those items, the last of the others that sample
+            keep = np.concatenate([np.arange(qs[k], qs[k + 1]) if i.all_logits else qs[k + 1: k + 2] - 1
+                                   for k, i in enumerate(items) if i.all_logits or i.sample] or [np.zeros(0, np.int64)])
+        else:
+            keep = qs[1: n + 1][sample] - 1
         h["keep"][: max(len(keep), 1)] = keep if len(keep) else max((n if per_sequence else t) - 1, 0)
         return host[:nbytes], max(len(keep), 1)
 
@@ -458,11 +465,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, fill: Fill | None = None) -> torch.Tensor:
-        """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order. ``fill``: input
-        tokens not known on the host yet (sampled by the step still on the device), copied in on the device."""
+        """Logits [number of sampling items, vocab] for the plan's items with ``sample``, in order; an item with
+        ``all_logits`` gives a row for each of its positions instead (its last one the sampling row, if it samples),
+        and such a step runs eagerly. ``fill``: input tokens not known on the host yet (sampled by the step still on
+        the device), copied in on the device."""
         self.poll()
         n, t = len(plan.items), plan.num_tokens
-        bucket = self._bucket(n, t) if self.cuda_graphs else None
+        every = any(i.all_logits for i in plan.items)
+        bucket = self._bucket(n, t) if self.cuda_graphs and not every else None
         if bucket is not None:
             if self.handle.slots.layout_version != self._graph_layout:  # slot buffers were reallocated: recapture
                 self.capture_graphs()

@@ -69,7 +69,9 @@ class SamplingParams:
     ``temperature`` 0 (or below 1e-5) is greedy. ``top_k`` 0 or -1 is off (-1 is stored as 0). ``top_p`` 1 is
     off. ``seed`` makes the request reproducible whatever else runs beside it. ``stop`` strings,
     ``stop_token_ids`` and eos (unless ``ignore_eos``) end the request, but only after ``min_tokens``
-    tokens. ``logprobs`` k returns the chosen token's log-probability and the k most likely (k <= 20).
+    tokens. ``logprobs`` k returns the chosen token's log-probability and the k most likely (k <= 20);
+    ``prompt_logprobs`` k the same for every prompt token but the first (its whole prompt is computed then: no
+    prefix-cache hit, and no CUDA graph for its prompt's steps).
 
     ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 off), ``repetition_penalty`` (in [0.01, 100], 1
     off) and ``logit_bias`` ({token id: bias in [-100, 100]}) change the logits as the module docstring says;
@@ -97,6 +99,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, 1, MAX_INT32, allowed="an int >= 1 (and < 2**31)")
@@ -114,8 +117,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints in [0, 2**31), got {_show(ids)}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {_show(self.ignore_eos)}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allowed=f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, allowed=f"None or an int in [0, {MAX_LOGPROBS}]")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    allowed=f"an int in [0, max_tokens={_show(self.max_tokens)}]")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -123,6 +123,7 @@ class Scheduled:
     start: int
     tokens: list[int]
     sample: bool
+    all_logits: bool = False  # every position's logits are kept: the prompt's logprobs (``prompt_logprobs``)
 
 
 @dataclass
@@ -264,7 +265,8 @@ class Scheduler:
         if request.adapter is not None and self.blocks.prefix_cache:
             request.adapter_key = self._digest(request.adapter, ready).encode()
         keys = self._prefix_keys(request)
-        cached = self.blocks.lookup(keys)
+        # A request that asks for its prompt's logprobs computes its whole prompt: a cached block has no logits.
+        cached = [] if _scores_prompt(request) else self.blocks.lookup(keys)
         start = len(cached) * self.blocks.block_size
         n = min(request.num_tokens - start, budget, prefill)
         kept = 0 if reserve is None else reserve[0]
@@ -415,7 +417,8 @@ class Scheduler:
 
     def _item(self, request: Request, n: int) -> Scheduled:
         start = request.num_computed
-        return Scheduled(request, start, request.all_ids[start: start + n], start + n == request.num_tokens)
+        return Scheduled(request, start, request.all_ids[start: start + n], start + n == request.num_tokens,
+                         _scores_prompt(request) and start < len(request.prompt_ids))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -461,3 +464,8 @@ class Scheduler:
         or preempted by the step after the one that finished it)."""
         request.finish_reason = reason
         self.abort(request)
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Whether ``request`` asks for its prompt's logprobs (``SamplingParams.prompt_logprobs``)."""
+    return request.params is not None and request.params.prompt_logprobs is not None

@@ -66,15 +66,24 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
     jobs = [(p, nth_sample(params, k), adapter) for p in prompts for k in range(n)]
     echoed = [state.text(p, adapter) if body.echo else "" for p in prompts]
     logprobs = _Logprobs(state, adapter, len(jobs))
+    # max_tokens 0 with echo (lm-evaluation-harness scoring a prompt): one token runs, none is shown
+    none = body.echo and 0 in (body.max_tokens, body.max_completion_tokens)
+    scored = body.echo and body.logprobs is not None  # the echoed prompt's tokens lead the logprobs block
 
     def choice(i: int, text: str, out: RequestOutput | Result) -> dict:
-        return {"index": i, "text": text, "logprobs": logprobs.completion(i, out.logprobs),
-                "finish_reason": out.finish_reason}
+        shown = [] if none else out.logprobs
+        prompt = (prompts[i // n], out.prompt_logprobs) if scored and out.prompt_logprobs is not None else None
+        entry = {"index": i, "text": text, "logprobs": logprobs.completion(i, shown, prompt),
+                 "finish_reason": "length" if none and out.finish_reason else out.finish_reason}
+        if body.prompt_logprobs is not None and out.prompt_logprobs is not None:  # vLLM's shape
+            entry["prompt_logprobs"] = logprobs.vllm(out.prompt_logprobs, body.prompt_logprobs)
+        return entry
 
     echo = [{"index": i, "text": echoed[i // n], "logprobs": None, "finish_reason": None}
             for i in range(len(jobs))] if body.echo else []
     return _reply(body, state, _head("cmpl", "text_completion", body), jobs, prompts, echo,
-                  lambda i, out: choice(i, out.text, out), lambda i, r: choice(i, echoed[i // n] + r.text, r))
+                  lambda i, out: choice(i, "" if none else out.text, out),
+                  lambda i, r: choice(i, echoed[i // n] + ("" if none else r.text), r), hide_tokens=none)
 
 
 async def chat(body: ChatBody, state: ServerState) -> Reply:
@@ -123,15 +132,17 @@ def _usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) 
 
 
 def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
-           first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict]
-           ) -> Reply:
+           first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict],
+           hide_tokens: bool = False) -> Reply:
     """The reply, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
     output (``chunk``), and last the usage chunk when the client asked for it with stream_options.include_usage
-    (every chunk then carries "usage": null)."""
+    (every chunk then carries "usage": null). ``hide_tokens``: the generated tokens are not shown, nor counted."""
+    count = (lambda ids: 0) if hide_tokens else len
+
     async def complete() -> dict:
         results = await state.results(jobs)
         return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
-                "usage": _usage(prompts, sum(len(r.token_ids) for r in results), [r.cached_tokens for r in results])}
+                "usage": _usage(prompts, sum(count(r.token_ids) for r in results), [r.cached_tokens for r in results])}
 
     with_usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if with_usage else {}
@@ -139,7 +150,7 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
 
     def output(i: int, out: RequestOutput) -> dict:
         nonlocal generated
-        generated += len(out.token_ids)
+        generated += count(out.token_ids)
         cached[i] = out.num_cached_tokens
         return {**head, "choices": [chunk(i, out)], **extra}
 
@@ -165,16 +176,43 @@ class _Logprobs:
         self._text = lambda token_id: state.text([token_id], adapter)
         self._offsets = [0] * choices  # characters of each choice's text so far (completions' text_offset)
 
-    def completion(self, index: int, lps: list[TokenLogprob] | None) -> dict | None:
-        if not lps:
+    def completion(self, index: int, lps: list[TokenLogprob] | None,
+                   prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict | None:
+        """Completions' block for choice ``index``'s new tokens ``lps``, led by the echoed prompt's (``prompt``:
+        its ids and their logprobs, the first None, as OpenAI gives it) when given."""
+        ids, values, tops = [], [], []
+        if prompt is not None:
+            for token_id, lp in zip(*prompt):
+                ids.append(token_id)
+                values.append(None if lp is None else _finite(lp.logprob))
+                tops.append(None if lp is None else {self._text(i): _finite(v) for i, v in lp.top.items()})
+        for t in lps or []:
+            ids.append(t.token_id)
+            values.append(_finite(t.logprob))
+            tops.append({self._text(i): _finite(v) for i, v in t.top.items()})
+        if not ids:
             return None
-        tokens = [self._text(t.token_id) for t in lps]
+        tokens = [self._text(i) for i in ids]
         starts = []
         for token in tokens:
             starts.append(self._offsets[index])
             self._offsets[index] += len(token)
-        return {"tokens": tokens, "token_logprobs": [_finite(t.logprob) for t in lps], "text_offset": starts,
-                "top_logprobs": [{self._text(i): _finite(v) for i, v in t.top.items()} for t in lps]}
+        return {"tokens": tokens, "token_logprobs": values, "text_offset": starts, "top_logprobs": tops}
+
+    def vllm(self, lps: list[TokenLogprob | None], k: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt's token and the top ``k``."""
+        shown = []
+        for lp in lps:
+            if lp is None:
+                shown.append(None)
+                continue
+            entry = {lp.token_id: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                   "decoded_token": self._text(lp.token_id)}}
+            for rank, (i, v) in enumerate(list(lp.top.items())[:k], 1):
+                entry.setdefault(i, {"logprob": _finite(v), "rank": rank, "decoded_token": self._text(i)})
+            shown.append(entry)
+        return shown
 
     def chat(self, lps: list[TokenLogprob]) -> dict:
         return {"content": [{**self._token(t.token_id, t.logprob),

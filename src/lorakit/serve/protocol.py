@@ -221,6 +221,7 @@ class _Request(_Open):
     guided_json: dict[str, Any] | str | None = None  # vLLM's extras
     guided_regex: str | None = None
     guided_choice: Annotated[_list(str), BeforeValidator(_at_most_max_choices)] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob and the top N
 
 
 class CompletionBody(_Request):
@@ -349,8 +350,11 @@ def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, d
     if not asked:  # the endpoint's default, cut to what fits
         return max(1, min(room, limit) if default is None else min(default, room))
     max_tokens = asked[0]
+    if max_tokens == 0 and getattr(body, "echo", False):  # the prompt alone, scored: one token run, not shown
+        return 0
     if max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(400, f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}",
+                       param="max_tokens")
     if max_tokens > limit:
         raise ApiError(400, f"max_tokens={max_tokens} is above this server's limit of {limit}", param="max_tokens")
     if max_tokens > room:
@@ -388,9 +392,6 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     else:
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise ApiError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one",
-                           param="echo")
         logprobs = body.logprobs
     bias = {}
     for key, value in (body.logit_bias or {}).items():
@@ -400,7 +401,9 @@ def sampling_params(body: CompletionBody | ChatBody, *, prompt_len: int, max_seq
     given = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
     if not body.stop:  # "" or []: none
         given.pop("stop", None)
-    max_tokens = _max_tokens(body, prompt_len, max_seq_len, max_tokens_limit, default_max_tokens)
+    if isinstance(body, CompletionBody) and body.echo and logprobs is not None:  # the echoed prompt's logprobs too
+        given["prompt_logprobs"] = max(given.get("prompt_logprobs") or 0, logprobs)
+    max_tokens = max(1, _max_tokens(body, prompt_len, max_seq_len, max_tokens_limit, default_max_tokens))
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias,
                               structured_output=_structured(body), **given)

@@ -145,12 +145,15 @@ class Result:
         self.text, self.token_ids, self.logprobs = "", [], []
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.prompt_logprobs = None  # with prompt_logprobs: one per prompt token (None for the first)
 
     def add(self, out: RequestOutput) -> None:
         self.cached_tokens = out.num_cached_tokens
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
 
