@@ -14,7 +14,7 @@ from peft import PeftModel
 from _serve_helpers import build_world
 from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, openai
-from lorakit.serve.protocol import ApiError, CompletionBody
+from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody
 from lorakit.serve.state import ServerState
 
 TOLERANCE = {torch.float32: 1e-4}  # relative error of a logprob, by the model's dtype
@@ -124,9 +124,13 @@ def test_the_request_lm_evaluation_harness_sends_is_answered_as_it_parses_it(wor
                 answers[model, max_tokens] = await (await openai.completions(body, state)).body
         vllm = await (await openai.completions(CompletionBody(model="v2", prompt=prompt, max_tokens=1,
                                                               prompt_logprobs=3), state)).body
-        return answers, vllm
+        chat = await (await openai.chat(ChatBody(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=1, prompt_logprobs=0), state)).body
+        return answers, vllm, chat
 
-    answers, vllm = served(world, body_of)
+    answers, vllm, chat = served(world, body_of)
+    scored = chat["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == chat["usage"]["prompt_tokens"] and all(len(e) == 1 for e in scored[1:])
     for (model, max_tokens), answer in answers.items():
         ref = reference_logprobs(world, prompt, None if model == "tiny" else model)
         choice = answer["choices"][0]

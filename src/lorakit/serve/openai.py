@@ -105,8 +105,11 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
                 "finish_reason": out.finish_reason}
 
     def whole(k: int, r: Result) -> dict:
-        return {"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r),
-                "finish_reason": r.finish_reason}
+        entry = {"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r),
+                 "finish_reason": r.finish_reason}
+        if body.prompt_logprobs is not None and r.prompt_logprobs is not None:  # vLLM's shape, per choice
+            entry["prompt_logprobs"] = logprobs.vllm(r.prompt_logprobs, body.prompt_logprobs)
+        return entry
 
     jobs = [(prompt, nth_sample(params, k), adapter) for k in range(n)]
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
