@@ -129,11 +129,19 @@ def load_model(path: str | Path | None, device: str | None = None, dtype: str | 
     return model, tokenizer, name
 
 
-def load_engine(path: str | Path, device: str | None, dtype: str | None, config, adapters: dict[str, str]):
+def load_engine(path: str | Path, device: str | None, dtype: str | None, config, adapters: dict[str, str],
+                cpu_threads: int | None = None):
     """The engine ``lorakit serve`` runs: the model folder's model and tokenizer, ``config`` (an EngineConfig) and
     ``adapters`` ({name: folder}) registered. A module-level function, so that the engine core process can be given
-    it (pickled) and build the engine itself."""
+    it (pickled) and build the engine itself. ``cpu_threads``: torch's threads for an engine on the CPU (None:
+    torch's default)."""
     from lorakit.engine import Engine
+
+    if cpu_threads is not None and not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        torch.set_num_threads(cpu_threads)
+        logger.info("the engine runs on the CPU with %d torch thread%s (the cores this process may use, less one per "
+                    "API server: threads that wait for a busy core stall every step)", cpu_threads,
+                    "" if cpu_threads == 1 else "s")
 
     if config.tensor_parallel_size > 1:  # every rank reads its own slices of the weights and moves them
         folder, _ = model_folder(path)
