@@ -40,6 +40,7 @@ flight finish, then stops it (a "shutdown" call: the loop drains).
 from __future__ import annotations
 
 import concurrent.futures
+import atexit
 import contextlib
 import gc
 import logging
@@ -99,9 +100,12 @@ def freeze_heap() -> None:
     """Collect once, then keep every object alive now out of the cyclic garbage collector's passes (``gc.freeze``):
     what a process has built by the time it serves (torch, transformers, the model, the app: about half a million
     objects) lives as long as it does, and each full collection walked all of it again, 0.2 s on the event loop or
-    between two steps. Called by the engine core and each API server once they are ready."""
+    between two steps. Called by the engine core and each API server once they are ready. Unfrozen at exit, so that
+    the interpreter's shutdown collects them as before (frozen, nanobind reports each of triton's objects as leaked:
+    fifty lines after a clean Ctrl-C)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 def run_core(factory: Callable[[], Engine], to_core: str, from_core: list[str], parent_pid: int,

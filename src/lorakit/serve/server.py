@@ -76,6 +76,12 @@ class Server(uvicorn.Server):
         if self.force_exit:  # the lifespan's shutdown may have been skipped: the engine stops here (once)
             self.state.end_requests("the server was stopped at once (a second Ctrl-C)")
             self.state.stop()
+            # ... and the lifespan is ended now (its shutdown only stops what is stopped): left waiting, it was
+            # cancelled as the loop closed, and logged a traceback
+            if getattr(self, "lifespan", None) is not None and not getattr(self.lifespan, "shutdown_event",
+                                                                                 asyncio.Event()).is_set():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.lifespan.shutdown(), END_SECONDS)
 
     def _grace_over(self) -> None:
         logger.warning("shutting down: the %g s grace for the requests in flight is over; ending those still running",
