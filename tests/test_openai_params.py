@@ -144,7 +144,7 @@ def test_structured_output_parses_for_base_and_adapter_in_one_batch(world, serve
 REFUSALS = [  # (path, body changes, the parameter named)
     ("/v1/chat/completions", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("/v1/chat/completions", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-    ("/v1/chat/completions", dict(messages=[{"role": "tool", "content": "hi"}]), "messages[0].role"),
+    ("/v1/chat/completions", dict(messages=[{"role": "tool", "content": "hi"}]), "messages[0].tool_call_id"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "messages[0].content"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]),

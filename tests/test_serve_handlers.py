@@ -304,10 +304,13 @@ def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_misse
 
     wire, writable, feed, closed = [], [True], {}, []
 
-    def write(data: bytes) -> bool:  # the connection: full (False) while the client reads slowly
-        if writable[0]:
-            wire.append(data)
-        return writable[0]
+    class Writer:  # the connection: not ready while the client reads slowly
+        def ready(self):
+            return writable[0]
+
+        def write(self, data: bytes):
+            assert writable[0]
+            wire.extend(e + b"\n\n" for e in data.split(b"\n\n")[:-1])
 
     class Handle:
         def close(self):
@@ -320,11 +323,17 @@ def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_misse
     def out(text, finished=False):
         return RequestOutput("r", text, [0] * len(text), finished, "length" if finished else None)
 
-    push = Push([{"first": True}], start, 1, lambda i, o: {"text": o.text}, lambda: [{"last": True}])
+    calls = []
+
+    def chunk(i, o):  # called once per output, written or merged
+        calls.append(o.text)
+        return [{"text": o.text}]
+
+    push = Push([{"first": True}], start, 1, chunk, lambda: [{"last": True}])
 
     async def main():
         async def send_all():  # EventStream's part: what the iterator gives is sent in order
-            async for data in _pushed(Reply(None, push=push), ConcurrencyLimit(1), write):
+            async for data in _pushed(Reply(None, push=push), ConcurrencyLimit(1), Writer()):
                 wire.append(data)
         task = asyncio.ensure_future(send_all())
         for _ in range(3):
@@ -343,6 +352,7 @@ def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_misse
     asyncio.run(main())
     events = [json.loads(e[len(b"data: "):]) if e != DONE else "DONE" for e in wire]
     assert events == [{"first": True}, {"text": "a"}, {"text": "bcde"}, {"text": "f"}, {"last": True}, "DONE"]
+    assert calls == ["a", "bcde", "f"]  # once per event: a chunk's state (usage, tool calls) counts it once
     assert closed == [True]
 
 

@@ -227,6 +227,10 @@ def add_bound_flags(p: argparse.ArgumentParser) -> None:
                    help="the most stop strings one request may give; more get 400 (default: %(default)s)")
     p.add_argument("--max-stop-chars", type=_positive_int, default=default["max_stop_chars"], metavar="N",
                    help="the longest stop string, in characters; longer ones get 400 (default: %(default)s)")
+    p.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json", "mistral"),
+                   default=default["tool_call_parser"],
+                   help="how tool_choice 'auto' finds calls in an answer: auto picks the family the chat template "
+                        "speaks (default: %(default)s)")
 
 
 def add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -355,7 +359,8 @@ def serve_config(args, name: str):
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                        max_queued_tokens=args.max_queued_tokens,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars, **edge,
+                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                       tool_call_parser=args.tool_call_parser, **edge,
                        **{name: getattr(args, name) for name in ("health_timeout", "shutdown_grace")
                           if hasattr(args, name)})  # lorakit serve's alone
 

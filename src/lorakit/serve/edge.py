@@ -23,7 +23,6 @@ import asyncio
 import json
 import mmap
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.responses import JSONResponse
@@ -328,24 +327,34 @@ class _WithRawSend:
 _CYCLE = ("transport", "flow", "chunked_encoding", "response_started", "response_complete", "disconnected")
 
 
-def body_writer(send) -> Callable[[bytes], bool] | None:
-    """For uvicorn's httptools protocol (whose ``send`` is its request cycle's method): ``write(body)``, which
-    writes one chunk of a chunked response body at once, as that ``send`` does for ``{"type":
-    "http.response.body", "body": body, "more_body": True}`` when it would not wait, and returns True; False, having
-    written nothing, where that ``send`` would wait (the connection's buffer is full: flow control) or could not write
-    (the response not started, not chunked, complete, or the client gone). None for any other server."""
+class BodyWriter:
+    """For uvicorn's httptools protocol (whose ``send`` is its request cycle's method): ``write(body)`` writes one
+    chunk of a chunked response body at once, as that ``send`` does for ``{"type": "http.response.body", "body":
+    body, "more_body": True}``; call it only when ``ready()``: False where that ``send`` would wait (the connection's
+    buffer is full: flow control) or could not write (the response not started, not chunked, complete, or the client
+    gone)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle):
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return not (cycle.flow.write_paused or cycle.disconnected or not cycle.response_started
+                    or cycle.response_complete or cycle.chunked_encoding is not True)
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+def body_writer(send) -> BodyWriter | None:
+    """A ``BodyWriter`` for uvicorn's httptools protocol's ``send``; None for any other server."""
     cycle = getattr(send, "__self__", None)
     if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or \
             not all(hasattr(cycle, name) for name in _CYCLE) or not hasattr(cycle.flow, "write_paused"):
         return None
-
-    def write(body: bytes) -> bool:
-        if cycle.flow.write_paused or cycle.disconnected or not cycle.response_started or cycle.response_complete \
-                or cycle.chunked_encoding is not True:
-            return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
-    return write
+    return BodyWriter(cycle)
 
 
 def uvicorn_config(app, host: str, port: int, http: type[asyncio.Protocol] | None = None, **options):

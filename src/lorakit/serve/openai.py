@@ -11,6 +11,7 @@ here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -19,9 +20,11 @@ from collections.abc import Callable
 from lorakit import __version__
 from lorakit.engine.outputs import RequestOutput, TokenLogprob
 from lorakit.frontend.client import Adapter
-from lorakit.serve.protocol import ChatBody, CompletionBody, chat_messages, nth_sample, samples
+from lorakit.serve.protocol import (ApiError, ChatBody, CompletionBody, chat_messages, nth_sample, samples, shown,
+                                   structured_param)
 from lorakit.serve.state import Result, ServerState
 from lorakit.serve.streaming import Push, Reply, pulled
+from lorakit.serve.tools import ToolCalls, checked_tools, parser_for, stream_deltas, tool_grammar
 
 __all__ = ["SYSTEM_FINGERPRINT", "chat", "completions", "model", "models"]
 
@@ -90,23 +93,49 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     """POST /v1/chat/completions: the messages through the chat template of the adapter's tokenizer."""
     adapter = state.adapter_of(body.model)
     messages = chat_messages(body)
+    tools, choice, named = checked_tools(body.tools, body.tool_choice)
+    calling = None if choice is None else ToolCalls(
+        tools, choice, named, parser_for(state.chat_template(adapter), state.config.tool_call_parser))
     n = samples(body)
     state.in_flight.precheck(n)
-    prompt = await state.chat_ids(messages, adapter)
+    prompt = await state.chat_ids(messages, adapter, tools)
     params = state.sampling_params(body, [prompt], default_max_tokens=None, adapter=adapter)
-    await state.body_grammar(body, params, adapter)  # compiled once for every sample
+    grammar = None if calling is None else tool_grammar(tools, choice, named, body.parallel_tool_calls is not False)
+    if grammar is not None:
+        if params.structured_output is not None:
+            raise ApiError(400, f"tool_choice {shown(body.tool_choice if choice != 'named' else named)} constrains the "
+                                f"output to tool calls, and {structured_param(body)} constrains it too; give one",
+                           "tool_choice")
+        params = dataclasses.replace(params, structured_output=grammar)
+        await state.check_grammar(grammar, adapter, "tools")
+    else:
+        await state.body_grammar(body, params, adapter)  # compiled once for every sample
     logprobs = _Logprobs(state, adapter, n)
+    held = [""] * n  # with tools, each choice's text until it ends (then parsed for calls)
 
     def block(out: RequestOutput | Result) -> dict | None:
         return logprobs.chat(out.logprobs or []) if body.logprobs else None
 
-    def chunk(k: int, out: RequestOutput) -> dict:
-        return {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": block(out),
-                "finish_reason": out.finish_reason}
+    def chunk(k: int, out: RequestOutput) -> dict | list[dict]:
+        if calling is None or not calling.active:
+            return {"index": k, "delta": {"content": out.text} if out.text else {}, "logprobs": block(out),
+                    "finish_reason": out.finish_reason}
+        held[k] += out.text
+        if not out.finished:
+            return []
+        content, calls = calling.split(held[k])
+        deltas = stream_deltas(content, calls) or [{}]
+        return [{"index": k, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]] + [
+            {"index": k, "delta": deltas[-1], "logprobs": None, "finish_reason": calling.finish(calls, out.finish_reason)}]
 
     def whole(k: int, r: Result) -> dict:
-        entry = {"index": k, "message": {"role": "assistant", "content": r.text}, "logprobs": block(r),
-                 "finish_reason": r.finish_reason}
+        message, finish = {"role": "assistant", "content": r.text}, r.finish_reason
+        if calling is not None and calling.active:
+            content, calls = calling.split(r.text)
+            message["content"], finish = content, calling.finish(calls, r.finish_reason)
+            if calls:
+                message["tool_calls"] = calls
+        entry = {"index": k, "message": message, "logprobs": block(r), "finish_reason": finish}
         if body.prompt_logprobs is not None and r.prompt_logprobs is not None:  # vLLM's shape, per choice
             entry["prompt_logprobs"] = logprobs.vllm(r.prompt_logprobs, body.prompt_logprobs)
         return entry
@@ -151,11 +180,12 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
     extra = {"usage": None} if with_usage else {}
     generated, cached = 0, [0] * len(jobs)
 
-    def output(i: int, out: RequestOutput) -> dict:
+    def output(i: int, out: RequestOutput) -> list[dict]:
         nonlocal generated
         generated += count(out.token_ids)
         cached[i] = out.num_cached_tokens
-        return {**head, "choices": [chunk(i, out)], **extra}
+        made = chunk(i, out)
+        return [{**head, "choices": [c], **extra} for c in (made if isinstance(made, list) else [made])]
 
     def last() -> list[dict]:
         return [{**head, "choices": [], "usage": _usage(prompts, generated, cached)}] if with_usage else []

@@ -22,7 +22,7 @@ __all__ = ["ERROR_CODES", "ApiError", "ChatBody", "CompletionBody", "LoadBody", 
            "chat_messages", "error_status",
            "nth_sample", "parse_body", "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -230,16 +230,53 @@ class CompletionBody(_Request):
     echo: bool | None = None
 
 
+class ToolCallFunction(_Open):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Open):
     role: str
     content: str | _list(dict[str, Any]) | None = None
     name: str | None = None  # accepted; chat templates do not use it
+    tool_calls: _list(ToolCall) | None = None  # an assistant's calls, in a history
+    tool_call_id: str | None = None  # a tool message's answer to
+
+
+class ToolFunction(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class _ChoiceFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: _ChoiceFunction
 
 
 class ChatBody(_Request):
     messages: _list(ChatMessage)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: _list(Tool) | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class LoadBody(BaseModel):
@@ -284,9 +321,9 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
         check_extras(m, f"{where}.")
-        if m.role in ("tool", "function"):
-            raise ApiError(400, f"{where}.role: '{m.role}' messages need tool calling, which lorakit does not "
-                                f"support", param=f"{where}.role")
+        if m.role == "function":
+            raise ApiError(400, f"{where}.role: 'function' messages are OpenAI's deprecated form; send 'tool' "
+                                f"messages (with tool_call_id)", param=f"{where}.role")
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(m.role)}",
                            param=f"{where}.role")
@@ -303,7 +340,28 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
             raise ApiError(400, f"{where}.content is missing", param=f"{where}.content")
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(400, f"{where}.tool_calls: only assistant messages carry tool calls",
+                               param=f"{where}.tool_calls")
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON",
+                                   param=f"{where}.tool_calls[{j}].function.arguments") from None
+                # the templates take the arguments as an object (and some want the id)
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ApiError(400, f"{where}.tool_call_id is missing: a tool message answers one call",
+                               param=f"{where}.tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 

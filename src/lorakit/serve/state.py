@@ -11,6 +11,7 @@ engine's thread or process, which reads and checks an adapter's files while it k
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -90,6 +91,7 @@ class ServeConfig:
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    tool_call_parser: str = "auto"  # serve.tools.PARSERS, or "auto": the one the chat template speaks
     max_body_bytes_in_flight: int | None = None
     header_timeout: float = 10.0
     body_timeout: float = 60.0
@@ -113,6 +115,9 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ServeConfig.{name} must be a number of seconds > 0, got {value!r}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json", "mistral"):
+            raise ValueError(f"ServeConfig.tool_call_parser must be auto, hermes, llama3_json or mistral, got "
+                             f"{self.tool_call_parser!r}")
         if self.api_key is not None:
             check_key(self.api_key, "ServeConfig.api_key")
         for name, zero in (("health_timeout", False), ("shutdown_grace", True)):  # zero: may it be 0
@@ -252,13 +257,26 @@ class ServerState:
             self._check_chars(len(prompt), "prompt")
         return await self._tokenize(len(prompt), self._checked_ids, prompt, adapter)
 
-    async def chat_ids(self, messages: list[dict[str, str]], adapter: Adapter | None) -> list[int]:
-        """The messages through the chat template of ``adapter``'s tokenizer (its own may add tokens), tokenized off
-        the event loop and checked as ``prompt_ids`` does."""
+    def chat_template(self, adapter: Adapter | None) -> str:
+        """The chat template of ``adapter``'s tokenizer (its own may differ); a 400 when there is none."""
         tokenizer = self.tokenizer(adapter)
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        template = None if tokenizer is None else getattr(tokenizer, "chat_template", None)
+        if template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        chars = sum(len(m["content"]) for m in messages)
+        return template if isinstance(template, str) else json.dumps(template)
+
+    async def chat_ids(self, messages: list[dict], adapter: Adapter | None, tools: list[dict] | None = None
+                       ) -> list[int]:
+        """The messages (and ``tools``, for a template that renders them) through the chat template of
+        ``adapter``'s tokenizer (its own may add tokens), tokenized off the event loop and checked as ``prompt_ids``
+        does."""
+        template = self.chat_template(adapter)
+        tokenizer = self.tokenizer(adapter)
+        if tools and "tools" not in template:
+            raise ApiError(400, "this model's chat template does not render tools, so it was not taught to call them; "
+                                "drop tools, or serve a model whose template has them", "tools")
+        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools)) if tools else \
+            sum(len(m["content"]) for m in messages)
         self._check_chars(chars, "messages")
         if len(messages) >= self.engine.max_seq_len:  # each message takes at least one token of the context
             raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
@@ -266,7 +284,8 @@ class ServerState:
 
         def render() -> list[int]:
             try:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                     tokenize=False)
             except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
                 raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
             return self._checked_ids(_encode_rendered(tokenizer, text), adapter)

@@ -61,13 +61,13 @@ class Reply:
 class Push:
     """How a stream's events are made: ``first``, the chunks before any output; ``start(listener)`` submits its
     ``jobs`` jobs, whose outputs go to ``listener(i, out)`` (``ServerState.submit``; an error: ``listener(i,
-    error)``); ``chunk(i, out)``, job ``i``'s output's chunk (called once per output, in order); ``last()``, the
-    chunks after the last output."""
+    error)``); ``chunk(i, out)``, job ``i``'s output's chunks (none, one or more; called once per output, in order:
+    it may keep state); ``last()``, the chunks after the last output."""
 
     first: list[dict]
     start: Callable[[Callable[[int, Any], None]], Awaitable[Any]]
     jobs: int
-    chunk: Callable[[int, Any], dict]
+    chunk: Callable[[int, Any], list[dict]]
     last: Callable[[], list[dict]]
 
 
@@ -76,7 +76,8 @@ async def pulled(push: Push) -> AsyncIterator[dict]:
     for c in push.first:
         yield c
     async for i, out in outputs(push.start, push.jobs):
-        yield push.chunk(i, out)
+        for c in push.chunk(i, out):
+            yield c
     for c in push.last():
         yield c
 
@@ -203,7 +204,7 @@ async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
 
 
 RAW_SEND = "lorakit.raw_send"  # the scope key of the server's own ``send`` (``edge.uvicorn_config`` puts it there)
-WRITE_BODY = "lorakit.write_body"  # ... and of a function that writes a body chunk at once, where the server has one
+WRITE_BODY = "lorakit.write_body"  # ... and of an ``edge.BodyWriter``, where the server has one
 
 
 class EventStream(Response):
@@ -220,10 +221,10 @@ class EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         raw = scope.get(RAW_SEND, send)
-        write = scope.get(WRITE_BODY)
-        if write is not None and self._reply is not None and self._reply.push is not None:
+        writer = scope.get(WRITE_BODY)
+        if writer is not None and self._reply is not None and self._reply.push is not None:
             await self.body_iterator.aclose()  # never started: the events are pushed instead
-            self.body_iterator = _pushed(self._reply, self._limit, write)
+            self.body_iterator = _pushed(self._reply, self._limit, writer)
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         streaming, left = asyncio.current_task(), False
 
@@ -279,10 +280,10 @@ async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[bytes]
     yield DONE
 
 
-async def _pushed(reply: Reply, limit: ConcurrencyLimit, write: Callable[[bytes], bool]) -> AsyncIterator[bytes]:
-    """``_events`` of a ``Push`` reply: each output's event is written by ``write`` as it comes (see the module
-    docstring), and only what it could not write (the connection's buffer is full: the client reads slowly) comes
-    out of this iterator, merged per job, together with the first and last events."""
+async def _pushed(reply: Reply, limit: ConcurrencyLimit, writer) -> AsyncIterator[bytes]:
+    """``_events`` of a ``Push`` reply: each output's events are written by ``writer`` (``edge.BodyWriter``) as
+    they come (see the module docstring), and only what it was not ready for (the connection's buffer is full: the
+    client reads slowly) comes out of this iterator, merged per job, together with the first and last events."""
     push = reply.push
     pending: dict[int, Any] = {}  # outputs not written yet, merged per job
     errors: list[BaseException] = []
@@ -294,10 +295,14 @@ async def _pushed(reply: Reply, limit: ConcurrencyLimit, write: Callable[[bytes]
             errors.append(item)
         else:
             left -= item.finished
-            if pending or sending or not write(event(push.chunk(i, item))):
+            if pending or sending or not writer.ready():
                 pending[i] = item if i not in pending else pending[i].merged(item)
-            elif left > 0:
-                return
+            else:
+                data = b"".join(event(c) for c in push.chunk(i, item))
+                if data:
+                    writer.write(data)
+                if left > 0:
+                    return
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -313,7 +318,8 @@ async def _pushed(reply: Reply, limit: ConcurrencyLimit, write: Callable[[bytes]
                     if pending:
                         i = next(iter(pending))
                         sending = True
-                        yield event(push.chunk(i, pending.pop(i)))
+                        for c in push.chunk(i, pending.pop(i)):
+                            yield event(c)
                         sending = False
                     elif errors:
                         raise errors[0]
