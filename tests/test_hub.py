@@ -168,3 +168,17 @@ def test_serve_resolves_its_model_and_adapters_by_id_before_anything_starts(hub,
     assert sql.startswith("sql=") and Path(sql[4:]).name == COMMITS["v1"] and local == "local=/no/such/folder"
     assert "--model org/tiny-model: hub repo org/tiny-model" in proc.stderr, proc.stderr
     assert "--lora sql org/tiny-model@v1: hub repo org/tiny-model at revision v1" in proc.stderr, proc.stderr
+
+
+def test_llm_takes_hub_ids_too(hub):
+    """``LLM("ORG/NAME")`` resolves the id as ``lorakit serve`` does (the fake repo has no real weights: the folder it
+    hands transformers is the id's snapshot)."""
+    server, env = hub
+    probe = ("import sys\nimport transformers\n"
+             "transformers.AutoTokenizer.from_pretrained = lambda p, *a, **k: print('LOADED', p) or sys.exit(0)\n"
+             "from lorakit import LLM\nLLM('org/tiny-model', device='cpu')")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env})
+    assert proc.returncode == 0, proc.stderr
+    (loaded,) = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("LOADED ")]
+    assert Path(loaded).name == COMMITS["main"] and Path(loaded).parent.name == "snapshots", loaded

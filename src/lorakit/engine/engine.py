@@ -681,13 +681,23 @@ def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.
 
 
 class LLM:
-    """Offline generation with adapters: a model (a path or a loaded transformers model) and a tokenizer."""
+    """Offline generation with adapters: a model (a path, a Hugging Face hub id ``ORG/NAME[@REVISION]``, or a
+    loaded transformers model) and a tokenizer."""
 
     def __init__(self, model: str | Path | nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
                  adapters: dict[str, str | Path] | None = None, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, **options):
-        """``config`` / ``options``: the engine's settings, as ``Engine`` takes them."""
+        """``config`` / ``options``: the engine's settings, as ``Engine`` takes them. A model or adapter given by
+        hub id is downloaded once into the hub cache as ``lorakit serve`` does (``lorakit.hub``: a local folder of
+        that spelling wins; safetensors, configs and tokenizer files only)."""
+        from lorakit.hub import ADAPTER_FILES, MODEL_FILES, local_or_hub
+
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model, str):
+            model = local_or_hub(model, "model", MODEL_FILES)
+        if adapters:
+            adapters = {name: local_or_hub(path, f"adapter {name}", ADAPTER_FILES) if isinstance(path, str) else path
+                        for name, path in adapters.items()}
         if isinstance(model, (str, Path)):
             import transformers
 
