@@ -215,3 +215,31 @@ def test_the_openai_client_gets_calls_streamed_and_not(world):
         assert (names, arguments) == (call.function.name, call.function.arguments)
     finally:
         live.close()
+
+
+def test_langchain_bind_tools_and_structured_output_by_function_calling(world):
+    """What LangChain users write: ``ChatOpenAI(...).bind_tools([...])`` and ``with_structured_output(...,
+    method="function_calling")`` against the live server, on an adapter."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+
+        city: Literal["Paris", "Rome"]
+        days: int = Field(ge=1, le=7)
+
+    live = LiveServer(create_app(state_of(world).engine.engine, ServeConfig(model_name="tiny")))
+    try:
+        chat = ChatOpenAI(base_url=f"{live.url}/v1", api_key="none", model="sql", temperature=0, max_retries=0)
+        message = chat.bind_tools([Weather], tool_choice="required").invoke("Weather in Paris for two days?")
+        assert 1 <= len(message.tool_calls) <= 8  # parallel calls allowed (LangChain does not say otherwise)
+        for call in message.tool_calls:
+            assert call["name"] == "Weather" and call["args"]["city"] in ("Paris", "Rome")
+            assert 1 <= call["args"]["days"] <= 7
+        answer = chat.with_structured_output(Weather, method="function_calling").invoke("And in Rome?")
+        assert isinstance(answer, Weather)
+    finally:
+        live.close()
