@@ -68,6 +68,11 @@ def test_version_and_help_are_answered_without_torch_or_the_server():
         assert shown in proc.stdout + proc.stderr and lines[-2] == f"exit {2 if not args else 0}"
 
 
+def test_allow_lora_repo_is_for_runtime_loading():
+    with pytest.raises(SystemExit, match="add --allow-runtime-lora"):
+        main(["serve", "--device", "cpu", "--allow-lora-repo", "org/*"])
+
+
 def test_the_engine_on_a_cpu_leaves_a_core_to_each_api_server():
     assert [cli.engine_cpu_threads(servers, cores) for servers, cores in ((1, 2), (1, 1), (4, 16), (2, 8))] == \
         [1, 1, 12, 6]

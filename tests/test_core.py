@@ -370,6 +370,35 @@ def test_health_follows_a_stopped_core_and_the_core_and_its_workers_die_with_the
         wait_gone([core, worker], within=2.0)
 
 
+def test_runtime_loading_by_hub_id_only_for_allowed_repos(world, tmp_path, monkeypatch):
+    """``--allow-runtime-lora --allow-lora-repo org/*``: POST /v1/load_lora_adapter with a hub id downloads the
+    adapter (a fake hub on localhost; huggingface_hub lays out its cache) and serves it as the same adapter loaded
+    from a folder; an id outside the patterns is a 403 and downloads nothing."""
+    from test_hub import FakeHub
+
+    folder = Path(world[3]["sql"])
+    hub = FakeHub({"org/sql-lora": {"main": {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}},
+                   "other/sql-lora": {"main": {}}})
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    for key, value in hub.env(tmp_path / "hf").items():
+        monkeypatch.setenv(key, value)
+    try:
+        with serve_cli(world, "--allow-runtime-lora", "--allow-lora-repo", "org/*") as (server, url, log):
+            r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "hubbed", "lora_path": "org/sql-lora"},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+            text = httpx.post(f"{url}/v1/completions", json={"model": "hubbed", **body}, timeout=60).json()
+            assert text["choices"][0]["text"] == reference(world, PROMPT, "sql", max_tokens=8, temperature=0.0).text
+            asked = len(hub.requests)
+            r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "other/sql-lora"},
+                           timeout=60)
+            assert r.status_code == 403 and "--allow-lora-repo" in r.json()["error"]["message"], r.text
+            assert len(hub.requests) == asked
+    finally:
+        hub.shutdown()
+
+
 def command_line(pid: int) -> str:
     """What ps shows for ``pid``: its command line, as setproctitle leaves it."""
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()

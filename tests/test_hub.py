@@ -26,9 +26,18 @@ FILES = {  # revision -> files of org/tiny-model
 
 
 class FakeHub(http.server.ThreadingHTTPServer):
-    def __init__(self):
+    """``repos``: {repo id: {revision: {file: bytes}}} (default: org/tiny-model, FILES); revisions' commits are
+    COMMITS'."""
+
+    def __init__(self, repos: dict | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.requests: list[str] = []
+        self.repos = repos or {"org/tiny-model": FILES}
+
+    def env(self, home) -> dict:
+        """The environment that points huggingface_hub at this hub, with its cache under ``home``."""
+        return {"HF_ENDPOINT": f"http://127.0.0.1:{self.server_address[1]}", "HF_HOME": str(home),
+                "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -42,20 +51,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if parts[:1] == ["api"] and len(parts) >= 6 and parts[1] == "models" and parts[4] in ("revision", "tree"):
                 repo, revision = "/".join(parts[2:4]), parts[5]
                 revision = next((r for r, c in COMMITS.items() if c == revision), revision)
-                if repo != "org/tiny-model":
+                files = self.server.repos.get(repo)
+                if files is None:
                     return self._status(404, "Repository not found", {"X-Error-Code": "RepoNotFound"})
-                if revision not in FILES:
+                if revision not in files:
                     return self._status(404, "Revision not found", {"X-Error-Code": "RevisionNotFound"})
                 if parts[4] == "tree":  # the revision's files, as snapshot_download lists them
                     body = json.dumps([{"type": "file", "path": f, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
-                                       for f, c in FILES[revision].items()]).encode()
+                                       for f, c in files[revision].items()]).encode()
                 else:
                     body = json.dumps({"id": repo, "sha": COMMITS[revision],
-                                       "siblings": [{"rfilename": f} for f in FILES[revision]]}).encode()
+                                       "siblings": [{"rfilename": f} for f in files[revision]]}).encode()
                 return self._send(body, {"Content-Type": "application/json"})
             if len(parts) >= 5 and parts[2] == "resolve":
                 revision = next((r for r, c in COMMITS.items() if c == parts[3]), parts[3])
-                content = FILES.get(revision, {}).get("/".join(parts[4:]))
+                content = self.server.repos.get("/".join(parts[:2]), {}).get(revision, {}).get("/".join(parts[4:]))
                 if content is None:
                     return self._status(404, "Entry not found", {"X-Error-Code": "EntryNotFound"})
                 etag = hashlib.sha256(content).hexdigest()
@@ -86,8 +96,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def hub(tmp_path):
     server = FakeHub()
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server, {"HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HOME": str(tmp_path / "hf"),
-                   "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+    yield server, server.env(tmp_path / "hf")
     server.shutdown()
 
 

@@ -3,7 +3,8 @@ has them.
 
 Loading from paths is a security boundary: off unless ``allow_runtime_lora``, and then only folders inside
 ``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes; every file is checked
-again when it is read), only safetensors (the loader never unpickles), only names the pool accepts
+again when it is read) or Hugging Face hub ids that an ``allow_lora_repos`` pattern matches (downloaded into the
+hub cache, read from there), only safetensors (the loader never unpickles), only names the pool accepts
 (``check_name``). The files are read once and checked in full off the engine thread; what is served is that
 snapshot (``lorakit.adapters.snapshot``). A load under a registered name is a hot-swap: running requests keep their
 version, and a load that fails leaves the old version serving.
@@ -11,9 +12,12 @@ version, and a load that fails leaves the old version serving.
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
 from pathlib import Path
 
 from lorakit.adapters.pool import check_name
+from lorakit.hub import ADAPTER_FILES, hub_id, local_or_hub
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState
@@ -34,9 +38,14 @@ async def load(body: LoadBody, state: ServerState) -> dict:
         raise ApiError(400, str(e), "lora_name") from None
     if body.lora_name == config.model_name:
         raise ApiError(400, f"{body.lora_name!r} is the base model's name; pick another", "lora_name")
-    path = confined(body.lora_path, config.lora_roots)
+    roots = None
+    parsed = hub_id(body.lora_path) if len(body.lora_path) <= MAX_PATH_CHARS and "\0" not in body.lora_path else None
+    if parsed is not None and not Path(body.lora_path).expanduser().exists():  # a folder of that spelling wins
+        path, roots = await _from_hub(body.lora_path, parsed[0], config.allow_lora_repos)
+    else:
+        path = confined(body.lora_path, config.lora_roots)
     try:
-        version = await state.register_adapter(body.lora_name, path)
+        version = await state.register_adapter(body.lora_name, path, roots)
     except (AdapterError, ValueError) as e:
         raise ApiError(400, str(e), "lora_path") from None
     return {"status": "ok", "lora_name": body.lora_name, "version": version}
@@ -50,6 +59,20 @@ async def unload(body: UnloadBody, state: ServerState) -> dict:
     except AdapterError as e:
         raise ApiError(404, str(e), "lora_name") from None
     return {"status": "ok", "lora_name": body.lora_name}
+
+
+async def _from_hub(spec: str, repo: str, allowed: list[str]) -> tuple[Path, list[Path]]:
+    """The snapshot of hub id ``spec`` (downloaded off the event loop if not cached) and the folder its files may lie
+    in (the repo's cache folder: a snapshot's files are links into its blobs), if ``repo`` matches an
+    ``--allow-lora-repo`` pattern; else a 403."""
+    if not any(fnmatch.fnmatchcase(repo, pattern) for pattern in allowed):
+        raise ApiError(403, f"lora_path {_shown(spec)} is a hub id that no --allow-lora-repo pattern allows"
+                            f"{' (none is given)' if not allowed else ''}", "lora_path")
+    try:
+        folder = await asyncio.to_thread(local_or_hub, spec, "lora_path", ADAPTER_FILES)
+    except FileNotFoundError as e:
+        raise ApiError(400, str(e), "lora_path") from None
+    return folder, [folder.parent.parent]
 
 
 def confined(path: str, roots: list[Path]) -> Path:

@@ -126,8 +126,11 @@ def add_parser(sub, help: str | None = None) -> None:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
     p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
-                   help="an existing folder runtime-loaded adapters must lie in; repeatable, required with "
-                        "--allow-runtime-lora (default: none)")
+                   help="an existing folder runtime-loaded adapters must lie in; repeatable; --allow-runtime-lora "
+                        "needs it or --allow-lora-repo (default: none)")
+    p.add_argument("--allow-lora-repo", action="append", default=[], metavar="PATTERN",
+                   help="with --allow-runtime-lora, a Hugging Face hub id pattern (fnmatch: ORG/*, ORG/NAME) whose "
+                        "adapters POST /v1/load_lora_adapter may download by id; repeatable (default: none)")
     add_edge_flags(p)
     from lorakit.serve.state import ServeConfig
 
@@ -355,6 +358,7 @@ def serve_config(args, name: str):
         edge["max_body_bytes_in_flight"] = max(default_bytes_in_flight(processes), args.max_body_bytes)
     return ServeConfig(model_name=args.served_model_name or name,
                        allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
+                       allow_lora_repos=list(getattr(args, "allow_lora_repo", [])),
                        lora_roots=list(args.lora_root), api_key=api_key(args.api_key, args.api_key_file),
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                        max_queued_tokens=args.max_queued_tokens,
@@ -381,6 +385,7 @@ def run_ray(args) -> int:
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     served.pop("lora_roots")
     served.pop("allow_runtime_lora")
+    served.pop("allow_lora_repos")
     fleet_config = fleet.FleetConfig(
         model=str(Path(folder).resolve()), device=device, dtype=None if args.dtype == "auto" else args.dtype,
         engine=dataclasses.asdict(config), serve=served,
@@ -427,8 +432,12 @@ def check_options(args) -> dict[str, str]:
         if name in adapters:
             raise ValueError(f"--lora {name}=... is given twice; give each adapter its own name")
         adapters[name] = path
-    if getattr(args, "allow_runtime_lora", False) and not args.lora_root:
-        raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR to confine loading to")
+    repos = getattr(args, "allow_lora_repo", [])
+    if getattr(args, "allow_runtime_lora", False) and not args.lora_root and not repos:
+        raise ValueError("--allow-runtime-lora needs at least one --lora-root DIR to confine loading to (or "
+                         "--allow-lora-repo ORG/* for hub ids)")
+    if repos and not getattr(args, "allow_runtime_lora", False):
+        raise ValueError("--allow-lora-repo is for runtime loading: add --allow-runtime-lora")
     for root in args.lora_root:
         if not root.is_dir():
             raise ValueError(f"--lora-root {root}: {'not a folder' if root.exists() else 'no such folder'}; pass an "

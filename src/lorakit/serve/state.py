@@ -82,6 +82,7 @@ class ServeConfig:
 
     model_name: str = "base"
     allow_runtime_lora: bool = False
+    allow_lora_repos: list[str] = field(default_factory=list)  # hub id patterns runtime loading may download
     lora_roots: list[Path] = field(default_factory=list)
     api_key: str | None = None
     max_tokens_limit: int = 4096
@@ -369,10 +370,11 @@ class ServerState:
 
     # Through the engine client.
 
-    async def register_adapter(self, name: str, path: Path) -> int:
-        """Reads and checks the adapter's files (every file inside the --lora-root folders; AdapterError for a bad
-        one) while the engine keeps stepping, then installs them between steps; its version."""
-        return await self.engine.register_adapter(name, path, self.config.lora_roots or None)
+    async def register_adapter(self, name: str, path: Path, roots: list[Path] | None = None) -> int:
+        """Reads and checks the adapter's files (every file inside ``roots``, by default the --lora-root folders;
+        AdapterError for a bad one) while the engine keeps stepping, then installs them between steps; its
+        version."""
+        return await self.engine.register_adapter(name, path, roots or self.config.lora_roots or None)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.unregister_adapter(name)
