@@ -160,13 +160,16 @@ def test_adapter_files_are_only_what_an_adapter_needs():
     assert not any(p.endswith((".bin", ".pt", ".py", ".pkl")) for p in MODEL_FILES)
 
 
-def test_serve_resolves_its_model_and_adapters_by_id_before_anything_starts(hub, tmp_path):
+@pytest.mark.parametrize("command", ["serve", "serve-ray"])
+def test_serve_resolves_its_model_and_adapters_by_id_before_anything_starts(hub, tmp_path, command):
     """``lorakit serve --model ORG/NAME --lora NAME=ORG/ADAPTER@REV``: both replaced by their cache folders, the base
-    model served under its id (as vLLM names it), and the log says where each came from."""
+    model served under its id (as vLLM names it), and the log says where each came from. ``serve-ray`` resolves them
+    the same way, before its replicas start (they read the one download)."""
     server, env = hub
+    adder = "add_parser" if command == "serve" else "add_ray_parser"
     probe = ("import argparse, logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
-             "from lorakit.serve import cli\nsub = argparse.ArgumentParser().add_subparsers()\ncli.add_parser(sub)\n"
-             "args = sub.choices['serve'].parse_args(sys.argv[1:])\nname = cli.resolve_hub_ids(args)\n"
+             f"from lorakit.serve import cli\nsub = argparse.ArgumentParser().add_subparsers()\ncli.{adder}(sub)\n"
+             f"args = sub.choices['{command}'].parse_args(sys.argv[1:])\nname = cli.resolve_hub_ids(args)\n"
              "print(name, args.model, *args.lora)")
     proc = subprocess.run([sys.executable, "-c", probe, "--model", "org/tiny-model", "--lora",
                            "sql=org/tiny-model@v1", "--lora", "local=/no/such/folder"], capture_output=True,
