@@ -300,7 +300,7 @@ def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_misse
     import json
 
     from lorakit.engine import RequestOutput
-    from lorakit.serve.streaming import Push, _pushed
+    from lorakit.serve.streaming import Push, _ended, _pushed
 
     wire, writable, feed, closed = [], [True], {}, []
 
@@ -333,7 +333,7 @@ def test_pushed_events_are_written_in_order_and_a_slow_client_gets_what_it_misse
 
     async def main():
         async def send_all():  # EventStream's part: what the iterator gives is sent in order
-            async for data in _pushed(Reply(None, push=push), ConcurrencyLimit(1), Writer()):
+            async for data in _ended(_pushed(Reply(None, push=push), ConcurrencyLimit(1), Writer())):
                 wire.append(data)
         task = asyncio.ensure_future(send_all())
         for _ in range(3):

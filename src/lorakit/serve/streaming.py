@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,39 +82,56 @@ async def pulled(push: Push) -> AsyncIterator[dict]:
         yield c
 
 
+class _Gathered:
+    """A listener for submitted jobs (``ServerState.submit``) that keeps their outputs, merged per job, and the first
+    error, until ``items`` reads them. ``direct(i, out)``, when given, is offered each output first: True when it
+    took it (written at once), False to keep it."""
+
+    def __init__(self, jobs: int, direct: Callable[[int, Any], bool] | None = None):
+        self.pending: dict[int, Any] = {}
+        self.errors: list[BaseException] = []
+        self.left, self.direct, self._waiter = jobs, direct, None
+
+    def __call__(self, i: int, item) -> None:
+        if isinstance(item, BaseException):
+            self.errors.append(item)
+        else:
+            self.left -= item.finished
+            if self.direct is None or not self.direct(i, item):
+                self.pending[i] = item if i not in self.pending else self.pending[i].merged(item)
+            elif self.left > 0:
+                return  # taken, and more to come: nothing for the reader
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def items(self) -> AsyncIterator[tuple[int, Any]]:
+        """(job index, output) of what was kept, as it comes, until every job finished; the first error raised after
+        the outputs before it."""
+        while True:
+            if self.pending:
+                i = next(iter(self.pending))
+                yield i, self.pending.pop(i)
+            elif self.errors:
+                raise self.errors[0]
+            elif self.left <= 0:
+                return
+            else:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+
+
 async def outputs(start: Callable[[Callable[[int, Any], None]], Awaitable[Any]], jobs: int
                   ) -> AsyncIterator[tuple[int, Any]]:
     """The outputs of ``jobs`` jobs that ``start(listener)`` submits, each with its job's index, until every one
     finished; a job's error ends them all (raised here, after the outputs before it), and leaving early closes the
     handle ``start`` gave (aborting what still runs). A job's outputs that come while the reader is busy are merged
     into one."""
-    pending: dict[int, Any] = {}
-    errors: list[BaseException] = []
-    left, waiter = jobs, None
-
-    def listener(i: int, item) -> None:
-        nonlocal left, waiter
-        if isinstance(item, BaseException):
-            errors.append(item)
-        else:
-            pending[i] = item if i not in pending else pending[i].merged(item)
-            left -= item.finished
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    submitted = await start(listener)
+    gathered = _Gathered(jobs)
+    submitted = await start(gathered)
     try:
-        while True:
-            if pending:
-                i = next(iter(pending))
-                yield i, pending.pop(i)
-            elif errors:
-                raise errors[0]
-            elif left <= 0:
-                return
-            else:
-                waiter = asyncio.get_running_loop().create_future()
-                await waiter
+        async for item in gathered.items():
+            yield item
     finally:
         submitted.close()
 
@@ -200,7 +217,7 @@ async def respond(request: Request, reply: Reply, limit: ConcurrencyLimit):
     if asyncio.iscoroutine(reply.body):
         return await _answer(request, reply, limit)
     limit.check(reply.sequences, reply.tokens)  # refused while a 429 status can still be sent
-    return EventStream(_events(reply, limit), reply, limit)
+    return EventStream(_ended(_events(reply, limit)), reply, limit)
 
 
 RAW_SEND = "lorakit.raw_send"  # the scope key of the server's own ``send`` (``edge.uvicorn_config`` puts it there)
@@ -224,7 +241,7 @@ class EventStream(Response):
         writer = scope.get(WRITE_BODY)
         if writer is not None and self._reply is not None and self._reply.push is not None:
             await self.body_iterator.aclose()  # never started: the events are pushed instead
-            self.body_iterator = _pushed(self._reply, self._limit, writer)
+            self.body_iterator = _ended(_pushed(self._reply, self._limit, writer))
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         streaming, left = asyncio.current_task(), False
 
@@ -267,77 +284,57 @@ async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
             reply.body.close()  # refused: never started
 
 
-async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[bytes]:
+async def _ended(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``events``, then ``[DONE]``; an error they raise is an error event before it (OpenAI's shape), whatever it
+    is. Closing this closes ``events`` at once (a client gone: its requests are aborted then, not at collection)."""
     try:
-        async with limit.hold(reply.sequences, reply.tokens):  # again: places may have been taken since
-            async for chunk in reply.body:
-                yield event(chunk)
+        async with aclosing(events):
+            async for data in events:
+                yield data
     except ApiError as e:
         yield event(e.body())
     except Exception as e:  # noqa: BLE001 - a bug: the client still gets an error event, not a stream cut short
         logger.exception("a stream failed")
         yield event(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details").body())
     yield DONE
+
+
+async def _events(reply: Reply, limit: ConcurrencyLimit) -> AsyncIterator[bytes]:
+    async with limit.hold(reply.sequences, reply.tokens):  # again: places may have been taken since
+        async for chunk in reply.body:
+            yield event(chunk)
 
 
 async def _pushed(reply: Reply, limit: ConcurrencyLimit, writer) -> AsyncIterator[bytes]:
     """``_events`` of a ``Push`` reply: each output's events are written by ``writer`` (``edge.BodyWriter``) as
     they come (see the module docstring), and only what it was not ready for (the connection's buffer is full: the
     client reads slowly) comes out of this iterator, merged per job, together with the first and last events."""
-    push = reply.push
-    pending: dict[int, Any] = {}  # outputs not written yet, merged per job
-    errors: list[BaseException] = []
-    left, waiter, sending = push.jobs, None, False  # sending: an event of this iterator is being sent
+    push, sending = reply.push, True  # sending: an event of this iterator is on its way (nothing may overtake it)
 
-    def listener(i: int, item) -> None:
-        nonlocal left, waiter
-        if isinstance(item, BaseException):
-            errors.append(item)
-        else:
-            left -= item.finished
-            if pending or sending or not writer.ready():
-                pending[i] = item if i not in pending else pending[i].merged(item)
-            else:
-                data = b"".join(event(c) for c in push.chunk(i, item))
-                if data:
-                    writer.write(data)
-                if left > 0:
-                    return
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def direct(i: int, item) -> bool:
+        if gathered.pending or sending or not writer.ready():
+            return False
+        data = b"".join(event(c) for c in push.chunk(i, item))
+        if data:
+            writer.write(data)
+        return True
 
-    try:
-        async with limit.hold(reply.sequences, reply.tokens):
-            sending = True
-            for c in push.first:
-                yield event(c)
-            sending = False
-            submitted = await push.start(listener)
-            try:
-                while True:
-                    if pending:
-                        i = next(iter(pending))
-                        sending = True
-                        for c in push.chunk(i, pending.pop(i)):
-                            yield event(c)
-                        sending = False
-                    elif errors:
-                        raise errors[0]
-                    elif left <= 0:
-                        break
-                    else:
-                        waiter = asyncio.get_running_loop().create_future()
-                        await waiter
-            finally:
-                submitted.close()
-            for c in push.last():
-                yield event(c)
-    except ApiError as e:
-        yield event(e.body())
-    except Exception as e:  # noqa: BLE001 - a bug: the client still gets an error event, not a stream cut short
-        logger.exception("a stream failed")
-        yield event(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details").body())
-    yield DONE
+    gathered = _Gathered(push.jobs, direct)
+    async with limit.hold(reply.sequences, reply.tokens):
+        for c in push.first:
+            yield event(c)
+        sending = False
+        submitted = await push.start(gathered)
+        try:
+            async for i, out in gathered.items():
+                sending = True
+                for c in push.chunk(i, out):
+                    yield event(c)
+                sending = False
+        finally:
+            submitted.close()
+        for c in push.last():
+            yield event(c)
 
 
 _encode = msgspec.json.Encoder().encode
