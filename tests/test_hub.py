@@ -1,6 +1,6 @@
-"""Models and adapters by Hugging Face hub id (``lorakit.hub``), without a network: a fake hub on localhost speaks
-the two calls ``huggingface_hub`` makes (a revision's file list, each file's HEAD and GET), so the cache the tests
-read is laid out by ``huggingface_hub``'s own download, then read again with ``HF_HUB_OFFLINE=1``."""
+"""Models and adapters by Hugging Face hub id (``lorakit.adapters.hub``), without a network: a fake hub on
+localhost speaks the two calls ``huggingface_hub`` makes (a revision's file list, each file's HEAD and GET), so the
+cache the tests read is laid out by ``huggingface_hub``'s own download, then read again with ``HF_HUB_OFFLINE=1``."""
 
 import hashlib
 import http.server
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorakit.hub import ADAPTER_FILES, MODEL_FILES, hub_id
+from lorakit.adapters.hub import ADAPTER_FILES, MODEL_FILES, hub_id
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITS = {"main": "a" * 40, "v1": "b" * 40}  # v1 holds an adapter's files too
@@ -103,7 +103,7 @@ def hub(tmp_path):
 def resolve(spec: str, env: dict, files=MODEL_FILES, cwd=None) -> tuple[int, str]:
     """``local_or_hub(spec)`` in a process of its own (huggingface_hub reads its environment when imported)."""
     kind = "MODEL_FILES" if files is MODEL_FILES else "ADAPTER_FILES"
-    probe = ("import sys\nfrom lorakit.hub import local_or_hub, MODEL_FILES, ADAPTER_FILES\ntry:\n"
+    probe = ("import sys\nfrom lorakit.adapters.hub import local_or_hub, MODEL_FILES, ADAPTER_FILES\ntry:\n"
              f"    print(local_or_hub(sys.argv[1], '--model', {kind}))\n"
              "except FileNotFoundError as e:\n    print('ERROR', e)\n    sys.exit(3)")
     proc = subprocess.run([sys.executable, "-c", probe, spec], capture_output=True, text=True, timeout=120, cwd=cwd,

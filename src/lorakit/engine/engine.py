@@ -688,9 +688,9 @@ class LLM:
                  adapters: dict[str, str | Path] | None = None, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, **options):
         """``config`` / ``options``: the engine's settings, as ``Engine`` takes them. A model or adapter given by
-        hub id is downloaded once into the hub cache as ``lorakit serve`` does (``lorakit.hub``: a local folder of
-        that spelling wins; safetensors, configs and tokenizer files only)."""
-        from lorakit.hub import ADAPTER_FILES, MODEL_FILES, local_or_hub
+        hub id is downloaded once into the hub cache as ``lorakit serve`` does (``lorakit.adapters.hub``: a local
+        folder of that spelling wins; safetensors, configs and tokenizer files only)."""
+        from lorakit.adapters.hub import ADAPTER_FILES, MODEL_FILES, local_or_hub
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(model, str):

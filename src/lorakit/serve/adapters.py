@@ -17,7 +17,7 @@ import fnmatch
 from pathlib import Path
 
 from lorakit.adapters.pool import check_name
-from lorakit.hub import ADAPTER_FILES, hub_id, local_or_hub
+from lorakit.adapters.hub import ADAPTER_FILES, hub_id, local_or_hub
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState

@@ -400,10 +400,10 @@ def run_ray(args) -> int:
 
 def resolve_hub_ids(args) -> str:
     """``--model`` and each ``--lora NAME=...`` given as a hub id (``ORG/NAME[@REVISION]``) replaced by its folder in
-    the Hugging Face cache, downloaded first if need be (``lorakit.hub``; a local folder of the same spelling wins);
-    returns the base model's default served name: the hub id without its revision (as vLLM names it), else the
-    folder's name. FileNotFoundError naming an id that cannot be had."""
-    from lorakit.hub import ADAPTER_FILES, MODEL_FILES, hub_id, local_or_hub
+    the Hugging Face cache, downloaded first if need be (``lorakit.adapters.hub``; a local folder of the same
+    spelling wins); returns the base model's default served name: the hub id without its revision (as vLLM names
+    it), else the folder's name. FileNotFoundError naming an id that cannot be had."""
+    from lorakit.adapters.hub import ADAPTER_FILES, MODEL_FILES, hub_id, local_or_hub
 
     name = served_name(args.model)
     if args.model is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["ADAPTER_FILES", "MODEL_FILES", "hub_id", "local_or_hub"]
 
-logger = logging.getLogger("lorakit.hub")
+logger = logging.getLogger("lorakit.adapters.hub")
 
 _TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.json",
