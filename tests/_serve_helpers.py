@@ -1,5 +1,6 @@
 """A tiny model, tokenizer and adapters for server tests, and `lorakit serve` live on loopback over them."""
 
+import asyncio
 import copy
 import os
 import threading
@@ -41,6 +42,18 @@ def build_world(tmp):
                          init_lora_weights=False)
         adapters[name] = save_adapter(base, name, cfg, root, seed=seed, std=0.3).path
     return base, tokenizer, root, adapters
+
+
+def run_state(state, body_of):
+    """``body_of(state)`` (a coroutine) on an event loop of its own, ``state`` (a ServerState) started before it and
+    stopped after it, however it ends; its result."""
+    async def main():
+        state.start()
+        try:
+            return await body_of(state)
+        finally:
+            state.stop()
+    return asyncio.run(main())
 
 
 class LiveServer:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from _serve_helpers import build_world, reference, start
+from _serve_helpers import build_world, reference, run_state, start
 from test_hostile_requests import slow_steps
 from lorakit.engine import Engine
 from lorakit.frontend.client import InProcessClient
@@ -85,13 +85,7 @@ def served(world, body_of, **config):
                     **ENGINE)
     state = ServerState(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config))
 
-    async def main():
-        state.start()
-        try:
-            return await body_of(state)
-        finally:
-            state.stop()
-    return asyncio.run(main())
+    return run_state(state, body_of)
 
 
 def test_a_reply_counts_each_sequences_prompt_and_max_tokens_fitted_to_the_context(world):

@@ -4,14 +4,13 @@
 cache already holds (its blocks are recomputed: a cached block has no logits); and the request lm-evaluation-harness's
 ``local-completions`` sends for a loglikelihood task, answered as it parses it."""
 
-import asyncio
 import copy
 
 import pytest
 import torch
 from peft import PeftModel
 
-from _serve_helpers import build_world
+from _serve_helpers import build_world, run_state
 from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, openai
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody
@@ -98,13 +97,7 @@ def served(world, body_of):
                     block_size=4)
     state = ServerState(engine, ServeConfig(model_name="tiny"))
 
-    async def main():
-        state.start()
-        try:
-            return await body_of(state)
-        finally:
-            state.stop()
-    return asyncio.run(main())
+    return run_state(state, body_of)
 
 
 def test_the_request_lm_evaluation_harness_sends_is_answered_as_it_parses_it(world):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _serve_helpers import build_world, reference
+from _serve_helpers import build_world, reference, run_state
 from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, adapters, confined, openai, sglang
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, nth_sample
@@ -37,13 +37,7 @@ def served(world, body_of, **config):
                                                                _m(*a))[1])
     state = ServerState(engine, ServeConfig(model_name="tiny", lora_roots=[root], **config))
 
-    async def main():
-        state.start()
-        try:
-            return await body_of(state)
-        finally:
-            state.stop()
-    return asyncio.run(main()), calls
+    return run_state(state, body_of), calls
 
 
 def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(world):

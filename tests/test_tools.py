@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from _serve_helpers import LiveServer, build_world
+from _serve_helpers import LiveServer, build_world, run_state
 from lorakit.engine import Engine
 from lorakit.serve import ServeConfig, create_app, openai
 from lorakit.serve.protocol import ApiError, ChatBody, chat_messages
@@ -51,16 +51,6 @@ def state_of(world, template=None):
     return ServerState(engine, ServeConfig(model_name="tiny"))
 
 
-def served(state, body_of):
-    async def main():
-        state.start()
-        try:
-            return await body_of(state)
-        finally:
-            state.stop()
-    return asyncio.run(main())
-
-
 def matches_schema(name, arguments):
     if name == "get_weather":
         return set(arguments) == {"city", "days"} and arguments["city"] in ("Paris", "Rome") and \
@@ -98,7 +88,7 @@ def test_enforced_calls_parse_and_match_their_schema_for_base_and_adapters_in_on
             return [c async for c in reply.body] if stream else await reply.body
         return await asyncio.gather(*(collect(r, b.stream) for r, b in zip(replies, bodies)))
 
-    answers = served(state_of(world), body_of)
+    answers = run_state(state_of(world), body_of)
     for whole, chunks in zip(answers[::2], answers[1::2]):
         choice = whole["choices"][0]
         calls = choice["message"]["tool_calls"]
@@ -132,7 +122,7 @@ def test_auto_and_none_leave_text_as_content_and_a_history_with_tool_messages_re
                                                              tools=[WEATHER], tokenize=False)
         return out, rendered
 
-    out, rendered = served(state_of(world), body_of)
+    out, rendered = run_state(state_of(world), body_of)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in rendered
     assert '<tool>{"sky": "sunny"}' in rendered
     for choice in ("auto", "none"):
@@ -156,14 +146,14 @@ def test_refusals_name_the_parameter(world):
                 found.append((400, type(e).__name__))
         return found
 
-    found = served(state_of(world), body_of)
+    found = run_state(state_of(world), body_of)
     assert found == [(400, "tool_choice"), (400, "tool_choice"), (400, "ValidationError"), (400, "tool_choice")]
 
     async def untaught(state):  # a template that does not render tools
         with pytest.raises(ApiError, match="does not render tools") as e:
             await openai.chat(ChatBody(model="tiny", messages=ASK, tools=[WEATHER]), state)
         return e.value.param
-    assert served(state_of(world, "{% for m in messages %}{{ m['content'] }}{% endfor %}"), untaught) == "tools"
+    assert run_state(state_of(world, "{% for m in messages %}{{ m['content'] }}{% endfor %}"), untaught) == "tools"
 
 
 RECORDED = {  # (parser, model output) -> (content, [(name, arguments)])

@@ -276,8 +276,7 @@ class ServerState:
         if tools and "tools" not in template:
             raise ApiError(400, "this model's chat template does not render tools, so it was not taught to call them; "
                                 "drop tools, or serve a model whose template has them", "tools")
-        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools)) if tools else \
-            sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self._check_chars(chars, "messages")
         if len(messages) >= self.engine.max_seq_len:  # each message takes at least one token of the context
             raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
