@@ -19,16 +19,16 @@ _HOMES = {  # name -> the module that defines it
     "LLM": "lorakit.engine", "AdapterPool": "lorakit.engine", "Engine": "lorakit.engine",
     "EngineConfig": "lorakit.engine", "PoolFull": "lorakit.engine", "SamplingParams": "lorakit.engine",
     "AsyncEngine": "lorakit.frontend.async_engine", "LoraHandle": "lorakit.layers", "PatchConfig": "lorakit.layers",
-    "patch": "lorakit.layers", "AdapterError": "lorakit.layers.adapter",
+    "patch": "lorakit.layers", "AdapterError": "lorakit.layers.adapter", "quantize": "lorakit.layers",
 }
 __all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "EngineConfig", "LoraHandle", "PatchConfig",
-           "PoolFull", "SamplingParams", "ops", "patch"]
+           "PoolFull", "SamplingParams", "ops", "patch", "quantize"]
 
 if TYPE_CHECKING:
     from lorakit import ops
     from lorakit.engine import LLM, AdapterPool, Engine, EngineConfig, PoolFull, SamplingParams
     from lorakit.frontend.async_engine import AsyncEngine
-    from lorakit.layers import LoraHandle, PatchConfig, patch
+    from lorakit.layers import LoraHandle, PatchConfig, patch, quantize
     from lorakit.layers.adapter import AdapterError
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from lorakit.adapters.pool import CPU_BUDGET_BYTES
 from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
+from lorakit.layers.quant import SCHEMES, check_scheme
 
 
 # Prompt tokens a step takes beside decodes by default. On the H200 a Llama-3-8B decode step of 64 takes 8.4 ms and a
@@ -24,10 +25,12 @@ MAX_PREFILL_TOKENS = 384
 
 
 def _opt(default, help: str, flag: str | None = None, metavar: str | None = None, min: int = 1,
-         off: str | None = None):
+         off: str | None = None, choices: tuple[str, ...] | None = None):
     """A field with its CLI flag (None: the API only), help text and, for ints, the least value; ``off``, for a
-    switch that is on by default, what its flag does (default: "turn off: " and the help)."""
-    return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min, "off": off})
+    switch that is on by default, what its flag does (default: "turn off: " and the help); ``choices``, for a
+    string, the values it takes."""
+    return field(default=default, metadata={"flag": flag, "metavar": metavar, "help": help, "min": min, "off": off,
+                                            "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,11 @@ class EngineConfig:
     base_twins: bool = _opt(True, "steps without adapter tokens run without LoRA kernels, decode steps from base twins "
                             "of the decode graphs captured with the LoRA ops silenced (False: they run their empty "
                             "LoRA kernels)")
+    quantization: str | None = _opt(None, "store the base model's linear layers quantized, at load: fp8 (e4m3, a scale "
+                                    "per output channel: half the bytes of bf16) or int4 (4-bit, a scale and zero "
+                                    "per 128 inputs: a quarter), weight-only; adapters stay in the model's dtype "
+                                    "(default: none, the checkpoint's dtype; docs/patch.md#quantized-bases)",
+                                    "--quantization", "fp8|int4", choices=SCHEMES)
     fuse_siblings: bool = _opt(True, "sibling projections that read one input (q/k/v, gate/up) run one base GEMM over "
                                "their weights, moved into one buffer (False: one GEMM each)")
 
@@ -113,6 +121,12 @@ class EngineConfig:
                      "fuse_siblings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.quantization is not None:
+            check_scheme(self.quantization)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the sharded layers "
+                                 "hold bf16 weights; serve a quantized model on one GPU (fp8 fits a 70B model in an "
+                                 "H200), or a bf16 one split over several")
         for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):
             value = getattr(self, name)
             if value is None:

@@ -38,6 +38,7 @@ from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, St
 from lorakit.layers.adapter import activation_start
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch, slot_bytes
+from lorakit.layers.quant import QuantizedLinear, quantize, weight_bytes
 from lorakit.ops import cdiv
 
 logger = logging.getLogger("lorakit.engine")
@@ -118,6 +119,7 @@ class Engine:
                                     f"{type(model).__name__}")
                 model = model()
                 model = model.to(device) if device is not None else model
+            _quantized(model, config)
             config = _slot_count(model, config)
         try:
             self._build(model, tokenizer, config, adapters)
@@ -613,6 +615,29 @@ def fit_params(params: SamplingParams, prompt_len: int, max_seq_len: int) -> Sam
     if max_tokens == params.max_tokens:
         return params
     return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+
+
+def _quantized(model: nn.Module, config: EngineConfig) -> None:
+    """Quantize the model's base weights as the config asks, in place (before it is patched); a model already
+    quantized with that scheme is left as it is."""
+    scheme = config.quantization
+    if scheme is None:
+        return
+    schemes = {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear)}
+    if schemes:
+        if schemes != {scheme}:
+            raise ValueError(f"the model's layers are already quantized as {sorted(schemes)}, but the engine config "
+                             f"asks for quantization={scheme!r}; give the engine an unquantized model, or that scheme")
+        return
+    if getattr(model, "_lorakit_handle", None) is not None:
+        raise ValueError(f"quantization={scheme!r} needs an unpatched model (the LoRA wrappers must wrap the "
+                         f"quantized layers): give the engine the model before lorakit.patch, or quantize it with "
+                         f"lorakit.quantize before patching")
+    count = quantize(model, scheme)
+    size = weight_bytes(model)
+    logger.info("quantization %s: %d linear layers, %.2f GiB of weights (%.2f GiB quantized, %.2f GiB in %s)", scheme,
+                count, sum(size.values()) / 2**30, size["quantized"] / 2**30, size["other"] / 2**30,
+                str(next(model.parameters()).dtype).removeprefix("torch."))
 
 
 def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:

@@ -8,6 +8,8 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import PatchConfig, patch
+from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize
 from lorakit.layers.slot_table import SlotTable
 
-__all__ = ["LoraContext", "LoraEmbedding", "LoraHandle", "LoraLinear", "PatchConfig", "SlotTable", "patch"]
+__all__ = ["Fp8Linear", "Int4Linear", "LoraContext", "LoraEmbedding", "LoraHandle", "LoraLinear", "PatchConfig",
+           "QuantizedLinear", "SlotTable", "patch", "quantize"]

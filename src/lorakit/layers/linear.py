@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorakit.layers.context import LoraContext
+from lorakit.layers.quant import QuantizedLinear
 from lorakit.layers.sharded import ShardedLinear
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
@@ -28,13 +29,16 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_features, out_features) of a linear-like module, None for anything else. For a tensor-parallel
     column or row layer (a ``ShardedLinear``, the vocab-parallel head included), the shape of this rank's shard: what
     its slots hold."""
-    if isinstance(module, ShardedLinear):
-        return module.in_features, module.out_features
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (ShardedLinear, QuantizedLinear, nn.Linear)):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
         return module.weight.shape[0], module.weight.shape[1]
     return None
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a linear-like module takes and returns (a quantized layer's, not its weight's): its slots'."""
+    return module.compute_dtype if isinstance(module, QuantizedLinear) else module.weight.dtype
 
 
 class _LinearSlots(LoraSlots):
@@ -43,8 +47,8 @@ class _LinearSlots(LoraSlots):
     def __init__(self, base_layers: Sequence[nn.Module], ctx: LoraContext, num_slots: int, rank_multiple: int):
         shapes = [linear_shape(m) for m in base_layers]
         weight = base_layers[0].weight
-        super().__init__(num_slots, shapes[0][0], [out for _, out in shapes], weight.dtype, weight.device,
-                         rank_multiple)
+        super().__init__(num_slots, shapes[0][0], [out for _, out in shapes], compute_dtype(base_layers[0]),
+                         weight.device, rank_multiple)
         self.ctx = ctx
 
     def _empty_a(self, r_max, dtype, device):
@@ -143,7 +147,8 @@ class LoraLinearGroup(_LinearSlots):
         self.members: list[LoraLinearMember] = []  # a plain list: the members live in the model tree
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] | None = None
-        self._fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # every sibling's weight, bias (fuse_base)
+        # every sibling's weight and bias, or one quantized layer over them all (fuse_base)
+        self._fused: tuple[torch.Tensor, torch.Tensor | None] | QuantizedLinear | None = None
         ctx.on_reset(self.reset)
 
     def reset(self) -> None:
@@ -153,13 +158,19 @@ class LoraLinearGroup(_LinearSlots):
         """Put the siblings' weights (and biases) into one buffer, each member's parameter a view of its rows, so that
         ``outputs`` runs one GEMM for all of them instead of one each: at decode, the small k and v GEMMs of GQA cost
         a launch and a split-K reduction each. The values do not change, and a member called alone still runs its own
-        base layer. Only plain ``nn.Linear`` siblings of one dtype and device, all with or all without a bias; for a
-        model that stays where it is (``Module.to`` would copy the views apart and leave the buffer behind: the
-        engine's runner, which owns its model, fuses). Returns whether the group is fused."""
+        base layer. Only plain ``nn.Linear`` siblings of one dtype and device, all with or all without a bias, or
+        quantized siblings of one scheme (``QuantizedLinear.cat``); for a model that stays where it is
+        (``Module.to`` would copy the views apart and leave the buffer behind: the engine's runner, which owns its
+        model, fuses). Returns whether the group is fused."""
         if self._fused is not None:
             return True
         layers = [member.base_layer for member in self.members]
         first = layers[0].weight
+        if isinstance(layers[0], QuantizedLinear) and all(type(m) is type(layers[0]) for m in layers):
+            fused = type(layers[0]).cat(layers)
+            if fused is not None:  # not a submodule: its tensors are the members' (views), counted there
+                object.__setattr__(self, "_fused", fused)
+            return fused is not None
         if (any(type(m) is not nn.Linear for m in layers) or first.device.type == "meta"
                 or any(m.weight.dtype != first.dtype or m.weight.device != first.device for m in layers)
                 or len({m.bias is None for m in layers}) != 1):
@@ -180,6 +191,8 @@ class LoraLinearGroup(_LinearSlots):
         if self._input is not x:
             if self._fused is None:
                 base = lambda: [member.base_layer(x) for member in self.members]  # noqa: E731
+            elif isinstance(self._fused, QuantizedLinear):
+                base = lambda: list(self._fused(x).split(self.out_sizes, dim=-1))  # noqa: E731
             else:
                 base = lambda: list(F.linear(x, *self._fused).split(self.out_sizes, dim=-1))  # noqa: E731
             outputs = base() if meta is None else self.with_delta(base, x, meta)

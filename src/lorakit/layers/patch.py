@@ -137,7 +137,8 @@ def slot_bytes(model: nn.Module, rank: int, rank_multiple: int = PatchConfig.ran
             shape = (module.num_embeddings, module.embedding_dim)
         if shape is not None:
             weight = getattr(module, "weight", None)
-            itemsize = weight.dtype.itemsize if weight is not None and weight.is_floating_point() else 2
+            dtype = getattr(module, "compute_dtype", None) or (weight.dtype if weight is not None else None)
+            itemsize = dtype.itemsize if dtype is not None and dtype.is_floating_point else 2
             total += r * (shape[0] + shape[1]) * itemsize + 8
     return total
 

@@ -266,6 +266,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             else:
                 dest, what = f"no_{f.name}", meta.get("off") or f"turn off: {meta['help']} (default: on)"
             p.add_argument(meta["flag"], dest=dest, action="store_true", help=what)
+        elif meta.get("choices"):
+            p.add_argument(meta["flag"], dest=f.name, choices=meta["choices"], default=default,
+                           metavar=meta["metavar"], help=meta["help"])
         else:
             kind = _positive_float if isinstance(default, float) else _int_at_least(meta.get("min", 1))
             if meta["metavar"].endswith("|auto"):  # "auto" is None: the engine chooses

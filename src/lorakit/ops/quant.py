@@ -1,0 +1,239 @@
+"""Linear layers over quantized base weights: ``y = x @ dequant(W).T + b`` computed from the quantized bytes.
+
+    w8, scale = quantize_fp8(weight)                    # e4m3, one float32 scale per output channel
+    y = fp8_linear(x, w8, scale, bias)                  # torch.ops.lorakit.fp8_linear
+
+    packed, scales_zeros = quantize_int4(weight, 128)   # 4 bits, asymmetric, one scale and zero per 128 inputs
+    y = int4_linear(x, packed, scales_zeros, 128, bias)
+
+Both are weight-only: x stays in its dtype (bf16 on a GPU) and the weight is widened to it inside the kernel,
+so the result is the dequantized base's up to float32 accumulation order, and a LoRA delta trained on the bf16
+base lands on the same activations it was trained on (no activation quantization error to compound).
+
+fp8: a Triton kernel on CUDA reads each fp8 weight tile once, widens it to x's dtype in registers and multiplies
+on the tensor cores; the per-channel scale (and the bias) are applied in the epilogue, ``(x @ w.T) * scale``,
+which is exact for a per-output-channel scale. On the CPU the same in torch (the weight widened to x's dtype).
+int4: torch's own tinygemm kernels (``aten._weight_int4pack_mm`` on CUDA, ``_weight_int4pack_mm_for_cpu`` on
+the CPU); their packed layouts differ, so a weight is packed for the device it lives on.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, num_sms
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # tinygemm's group sizes
+INT4_INNER_K_TILES = 8  # tinygemm's packing; in_features must divide by inner_k_tiles * 16
+
+
+# --- fp8 ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
+    # L2 once per group when M spans several row blocks; at decode (one row block) this is the plain order.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = dot(xt, wt.to(xt.dtype), acc, IEEE)
+    acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Tile sizes for an [m, k] x [n, k] product. Decode (m <= 64) is bound by reading W: one row block, and
+    column blocks narrow enough that every SM has a few of them in flight. Prefill is bound by the tensor cores:
+    large square tiles."""
+    if m <= 64:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = 64
+        while block_n > 16 and cdiv(n, block_n) < 4 * sms:
+            block_n //= 2
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256 if block_m <= 32 else 128, GROUP_M=1,
+                    num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _check_fp8_args(x, weight, scale, bias) -> None:
+    check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=1)
+    check_tensor("weight", weight, dim=2, dtypes=(FP8,), device=x.device, unit_stride_dim=1)
+    check_tensor("scale", scale, dim=1, dtypes=(torch.float32,), device=x.device, unit_stride_dim=0)
+    if weight.shape[1] != x.shape[1] or scale.shape[0] != weight.shape[0]:
+        raise ValueError(f"fp8_linear: x [M, K={x.shape[1]}] needs weight [N, K] and scale [N], got weight "
+                         f"{tuple(weight.shape)} and scale {tuple(scale.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, dim=1, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=0)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"fp8_linear: bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    config = config or fp8_config(m, n, k, num_sms(x.device))
+    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
+    _fp8_linear_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, y,
+        m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
+    )
+    return y
+
+
+@torch.library.custom_op("lorakit::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x @ weight.T) * scale + bias in x's dtype, float32 accumulation.
+
+    x: [M, K] float32/float16/bfloat16; weight: [N, K] float8_e4m3fn; scale: float32 [N]; bias: [N] or None.
+    """
+    _check_fp8_args(x, weight, scale, bias)
+    return _fp8_linear_torch(x, weight, scale, bias)
+
+
+@_fp8_linear_op.register_kernel("cuda")
+def _(x, weight, scale, bias=None):
+    _check_fp8_args(x, weight, scale, bias)
+    return _launch_fp8_linear(x, weight, scale, bias)
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, scale, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _fp8_linear_torch(x, weight, scale, bias) -> torch.Tensor:
+    """The CPU path: the weight widened to x's dtype, one matmul, the scale after it (as the kernel applies it)."""
+    y = (x @ weight.to(x.dtype).T).float() * scale
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.ops.lorakit.fp8_linear`` over x of any leading shape [..., K]: [..., N]. An eager call on CUDA
+    launches the kernel itself (the dispatcher costs tens of microseconds of host time per call)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if (x.is_cuda and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled() and type(x) is torch.Tensor and not x.requires_grad):
+        y = _launch_fp8_linear(x2, weight, scale, bias)
+    else:
+        y = torch.ops.lorakit.fp8_linear(x2, weight, scale, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.no_grad()
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [N, K], float32 scale [N]): each output channel scaled so its largest magnitude is 448."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    w8 = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return w8, scale
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (weight.float() * scale.float()[:, None]).to(dtype)
+
+
+# --- int4 --------------------------------------------------------------------------------------------------------
+
+def check_int4_shape(in_features: int, out_features: int, group_size: int) -> str | None:
+    """Why a layer of this shape cannot hold an int4 weight (None: it can)."""
+    if group_size not in INT4_GROUP_SIZES:
+        return f"group size {group_size} is not one of {list(INT4_GROUP_SIZES)}"
+    if in_features % group_size or in_features % (INT4_INNER_K_TILES * 16):
+        return (f"in_features {in_features} does not divide by the group size {group_size} and by "
+                f"{INT4_INNER_K_TILES * 16}")
+    if out_features % 8:
+        return f"out_features {out_features} does not divide by 8"
+    return None
+
+
+@torch.no_grad()
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int32 [N, K] in 0..15, scales_zeros float32 [K / group, N, 2]): asymmetric per group of
+    ``group_size`` inputs, w = (code - 8) * scale + zero (tinygemm's convention, zero in the weight's domain)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    codes = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+    zero = lo + 8 * scale
+    scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
+    return codes, scales_zeros
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """tinygemm's packed weight for the device ``codes`` live on."""
+    if codes.is_cuda:
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # two codes a byte, the even one high
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight for ``weight``'s device, scales_zeros [K / group, N, 2] in ``weight``'s dtype)."""
+    codes, scales_zeros = int4_codes(weight, group_size)
+    return pack_int4(codes), scales_zeros.to(weight.dtype)
+
+
+def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = codes.shape
+    scale = scales_zeros[..., 0].float().T.repeat_interleave(group_size, dim=1)  # [N, K]
+    zero = scales_zeros[..., 1].float().T.repeat_interleave(group_size, dim=1)
+    return ((codes.float() - 8) * scale + zero).to(dtype).view(n, k)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(packed).T (+ bias), in x's dtype (bfloat16 on CUDA, as tinygemm computes it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x.is_cuda:
+        y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,231 @@
+"""Quantized bases (fp8, int4) under LoRA: the kernels against their torch paths, and patched models against PEFT on
+the dequantized base (each quantized layer replaced by an nn.Linear holding the weight it multiplies by).
+
+On the CPU the fp8 kernel runs under the Triton interpreter (float32 and float16) and int4 runs torch's CPU tinygemm.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, PeftModel
+
+import lorakit
+from _lora_cases import TOLERANCE, rel_err
+from _peft_models import TARGETS, save_adapter
+from lorakit.engine import Engine, EngineConfig, SamplingParams
+from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
+from lorakit.ops.quant import (_fp8_linear_torch, _launch_fp8_linear, dequantize_fp8, dequantize_int4, fp8_config,
+                               int4_codes, quantize_fp8)
+
+VOCAB = 128
+# Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
+# weights, multiplied in another order (the fp8 scale after the dot, not in the weight).
+LOGITS_TOLERANCE = 1e-4
+
+
+def quant_model(arch: str, seed: int = 0, dtype=torch.float32):
+    """A tiny model wide enough for int4 (in_features a multiple of its group of 128)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.Qwen2Config(**common) if arch == "qwen2" else transformers.LlamaConfig(**common)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
+
+
+def dequantized(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a quantized model with each quantized layer an nn.Linear of the weight it multiplies by."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                     dtype=module.compute_dtype, device=module.device)
+            with torch.no_grad():
+                linear.weight.copy_(module.dequantized_weight(module.compute_dtype))
+                if module.bias is not None:
+                    linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, linear)
+    return ref
+
+
+@pytest.fixture(scope="module", params=["fp8", "int4"])
+def quantized_setup(request, tmp_path_factory):
+    """(scheme, quantized base, PEFT on its dequantized base per adapter, adapter folders): three adapters trained on
+    the full-precision base (as users' are), of ranks 4, 8 and 16 on different targets; qwen2's q/k/v have biases."""
+    scheme = request.param
+    tmp = tmp_path_factory.mktemp(f"quant-{scheme}")
+    base = quant_model("qwen2", seed=1)
+    folders = {}
+    for i, (rank, targets) in enumerate([(8, TARGETS["llama"]), (4, ["q_proj", "v_proj", "down_proj"]),
+                                         (16, ["o_proj", "gate_proj", "up_proj", "lm_head"])]):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        folders[f"a{i}"] = save_adapter(base, f"a{i}", cfg, tmp, seed=i, std=0.05).path
+    quantize(base, scheme)
+    ref_base = dequantized(base)
+    peft = {name: PeftModel.from_pretrained(copy.deepcopy(ref_base), folder).eval() for name, folder in folders.items()}
+    return scheme, base, ref_base, peft, folders
+
+
+def reference_rows(ref_base, peft, names, input_ids):
+    rows = []
+    with torch.no_grad():
+        for b, name in enumerate(names):
+            model = ref_base if name is None else peft[name]
+            rows.append(model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0])
+    return torch.stack(rows)
+
+
+def test_quantize_swaps_every_linear_but_the_head():
+    for scheme, cls in (("fp8", Fp8Linear), ("int4", Int4Linear)):
+        model = quant_model("llama")
+        full = sum(p.nbytes for p in model.parameters())
+        assert quantize(model, scheme) == 14  # 7 projections x 2 layers
+        assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+        assert all(type(m) is cls for n, m in model.named_modules() if n.endswith("_proj"))
+        size = weight_bytes(model)
+        assert sum(size.values()) < full
+        assert size["quantized"] < (0.3 if scheme == "fp8" else 0.16) * 4 * 14 * 128 * 256  # float32 was 4 bytes
+
+
+def test_quantized_weights_are_close_to_the_originals():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=gen)
+    w8, scale = quantize_fp8(w)
+    assert w8.dtype == torch.float8_e4m3fn and rel_err(dequantize_fp8(w8, scale), w) < 0.04
+    codes, scales_zeros = int4_codes(w, 128)
+    assert 0 <= int(codes.min()) and int(codes.max()) <= 15
+    assert rel_err(dequantize_int4(codes, scales_zeros, 128), w) < 0.12
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.sampled_from([1, 3, 16, 33, 70]), n=st.sampled_from([8, 40, 64, 96]), k=st.sampled_from([16, 48, 160]),
+       dtype=st.sampled_from([torch.float32, torch.float16]), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_fp8_kernel_matches_the_torch_path_interpreted(m, n, k, dtype, bias, seed):
+    """The Triton kernel (any config its heuristic picks, the prefill tiles at m > 64) against the CPU path and the
+    dequantized weight."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w8, scale = quantize_fp8(torch.randn(n, k, generator=gen))
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = _launch_fp8_linear(x, w8, scale, b)
+    ref = x.double() @ dequantize_fp8(w8, scale, torch.float64).T + (0 if b is None else b.double())
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, ref) < TOLERANCE[dtype]
+    assert rel_err(_fp8_linear_torch(x, w8, scale, b), ref) < TOLERANCE[dtype]
+
+
+def test_fp8_config_fills_the_device_at_decode():
+    for n in (1024, 4096, 6144, 28672):
+        config = fp8_config(1, n, 4096, 132)
+        assert config["BLOCK_M"] == 16 and (n // config["BLOCK_N"] >= 4 * 132 or config["BLOCK_N"] == 16)
+    assert fp8_config(2048, 4096, 4096, 132)["BLOCK_M"] == 128
+
+
+def test_mixed_batch_matches_peft_on_the_dequantized_base(quantized_setup):
+    scheme, base, ref_base, peft, folders = quantized_setup
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4)
+    for name, folder in folders.items():
+        handle.load_adapter(name, folder)
+    names = ["a0", None, "a1", "a2", "a0", None]
+    input_ids = torch.randint(0, VOCAB, (len(names), 7), generator=torch.Generator().manual_seed(0))
+    ref = reference_rows(ref_base, peft, names, input_ids)
+    for fused in (False, True):
+        if fused:
+            assert handle.fuse_sibling_gemms() == 4  # q/k/v and gate/up of each layer, quantized weights fused
+        with torch.no_grad():
+            out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
+        for b, name in enumerate(names):
+            err = rel_err(out[b], ref[b])
+            assert err < LOGITS_TOLERANCE, f"{scheme} fused={fused} row {b} ({name}): relative error {err:.2e}"
+    with torch.no_grad():  # without lora_ids: the quantized base alone
+        assert rel_err(model(input_ids=input_ids, use_cache=False).logits,
+                       ref_base(input_ids=input_ids, use_cache=False).logits) < LOGITS_TOLERANCE
+
+
+def test_compiled_quantized_model_matches_eager_without_recompiles(quantized_setup):
+    scheme, base, _, _, folders = quantized_setup
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4)
+    for name, folder in folders.items():
+        handle.load_adapter(name, folder)
+    handle.fuse_sibling_gemms()
+    input_ids = torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for names in (["a0", None, "a1", "a2"], [None] * 4, ["a2", "a2", "a0", None]):
+            ids = handle.ids(names)
+            eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            assert rel_err(comp, eager) < LOGITS_TOLERANCE, (scheme, names)
+
+
+def test_the_engine_serves_a_quantized_base_as_generate_on_the_dequantized_one(quantized_setup):
+    scheme, base, ref_base, peft, folders = quantized_setup
+    engine = Engine(quant_model("qwen2", seed=1), max_loras=2, max_num_seqs=4, max_num_batched_tokens=16,
+                    block_size=4, num_blocks=64, max_seq_len=40, quantization=scheme, adapters=folders)
+    assert sum(isinstance(m, QuantizedLinear) for m in engine.model.modules()) == 14
+    assert engine.runner.fused_groups == 4  # q/k/v and gate/up: one quantized GEMM each
+    gen = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), adapter)
+                for n, adapter in ((5, None), (11, "a0"), (3, "a1"), (9, "a2"), (7, "a0"))]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0), a) for p, a in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    for rid, (prompt, adapter) in zip(ids, requests):
+        model = ref_base if adapter is None else peft[adapter]
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+        assert got[rid] == want.tolist(), (scheme, adapter)
+
+
+def test_refusals_name_the_problem(caplog):
+    model = quant_model("llama")
+    with pytest.raises(ValueError, match=r"'nf4' is not supported.*\['fp8', 'int4'\]"):
+        quantize(model, "nf4")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
+        EngineConfig(quantization="fp8", tensor_parallel_size=2)
+    lorakit.patch(model, max_loras=2)
+    with pytest.raises(ValueError, match="before lorakit.patch"):
+        quantize(model, "fp8")
+    with pytest.raises(ValueError, match="needs an unpatched model"):
+        Engine(model, max_loras=2, quantization="fp8")
+    small = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    with pytest.raises(ValueError, match="no linear layer of LlamaForCausalLM can be quantized.*divide by"):
+        quantize(small, "int4")  # in_features 32 and 48: not multiples of int4's group of 128
+    mixed = quant_model("llama")
+    mixed.model.layers[0].mlp.down_proj = torch.nn.Linear(250, 128)  # an input no group size divides
+    mixed.model.layers[0].mlp.up_proj = torch.nn.Linear(128, 250)
+    mixed.model.layers[0].mlp.gate_proj = torch.nn.Linear(128, 250)
+    with caplog.at_level(logging.INFO, logger="lorakit.quant"):
+        assert quantize(mixed, "fp8") == 13  # all but that down_proj
+    assert "model.layers.0.mlp.down_proj (in_features 250 does not divide by 16)" in caplog.text
+
+
+def test_slot_bytes_count_the_adapters_dtype_not_the_quantized_weights():
+    model = quant_model("llama")
+    before = lorakit.layers.patch.slot_bytes(model, 16)
+    quantize(model, "fp8")
+    assert lorakit.layers.patch.slot_bytes(model, 16) == before
+
+
+def test_an_engine_given_a_model_already_quantized_keeps_it():
+    model = quant_model("llama")
+    quantize(model, "int4")
+    with pytest.raises(ValueError, match=r"already quantized as \['int4'\]"):
+        Engine(model, max_loras=1, quantization="fp8")
+    engine = Engine(model, max_loras=1, num_blocks=16, max_seq_len=32, quantization="int4")
+    assert engine.model is model
