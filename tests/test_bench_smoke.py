@@ -38,7 +38,7 @@ def test_bench_frontend_smoke_run(tmp_path):
 def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
               "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve, "
-              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend\n"
+              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend, bench_quant\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
@@ -126,3 +126,28 @@ def test_a_server_a_benchmark_started_dies_with_it(tmp_path):
         for pid in (server, core):
             if pid is not None and not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_bench_quant_smoke_run_and_its_model_made_layer_by_layer(tmp_path):
+    """bench_quant's engine rows on a tiny model (CPU, no timing value), and the model it makes a layer at a time for
+    70B: every projection quantized, no weight left on the meta device, rotary buffers computed, finite logits."""
+    script = (f"import sys, json, torch, transformers; sys.path.insert(0, {str(BENCH)!r})\n"
+              "import bench_quant\n"
+              f"assert bench_quant.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']) == 0\n"
+              "config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, "
+              "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)\n"
+              "model = bench_quant.make_quantized(config, 'fp8', 'cpu')\n"
+              "from lorakit.layers.quant import Fp8Linear\n"
+              "assert sum(type(m) is Fp8Linear for m in model.modules()) == 14\n"
+              "assert all(t.device.type == 'cpu' for t in [*model.parameters(), *model.buffers()])\n"
+              "rotary = model.model.rotary_emb\n"
+              "want = type(rotary)(config).inv_freq\n"
+              "assert torch.equal(rotary.inv_freq, want)\n"
+              "logits = model(torch.tensor([[1, 2, 3]])).logits\n"
+              "assert torch.isfinite(logits).all() and logits.abs().max() > 0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "bench_quant.json").read_text())["engine"]
+    assert [(r["scheme"], r["what"], r["batch"]) for r in rows][:2] == [("bf16", "base", 1), ("bf16", "base", 64)]
+    assert {r["scheme"] for r in rows} == {"bf16", "fp8", "int4"} and len(rows) == 12

@@ -19,9 +19,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
+from lorakit.ops.quant import _fp8_linear_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
-POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32"}
+POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
+            "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
 
 
 def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
@@ -50,6 +52,9 @@ except RuntimeError as e:
     raise
 # A 1-wide slice with unit row stride is specialised to constexpr 1 by the launcher: compile that too.
 compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1), dtype)
+# the fp8 weight-only GEMM: its decode and prefill tiles, with a bias
+for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)):
+    compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, **tiles), dtype)
 print("OK")
 '''
 

@@ -6,6 +6,7 @@ On the CPU the fp8 kernel runs under the Triton interpreter (float32 and float16
 
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import lorakit
 from _lora_cases import TOLERANCE, rel_err
 from _peft_models import TARGETS, save_adapter
 from lorakit.engine import Engine, EngineConfig, SamplingParams
+from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
 from lorakit.ops.quant import (_fp8_linear_torch, _launch_fp8_linear, dequantize_fp8, dequantize_int4, fp8_config,
                                int4_codes, quantize_fp8)
@@ -102,6 +104,7 @@ def test_quantized_weights_are_close_to_the_originals():
     assert rel_err(dequantize_int4(codes, scales_zeros, 128), w) < 0.12
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
 @settings(max_examples=12, deadline=None)
 @given(m=st.sampled_from([1, 3, 16, 33, 70]), n=st.sampled_from([8, 40, 64, 96]), k=st.sampled_from([16, 48, 160]),
        dtype=st.sampled_from([torch.float32, torch.float16]), bias=st.booleans(), seed=st.integers(0, 1000))
@@ -217,9 +220,9 @@ def test_refusals_name_the_problem(caplog):
 
 def test_slot_bytes_count_the_adapters_dtype_not_the_quantized_weights():
     model = quant_model("llama")
-    before = lorakit.layers.patch.slot_bytes(model, 16)
+    before = slot_bytes(model, 16)
     quantize(model, "fp8")
-    assert lorakit.layers.patch.slot_bytes(model, 16) == before
+    assert slot_bytes(model, 16) == before
 
 
 def test_an_engine_given_a_model_already_quantized_keeps_it():

@@ -1,0 +1,149 @@
+"""Quantized bases on a GPU: the fp8 kernel and tinygemm at Llama-3-8B's shapes, a Qwen2-shaped model (biases on q/k/v) under three
+adapters against PEFT on the dequantized base, and the engine serving fp8 and int4 bases from CUDA graphs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from peft import LoraConfig, PeftModel
+
+import lorakit
+from _lora_cases import rel_err
+from _peft_models import TARGETS, save_adapter
+from lorakit.engine import Engine, SamplingParams
+from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
+from test_quant import dequantized
+
+pytestmark = pytest.mark.gpu
+VOCAB = 512
+# Relative error of a bf16 result against the same computation in float64 (one rounding of the output, bf16
+# inputs), and of a bf16 model's logits against float32 PEFT on the dequantized base (as in test_patch_gpu).
+KERNEL_TOLERANCE = 1e-2
+LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_kernels_at_llama_8b_shapes(m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    for layer in (Fp8Linear.from_linear(_linear(w, bias)), Int4Linear.from_linear(_linear(w, bias))):
+        ref = x.double() @ layer.dequantized_weight(torch.float64).T + bias.double()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < KERNEL_TOLERANCE, (layer.scheme, m, n, k)
+    # fp8 with float32 activations: IEEE float32 dots, the weight exact in float32
+    fp8 = Fp8Linear.from_linear(_linear(w.float(), None))
+    ref = x.double() @ fp8.dequantized_weight(torch.float64).T
+    assert rel_err(fp8(x.float()), ref) < 1e-6
+
+
+def _linear(w, bias):
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def qwen2_2048(dtype):
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quant-gpu")
+    base = qwen2_2048(torch.float32)
+    folders = {}
+    for i, (r, targets) in enumerate([(8, TARGETS["llama"]), (64, ["q_proj", "v_proj", "down_proj"]),
+                                      (16, ["o_proj", "up_proj", "lm_head"])]):
+        cfg = LoraConfig(r=r, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+        folders[f"a{i}"] = save_adapter(base, f"a{i}", cfg, tmp, seed=i, std=0.02).path
+    return folders
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(scheme, adapters):
+    model = qwen2_2048(torch.bfloat16).cuda()
+    quantize(model, scheme)
+    ref_base = dequantized(model).float()  # the weights the kernels multiply by, in float32
+    handle = lorakit.patch(model, max_loras=4)
+    for name, folder in adapters.items():
+        handle.load_adapter(name, folder)
+    handle.fuse_sibling_gemms()
+    names = ["a0", None, "a1", "a2", "a0", None]
+    input_ids = torch.randint(0, VOCAB, (len(names), 17), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits.float()
+        for b, name in enumerate(names):
+            ref_model = ref_base if name is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
+                                                                                adapters[name]).eval()
+            ref = ref_model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
+            err = rel_err(out[b], ref)
+            assert err < LOGITS_TOLERANCE[torch.bfloat16], f"{scheme} row {b} ({name}): {err:.2e}"
+
+
+def _generate(engine, requests, max_tokens=8):
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), a)
+           for p, a in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    return [got[i] for i in ids]
+
+
+def _requests():
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), a)
+            for n, a in ((5, None), (40, "a0"), (3, "a1"), (19, "a2"), (7, "a0"), (12, None))]
+
+
+def test_float32_fp8_engine_from_cuda_graphs_equals_generate_on_the_dequantized_base(adapters):
+    """Greedy tokens equal, token for token: fp8 weights are exact in float32, and the kernel's float32 dots are."""
+    model = qwen2_2048(torch.float32).cuda()
+    quantize(model, "fp8")
+    ref_base = dequantized(model)
+    engine = Engine(model, max_loras=4, max_num_seqs=8, max_seq_len=64, num_blocks=64, adapters=adapters,
+                    graph_sizes=(1, 2, 4, 8))
+    got = _generate(engine, _requests())
+    for tokens, (prompt, adapter) in zip(got, _requests()):
+        ref_model = ref_base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
+                                                                               adapters[adapter]).eval()
+        with torch.no_grad():
+            want = ref_model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
+        assert tokens == want[0, len(prompt):].tolist(), adapter
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_bfloat16_engine_replays_quantized_graphs_as_it_runs_eagerly(scheme, adapters):
+    outputs = []
+    for graphs in (False, True):
+        engine = Engine(qwen2_2048(torch.bfloat16).cuda(), max_loras=4, max_num_seqs=8, max_seq_len=64,
+                        num_blocks=64, adapters=adapters, quantization=scheme, cuda_graphs=graphs,
+                        graph_sizes=(1, 2, 4, 8))
+        assert engine.runner.fused_groups == 4
+        outputs.append(_generate(engine, _requests()))
+        del engine
+        torch.cuda.empty_cache()
+    assert outputs[0] == outputs[1]
+    # and the fused GEMM computes what the members compute alone
+    model = qwen2_2048(torch.bfloat16).cuda()
+    quantize(model, scheme)
+    x = torch.randn(5, 2048, device="cuda", dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    alone = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    handle = lorakit.patch(model, max_loras=2)
+    handle.fuse_sibling_gemms()
+    group = model.model.layers[0].self_attn.q_proj.group
+    for got, want in zip(group.outputs(x, None), alone):
+        assert torch.equal(got, want)
+    assert F.mse_loss(attn.q_proj.base_layer(x), alone[0]) == 0  # a member called alone (a view of the fused)
