@@ -726,9 +726,12 @@ class LLM:
         if isinstance(model, (str, Path)):
             import transformers
 
+            from lorakit.layers.checkpoint import load_causal_lm
+
             dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
             tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(model)
-            model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+            quantization = options.get("quantization", config.quantization if config is not None else None)
+            model = load_causal_lm(model, dtype, device, quantization)
         self.engine = Engine(model, tokenizer, config, adapters=adapters, **options)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

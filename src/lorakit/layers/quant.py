@@ -176,8 +176,8 @@ class Int4Linear(QuantizedLinear):
         return torch.cat(parts).T.to(dtype).contiguous()
 
 
-_FROM_LINEAR: dict[str, Callable[[nn.Linear], QuantizedLinear]] = {"fp8": Fp8Linear.from_linear,
-                                                                   "int4": Int4Linear.from_linear}
+FROM_LINEAR: dict[str, Callable[[nn.Linear], QuantizedLinear]] = {"fp8": Fp8Linear.from_linear,
+                                                                  "int4": Int4Linear.from_linear}
 
 
 def check_scheme(scheme: str) -> str:
@@ -195,11 +195,14 @@ def why_not(module: nn.Module, scheme: str) -> str | None:
         return f"its weight is {module.weight.dtype}"
     if module.weight.device.type == "meta":
         return "its weight is on the meta device"
+    return shape_reason(module.in_features, module.out_features, scheme)
+
+
+def shape_reason(in_features: int, out_features: int, scheme: str) -> str | None:
+    """Why a linear layer of this shape cannot be held by ``scheme`` (None: it can)."""
     if scheme == "fp8":
-        if module.in_features % 16:
-            return f"in_features {module.in_features} does not divide by 16"
-        return None
-    return check_int4_shape(module.in_features, module.out_features, INT4_GROUP_SIZE)
+        return f"in_features {in_features} does not divide by 16" if in_features % 16 else None
+    return check_int4_shape(in_features, out_features, INT4_GROUP_SIZE)
 
 
 @torch.no_grad()
@@ -222,7 +225,7 @@ def quantize(model: nn.Module, scheme: str, filter_fn: Callable[[nn.Module, str]
             kept[name] = reason
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, _FROM_LINEAR[scheme](module))
+        setattr(model.get_submodule(parent), child, FROM_LINEAR[scheme](module))
         module.weight = None  # the full-precision weight is freed as soon as its quantized one exists
         count += 1
     if kept:

@@ -16,7 +16,6 @@ error naming it.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -24,38 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from lorakit.layers.checkpoint import parameters_on_meta, safetensors_files, saved_scheme
 from lorakit.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_model)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Every parameter registered inside goes to the meta device as it is registered (buffers stay real)."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _files(folder: Path) -> dict[str, Path]:
-    """{checkpoint key: the safetensors file holding it}."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: folder / name for key, name in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; load_sharded reads "
-                                f"safetensors checkpoints only")
-    with safe_open(single, "pt") as f:
-        return {key: single for key in f.keys()}
 
 
 def _slice(module: nn.Module, attr: str) -> tuple[int, int, int] | None:
@@ -83,12 +52,15 @@ def load_sharded(folder: str | Path, rank: int | None = None, world_size: int | 
         world_size = dist.get_world_size() if joined else 1 if world_size is None else world_size
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     config = transformers.AutoConfig.from_pretrained(folder)
+    if saved_scheme(config) is not None:  # fp8 weights read as bf16 without their scales would be garbage
+        raise ValueError(f"{folder} is saved quantized ({saved_scheme(config)}); tensor parallelism splits bf16 "
+                         f"weights only: serve it on one GPU, or split its bf16 checkpoint")
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     shard_model(model.eval(), rank, world_size)
-    files = _files(folder)
+    files = safetensors_files(folder)
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}  # id(param) -> (module, attr, full name), tied included
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):

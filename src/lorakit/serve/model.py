@@ -116,17 +116,20 @@ def load_tokenizer(folder: str | Path):
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-def load_model(path: str | Path | None, device: str | None = None, dtype: str | None = None):
-    """(model, tokenizer, name) for a transformers folder, or the bundled default when ``path`` is None."""
-    import transformers
+def load_model(path: str | Path | None, device: str | None = None, dtype: str | None = None,
+               quantization: str | None = None):
+    """(model, tokenizer, name) for a transformers folder, or the bundled default when ``path`` is None;
+    ``quantization``: its linear layers quantized as they load (``lorakit.layers.checkpoint``), as they are too when
+    the checkpoint is saved quantized."""
+    from lorakit.layers.checkpoint import load_causal_lm
 
     folder, name = model_folder(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    logger.info("loading the model from %s on %s (%s)", folder, device, str(torch_dtype).removeprefix("torch."))
+    logger.info("loading the model from %s on %s (%s%s)", folder, device, str(torch_dtype).removeprefix("torch."),
+                f", {quantization} weights" if quantization else "")
     tokenizer = load_tokenizer(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
-    return model, tokenizer, name
+    return load_causal_lm(folder, torch_dtype, device, quantization), tokenizer, name
 
 
 def load_engine(path: str | Path, device: str | None, dtype: str | None, config, adapters: dict[str, str],
@@ -149,7 +152,7 @@ def load_engine(path: str | Path, device: str | None, dtype: str | None, config,
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         return Engine(functools.partial(load_weights, str(folder), dtype), load_tokenizer(folder), config,
                       adapters=adapters, device=device)
-    model, tokenizer, _ = load_model(path, device, dtype)
+    model, tokenizer, _ = load_model(path, device, dtype, config.quantization)
     return Engine(model, tokenizer, config, adapters=adapters)
 
 
