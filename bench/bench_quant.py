@@ -32,7 +32,7 @@ from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating
 
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import _launch_fp8_linear, fp8_config, quantize_fp8, quantize_int4
+from lorakit.ops.quant import _launch_fp8_linear, quantize_fp8, quantize_int4
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 64, 256, 2048)
@@ -80,8 +80,10 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
     if sweep and m <= 64:
         tried = []
-        for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)):
-            config = dict(fp8_config(m, n, k, 132), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        block_ms = (16,) if m <= 16 else (16, 64)  # one row block, or four sharing each W tile through L2
+        for block_m, block_n, block_k, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256, 512),
+                                                                   (3, 4)):
+            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4,
                           num_stages=stages)
             try:
                 t = rotating_us(lambda c, config=config: _launch_fp8_linear(c["x"], c["w8"], c["scale"], None,
@@ -239,8 +241,8 @@ def main(argv=None) -> int:
                               for r in kernels)))
     if best:
         parts.append("## fp8 decode tiles: the best of the sweep against the heuristic\n\n" + table(
-            "| shape | M | best (us) | heuristic (us) | BLOCK_N | BLOCK_K | warps | stages |",
-            ([b["shape"], b["m"], fmt(b["us"]), fmt(b["heuristic_us"]), b["BLOCK_N"], b["BLOCK_K"], b["num_warps"],
+            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages |",
+            ([b["shape"], b["m"], fmt(b["us"]), fmt(b["heuristic_us"]), b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
               b["num_stages"]] for b in best)))
     if engine:
         mode = "compiled decode graphs" if args.compile and cuda else "CUDA graphs"
