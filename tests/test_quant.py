@@ -341,3 +341,17 @@ def _word_tokenizer():
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return tok
+
+
+def test_the_serve_flag_reaches_the_engine_config():
+    import argparse
+
+    from lorakit.serve import cli
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="command")
+    cli.add_parser(sub)
+    serve = sub.choices["serve"]
+    assert cli.engine_config(serve.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    assert cli.engine_config(serve.parse_args([])).quantization is None
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--quantization", "nf4"])  # argparse: invalid choice 'nf4' (choose from fp8, int4)
