@@ -12,7 +12,7 @@ and a Llama-3-70B-shaped fp8 model with 8 adapters on one GPU.
 3. 70B: 80 layers, hidden 8192, MLP 28672, 64 heads, 8 KV heads, random fp8 weights made layer by layer on the GPU
    (no bf16 copy ever exists), 8 adapters: memory, and decode tok/s at batch 1 and 64 from CUDA graphs.
 
-    PYTHONPATH=src python bench/bench_quant.py --out DIR [--sweep] [--no-compile] [--skip-70b] [--kernels-only]
+    PYTHONPATH=src python bench/bench_quant.py --out DIR [--sweep] [--no-compile] [--skip-70b] [--kernels-only | --skip-kernels]
     PYTHONPATH=src python bench/bench_quant.py --out DIR --device cpu --tiny   # a smoke run, no timing value
 """
 
@@ -159,16 +159,16 @@ def engine_rows(args, gbps: float, tmp: Path) -> list[dict]:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     model = None
     batches = (1, 64)
-    for scheme in (None, "fp8", "int4"):
+    for scheme in (None, "fp8", "int4"):  # one engine per scheme: base rows replay its base twins
+        torch.manual_seed(0)
+        model = make_model(layers, args.tiny, args.device)
+        if scheme is not None:
+            quantize(model, scheme)
+        base_bytes = weight_bytes(model)
+        engine = Engine(model, max_loras=8, max_rank=16, max_num_seqs=64, max_seq_len=PROMPT + DECODE + 8,
+                        max_num_batched_tokens=4096, compile=args.compile and cuda, graph_sizes=list(batches),
+                        adapters=adapters)
         for label, names in (("base", [None]), ("8 adapters, rank 16", list(adapters))):
-            torch.manual_seed(0)
-            model = make_model(layers, args.tiny, args.device)
-            if scheme is not None:
-                quantize(model, scheme)
-            base_bytes = weight_bytes(model)
-            engine = Engine(model, max_loras=8, max_rank=16, max_num_seqs=64, max_seq_len=PROMPT + DECODE + 8,
-                            max_num_batched_tokens=4096, compile=args.compile and cuda, graph_sizes=list(batches),
-                            adapters=adapters)
             for batch in batches:
                 used = names[: min(len(names), batch)]
                 lora = lora_bytes * len([n for n in used if n])
@@ -177,10 +177,10 @@ def engine_rows(args, gbps: float, tmp: Path) -> list[dict]:
                 rows.append(dict(scheme=scheme or "bf16", what=label, batch=batch, weight_gb=base_bytes / 1e9,
                                  **result, floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
                 print(rows[-1], flush=True)
-            engine = model = None
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        engine = model = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     for r in rows:
         bf16 = next(b for b in rows if b["scheme"] == "bf16" and b["what"] == r["what"] and b["batch"] == r["batch"])
         r["vs_bf16"] = r["tok_s"] / bf16["tok_s"]
@@ -215,11 +215,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="engine rows from plain CUDA graphs")
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--kernels-only", action="store_true")
+    p.add_argument("--skip-kernels", action="store_true")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
-    if cuda:
+    if cuda and not args.skip_kernels:
         kernels, best = kernel_rows(gbps, args.sweep)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.kernels_only:
