@@ -355,3 +355,52 @@ def test_the_serve_flag_reaches_the_engine_config():
     assert cli.engine_config(serve.parse_args([])).quantization is None
     with pytest.raises(SystemExit):
         serve.parse_args(["--quantization", "nf4"])  # argparse: invalid choice 'nf4' (choose from fp8, int4)
+
+
+# ---------------------------------------------------------------------------------------- tensor parallel
+
+
+def load_float32(folder: str) -> torch.nn.Module:
+    """The factory each tensor-parallel rank calls (module level: pickled by reference into the worker)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_a_quantized_base_split_over_two_ranks_gives_the_tokens_of_one(scheme, tmp_path):
+    """Each rank quantizes its shard as the unsharded layer is quantized (row-parallel fp8 with the whole row's
+    scales, all-reduced; int4 groups lie inside a shard), so at tensor_parallel_size=2 (gloo, one worker process)
+    greedy tokens equal tensor_parallel_size=1's for base rows and adapters; a hidden of 256 leaves the
+    row-parallel shards 128 inputs wide, int4's group."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    base.save_pretrained(tmp_path / "base")
+    folders = {}
+    for i, (rank, targets) in enumerate([(8, TARGETS["llama"][:7]), (4, ["q_proj", "o_proj", "down_proj"])]):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        folders[f"a{i}"] = save_adapter(base, f"a{i}", cfg, tmp_path, seed=i, std=0.05).path
+    gen = torch.Generator().manual_seed(1)
+    requests = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), a)
+                for n, a in ((5, None), (9, "a0"), (3, "a1"), (12, "a0"))]
+    settings = dict(max_loras=2, max_num_seqs=4, max_seq_len=32, num_blocks=32, device="cpu", quantization=scheme,
+                    adapters=folders)
+    outputs = []
+    for tp in (1, 2):
+        import functools
+
+        engine = Engine(functools.partial(load_float32, str(tmp_path / "base")), tensor_parallel_size=tp, **settings)
+        try:
+            if tp == 2:
+                down = engine.model.model.layers[0].mlp.down_proj.base_layer
+                assert type(down).__name__ == "RowParallelLinear" and down.quantized.scheme == scheme
+            ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), a)
+                   for p, a in requests]
+            got = {i: [] for i in ids}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    got[out.request_id] += out.token_ids
+            outputs.append([got[i] for i in ids])
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]

@@ -123,10 +123,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.quantization is not None:
             check_scheme(self.quantization)
-            if self.tensor_parallel_size > 1:
-                raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet: the sharded layers "
-                                 "hold bf16 weights; serve a quantized model on one GPU (fp8 fits a 70B model in an "
-                                 "H200), or a bf16 one split over several")
         for name, empty in (("graph_sizes", False), ("graph_token_sizes", True)):
             value = getattr(self, name)
             if value is None:

@@ -178,6 +178,9 @@ class Engine:
         workers = Executor(factory, n, model_device(device))
         self._workers = workers
         self._finalize = weakref.finalize(self, workers.close)
+        if config.quantization is not None:  # every rank its shard, at once: row shards all-reduce their fp8 scales
+            workers.call("rank", "quantize", config.quantization)
+            _quantized(workers.model, config)
         config = _slot_count(workers.model, config)  # from rank 0's shard: every rank's slots hold a shard alike
         workers.call("rank", "patch", config)  # every worker patches its shard as rank 0 is about to
         return workers.model, config

@@ -37,8 +37,9 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
 
 
 def compute_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype a linear-like module takes and returns (a quantized layer's, not its weight's): its slots'."""
-    return module.compute_dtype if isinstance(module, QuantizedLinear) else module.weight.dtype
+    """The dtype a linear-like module takes and returns (a quantized layer's or shard's, not its weight's): its
+    slots'."""
+    return getattr(module, "compute_dtype", None) or module.weight.dtype
 
 
 class _LinearSlots(LoraSlots):

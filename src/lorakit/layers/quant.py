@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lorakit.layers.sharded import ShardedLinear, is_vocab_parallel
 from lorakit.ops.quant import (FP8, check_int4_shape, dequantize_fp8, fp8_linear, int4_linear, quantize_fp8,
                                quantize_int4)
 
@@ -86,8 +87,10 @@ class Fp8Linear(QuantizedLinear):
         self.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        w8, scale = quantize_fp8(linear.weight)
+    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Fp8Linear:
+        """``absmax``: each output channel's largest magnitude, where the layer is a part of a wider one (a
+        row-parallel shard: the scales of the unsharded layer)."""
+        w8, scale = quantize_fp8(linear.weight, absmax)
         return cls(w8, scale, linear.bias, linear.weight.dtype)
 
     @property
@@ -215,10 +218,18 @@ def quantize(model: nn.Module, scheme: str, filter_fn: Callable[[nn.Module, str]
         raise ValueError("quantize the model before lorakit.patch: the LoRA wrappers must wrap the quantized layers")
     head = _output_head(model)
     kept: dict[str, str] = {}
-    names = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head and n]
+    names = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, ShardedLinear)) and m is not head and not is_vocab_parallel(m) and n]
     count = 0
     for name, module in names:
         if filter_fn is not None and not filter_fn(module, name):
+            continue
+        if isinstance(module, ShardedLinear):  # a tensor-parallel shard quantizes its own weight, in place
+            reason = module.quantize(scheme)
+            if reason is None:
+                count += 1
+            else:
+                kept[name] = reason
             continue
         reason = why_not(module, scheme)
         if reason is not None:

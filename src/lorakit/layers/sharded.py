@@ -43,6 +43,11 @@ class ShardedLinear(ShardedLayer):
     in_features: int
     out_features: int
 
+    def quantize(self, scheme: str) -> str | None:
+        """Store this rank's shard of the weight quantized as ``scheme`` (``lorakit.layers.quant``), in place; returns
+        why it cannot (None: done). Once quantized, ``compute_dtype`` is what it takes and returns."""
+        return f"a {type(self).__name__} does not quantize"
+
 
 def is_vocab_parallel(module: nn.Module) -> bool:
     return isinstance(module, ShardedLayer) and module.vocab_parallel

@@ -162,10 +162,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 @torch.no_grad()
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight [N, K], float32 scale [N]): each output channel scaled so its largest magnitude is 448."""
+def quantize_fp8(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [N, K], float32 scale [N]): each output channel scaled so its largest magnitude is 448.
+    ``absmax``: each channel's largest magnitude if it is not the weight's own (a shard of a wider row)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    absmax = w.abs().amax(dim=1) if absmax is None else absmax.float()
+    scale = (absmax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     w8 = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return w8, scale
 

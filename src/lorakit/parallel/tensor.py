@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lorakit.layers.quant import FROM_LINEAR, Fp8Linear, QuantizedLinear, check_scheme, shape_reason
 from lorakit.layers.sharded import ShardedLayer, ShardedLinear
 from lorakit.parallel.lora import LoraRowParallelLinear, LoraVocabParallelHead
 
@@ -52,9 +53,18 @@ class ColumnParallelLinear(ShardedLinear):
         start = rank * self.out_features
         self.weight = weight if weight is not None else _shard(base.weight, 0, start, self.out_features)
         self.bias = None if base.bias is None else _shard(base.bias, 0, start, self.out_features)
+        self.quantized: QuantizedLinear | None = None  # the shard's weight (and bias) once quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if self.quantized is None else self.quantized(x)
+
+    def quantize(self, scheme: str) -> str | None:
+        """This rank's rows quantized: per output channel (fp8) and per group of inputs (int4), the result is the
+        unsharded layer's quantization, cut."""
+        if self.vocab_parallel:
+            return "the vocabulary-parallel head keeps its dtype"
+        self.quantized = _quantized(self, scheme, with_bias=True)
+        return None if self.quantized is not None else shape_reason(self.in_features, self.out_features, scheme)
 
     @property
     def full_features(self) -> tuple[int, int]:
@@ -84,9 +94,22 @@ class RowParallelLinear(ShardedLinear):
         self.rank, self.world_size, self.group = rank, world_size, group
         self.weight = _shard(base.weight, 1, rank * self.in_features, self.in_features)
         self.bias = None if base.bias is None else _shard(base.bias, 0, 0, self.out_features)
+        self.quantized: QuantizedLinear | None = None  # the shard's weight once quantized (the bias stays here)
+
+    def quantize(self, scheme: str) -> str | None:
+        """This rank's input columns quantized as the unsharded layer would be: for fp8 with the whole row's scale
+        (each channel's largest magnitude, all-reduced over the ranks), for int4 in groups of 128 inputs (the
+        shard's in_features must hold whole groups)."""
+        absmax = None
+        if scheme == "fp8" and shape_reason(self.in_features, self.out_features, scheme) is None:
+            absmax = self.weight.detach().float().abs().amax(dim=1)
+            if self.world_size > 1:
+                dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=self.group)
+        self.quantized = _quantized(self, scheme, with_bias=False, absmax=absmax)
+        return None if self.quantized is not None else shape_reason(self.in_features, self.out_features, scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
         if self.world_size > 1:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
@@ -170,6 +193,24 @@ class VocabParallelHead(ColumnParallelLinear):
         parts = [torch.empty_like(y) for _ in range(self.world_size)]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+def _quantized(layer: ShardedLinear, scheme: str, with_bias: bool,
+               absmax: torch.Tensor | None = None) -> QuantizedLinear | None:
+    """``layer``'s weight (and, ``with_bias``, its bias) as a quantized linear layer, its own weight then that
+    layer's (so code that reads ``layer.weight`` finds the stored tensor); None where the shape does not allow it."""
+    check_scheme(scheme)
+    if layer.quantized is not None or shape_reason(layer.in_features, layer.out_features, scheme) is not None:
+        return layer.quantized
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+    linear.weight = layer.weight
+    linear.bias = layer.bias if with_bias else None
+    quantized = FROM_LINEAR[scheme](linear) if absmax is None else Fp8Linear.from_linear(linear, absmax)
+    layer.compute_dtype = layer.weight.dtype
+    layer.weight = quantized.weight
+    if with_bias:
+        layer.bias = quantized.bias
+    return quantized
 
 
 def _shard(full: torch.Tensor, dim: int, start: int, length: int) -> nn.Parameter:

@@ -3,7 +3,7 @@
 The worker holds no request and interprets no commands. Each message from rank 0 is one call, ``(target, method,
 args, kwargs, answer)``: the worker runs ``getattr(<its target>, method)(*args, **kwargs)`` on its own objects,
 the same method rank 0 ran on its own (``lorakit.parallel.executor``), and answers when rank 0 waits for it. Its
-targets: ``rank`` (this object: ``patch``, ``start_runner``), ``slots`` (its slot table: ``put``, ``vacate``,
+targets: ``rank`` (this object: ``quantize``, ``patch``, ``start_runner``), ``slots`` (its slot table: ``put``, ``vacate``,
 ``reserve``) and ``runner`` (its ``ModelRunner``: ``run_packed``, ``capture_graphs``). Objects every rank holds its
 own of arrive by reference (``Receiver``): a slot store is this rank's store of the same index, and a slot's tenant
 comes with its snapshot, from which ``slots.put`` reads the adapter's files again, checks them against the sha256
@@ -131,6 +131,12 @@ class Rank:
 
     def target(self, name: str):
         return self if name == "rank" else getattr(self, name)
+
+    def quantize(self, scheme: str) -> None:
+        """Quantize this rank's shard as rank 0 quantizes its own, at the same time (their row layers all-reduce)."""
+        import lorakit
+
+        lorakit.quantize(self.model, scheme)
 
     def patch(self, config) -> None:
         """Patch this rank's shard as rank 0 patched its own (the same slot layout: ``config``, an EngineConfig)."""
