@@ -200,8 +200,6 @@ def test_refusals_name_the_problem(caplog):
         quantize(model, "nf4")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="awq")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
-        EngineConfig(quantization="fp8", tensor_parallel_size=2)
     lorakit.patch(model, max_loras=2)
     with pytest.raises(ValueError, match="before lorakit.patch"):
         quantize(model, "fp8")
