@@ -81,8 +81,8 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
     if sweep and m <= 64:
         tried = []
         block_ms = (16,) if m <= 16 else (16, 64)  # one row block, or four sharing each W tile through L2
-        for block_m, block_n, block_k, stages in itertools.product(block_ms, (16, 32, 64, 128), (128, 256, 512),
-                                                                   (3, 4)):
+        block_ks = (256, 512) if m <= 16 else (128, 256)
+        for block_m, block_n, block_k, stages in itertools.product(block_ms, (16, 32, 64, 128), block_ks, (3, 4)):
             config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4,
                           num_stages=stages)
             try:
