@@ -80,10 +80,12 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
     if sweep and m <= 64:
         tried = []
-        block_ms = (16,) if m <= 16 else (16, 64)  # one row block, or four sharing each W tile through L2
-        block_ks = (256, 512) if m <= 16 else (128, 256)
-        for block_m, block_n, block_k, stages in itertools.product(block_ms, (16, 32, 64, 128), block_ks, (3, 4)):
-            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=4,
+        if m <= 16:
+            tiles = [(16, 32, 512, 3), (16, 64, 256, 4), (16, 16, 512, 3), (16, 128, 128, 3), (16, 32, 256, 4)]
+        else:
+            tiles = [(64, 32, 128, 3), (64, 16, 256, 3), (64, 128, 128, 3), (16, 64, 256, 3), (64, 64, 128, 4)]
+        for (block_m, block_n, block_k, stages), f16 in itertools.product(tiles, (False, True)):
+            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=f16, num_warps=4,
                           num_stages=stages)
             try:
                 t = rotating_us(lambda c, config=config: _launch_fp8_linear(c["x"], c["w8"], c["scale"], None,
@@ -242,9 +244,9 @@ def main(argv=None) -> int:
                               for r in kernels)))
     if best:
         parts.append("## fp8 decode tiles: the best of the sweep against the heuristic\n\n" + table(
-            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages |",
+            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | float16 dot |",
             ([b["shape"], b["m"], fmt(b["us"]), fmt(b["heuristic_us"]), b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
-              b["num_stages"]] for b in best)))
+              b["num_stages"], b["F16"]] for b in best)))
     if engine:
         mode = "compiled decode graphs" if args.compile and cuda else "CUDA graphs"
         parts.append(f"## Engine decode, Llama-3-8B shape, {mode}\n\n" + table(

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
-from lorakit.ops.quant import _fp8_linear_kernel
+from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
@@ -53,8 +53,11 @@ except RuntimeError as e:
 # A 1-wide slice with unit row stride is specialised to constexpr 1 by the launcher: compile that too.
 compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1), dtype)
 # the fp8 weight-only GEMM: its decode and prefill tiles, with a bias
-for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)):
-    compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, **tiles), dtype)
+for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)):
+    for f16 in (False, True):
+        compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, **tiles), dtype)
+POINTERS["out_ptr"] = "*" + dtype
+compile_for_hopper(_fp8_dequant_kernel, dict(BLOCK_N=32, BLOCK_K=256), dtype)
 print("OK")
 '''
 

@@ -38,7 +38,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
@@ -57,14 +57,17 @@ def _fp8_linear_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # W [N, K] as stored: K contiguous, 16-byte loads
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = dot(xt, wt.to(xt.dtype), acc, IEEE)
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if F16:  # e4m3 widens to float16 in one instruction a pair; x is cast to match
+            acc = tl.dot(xt.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
+        else:
+            acc = dot(xt, tl.trans(wt.to(xt.dtype)), acc, IEEE)
     acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -72,18 +75,32 @@ def _fp8_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    where = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w = tl.load(w_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(out_ptr + where, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Rows from which a product is no longer bound by reading W: there the weight is widened once into a bf16 buffer
+# (3 bytes moved an element) and multiplied by cuBLAS, about as fast as the bf16 layer's own GEMM
+# (bench/bench_quant.py). Below, the fp8 kernel reads each weight byte once.
+FP8_DEQUANT_ROWS = 128
+
+
 def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile sizes for an [m, k] x [n, k] product. Decode (m <= 64) is bound by reading W: one row block, and
-    column blocks narrow enough that every SM has a few of them in flight. Prefill is bound by the tensor cores:
-    large square tiles."""
-    if m <= 64:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        block_n = 64
-        while block_n > 16 and cdiv(n, block_n) < 4 * sms:
-            block_n //= 2
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256 if block_m <= 32 else 128, GROUP_M=1,
-                    num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: one row block
+    (16 rows, or 64), column blocks narrow enough that every SM has a few of them in flight, long K steps."""
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
+    while block_n > 16 and cdiv(n, block_n) < 4 * sms:
+        block_n //= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=512 if block_m == 16 else 128, GROUP_M=1, F16=False,
+                num_warps=4, num_stages=3)
 
 
 def _check_fp8_args(x, weight, scale, bias) -> None:
@@ -102,10 +119,13 @@ def _check_fp8_args(x, weight, scale, bias) -> None:
 def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
+    if m >= FP8_DEQUANT_ROWS and config is None and x.dtype != torch.float32:
+        return torch.nn.functional.linear(x, _launch_fp8_dequant(weight, scale, x.dtype), bias)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    config = config or fp8_config(m, n, k, num_sms(x.device))
+    config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
+    config.setdefault("F16", False)
     grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
     _fp8_linear_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, y,
@@ -114,6 +134,14 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
     )
     return y
+
+
+def _launch_fp8_dequant(weight, scale, dtype) -> torch.Tensor:
+    """weight * scale[:, None] in ``dtype``: one read of the fp8 weight, one write."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    _fp8_dequant_kernel[(cdiv(n, 32), cdiv(k, 256))](weight, scale, out, n, k, BLOCK_N=32, BLOCK_K=256)
+    return out
 
 
 @torch.library.custom_op("lorakit::fp8_linear", mutates_args=())
