@@ -81,9 +81,11 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
     if sweep and m <= 64:
         tried = []
         if m <= 16:
-            tiles = [(16, 32, 512, 3), (16, 64, 256, 4), (16, 16, 512, 3), (16, 128, 128, 3), (16, 32, 256, 4)]
+            tiles = [(16, 32, 512, 3), (16, 64, 256, 4), (16, 16, 512, 3), (16, 32, 1024, 2), (16, 16, 1024, 2),
+                     (16, 64, 512, 2)]
         else:
-            tiles = [(64, 32, 128, 3), (64, 16, 256, 3), (64, 128, 128, 3), (16, 64, 256, 3), (64, 64, 128, 4)]
+            tiles = [(64, 32, 128, 3), (64, 16, 256, 3), (64, 128, 128, 3), (64, 64, 128, 4), (64, 32, 256, 2),
+                     (16, 64, 256, 3)]
         for (block_m, block_n, block_k, stages), f16 in itertools.product(tiles, (False, True)):
             config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=f16, num_warps=4,
                           num_stages=stages)
