@@ -245,6 +245,10 @@ def quantize(model: nn.Module, scheme: str, filter_fn: Callable[[nn.Module, str]
     if not count:
         raise ValueError(f"quantize {scheme}: no linear layer of {type(model).__name__} can be quantized "
                          f"({next(iter(kept.values()), 'it has none besides the output head')})")
+    if scheme == "int4" and any(isinstance(m, Int4Linear) and m.weight.is_cuda for m in model.modules()):
+        logger.warning("int4 runs torch's tinygemm kernel, fast for a few rows at a time: on an H200 a GEMM of 1 row "
+                       "is 1.7-2.0x faster than bf16's, of 16 rows 0.5-0.7x, of 64 rows 0.13-0.17x "
+                       "(bench/results/bench_quant_kernels_67c0b36.md); to serve large batches prefer fp8")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return count
