@@ -41,7 +41,7 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
                  num_attention_heads=64, num_key_value_heads=8)
 
 
-def kernel_rows(gbps: float, sweep: bool) -> tuple[list[dict], list[dict]]:
+def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
     for label, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -49,7 +49,7 @@ def kernel_rows(gbps: float, sweep: bool) -> tuple[list[dict], list[dict]]:
         w8, scale = quantize_fp8(w)
         packed, sz = quantize_int4(w, 128)
         weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz)
-        for m in ROWS:
+        for m in rows_m:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             x8, xs = quantize_fp8(x)
             master = dict(weights, x=x, x8=x8, xs=xs[:, None])
@@ -220,12 +220,14 @@ def main(argv=None) -> int:
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--kernels-only", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=ROWS,
+                   help=f"the kernels' row counts M (default: {','.join(map(str, ROWS))})")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
     if cuda and not args.skip_kernels:
-        kernels, best = kernel_rows(gbps, args.sweep)
+        kernels, best = kernel_rows(gbps, args.sweep, args.rows)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.kernels_only:
             engine = engine_rows(args, gbps, Path(tmp))
