@@ -41,6 +41,19 @@ def test_kernels_at_llama_8b_shapes(m, n, k):
     assert rel_err(fp8(x.float()), ref) < 1e-6
 
 
+def test_fp8_kernel_keeps_bfloat16_activations_beyond_float16s_range():
+    """The kernel's float16 dot is taken only for tiles of x inside float16's range: a "massive activation" of 3e5
+    in one row gives that row's product as float64 does, not inf."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4, 4096, device="cuda", generator=gen).bfloat16()
+    layer = Fp8Linear.from_linear(_linear((torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02).bfloat16(),
+                                          None))
+    x[2, 100] = 3e5
+    y = layer(x)
+    ref = x.double() @ layer.dequantized_weight(torch.float64).T
+    assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE
+
+
 def _linear(w, bias):
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():

@@ -38,7 +38,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
@@ -60,11 +60,22 @@ def _fp8_linear_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # W [N, K] as stored: K contiguous, 16-byte loads
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         k_mask = offs_k < K
-        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if F16:  # e4m3 widens to float16 in one instruction a pair; x is cast to match
+        # Unmasked where the shape allows (every Llama / Qwen projection): masked loads of W lose their 16-byte width.
+        if EVEN_K:
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                wt = tl.load(w_rows + offs_k[None, :])
+            else:
+                wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        # F16: e4m3 widens to float16 in one instruction a pair (to bf16 it takes several), and bf16 x converts to
+        # float16 exactly inside float16's range (bf16's 8 mantissa bits fit in its 11); a tile of x with a value
+        # past that range (65504) takes the dot in x's dtype instead, so nothing overflows.
+        if F16 and tl.max(tl.abs(xt.to(tl.float32))) < 65504.0:
             acc = tl.dot(xt.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
         else:
             acc = dot(xt, tl.trans(wt.to(xt.dtype)), acc, IEEE)
@@ -93,14 +104,15 @@ FP8_DEQUANT_ROWS = 128
 
 
 def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: one row block
-    (16 rows, or 64), column blocks narrow enough that every SM has a few of them in flight, long K steps."""
-    block_m = 16 if m <= 16 else 64
+    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: row blocks of 16
+    (the row blocks of one column block run together and share its W tiles through L2), column blocks narrow
+    enough that every SM has two in flight, long K steps, the dot in float16 (e4m3 widens to it in one instruction
+    a pair; to bf16 it takes several: 1.2-1.7x faster on an H200, bench/results/bench_quant_sweep_02b43ff.md)."""
     block_n = 64
-    while block_n > 16 and cdiv(n, block_n) < 4 * sms:
+    while block_n > 32 and cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=512 if block_m == 16 else 128, GROUP_M=1, F16=False,
-                num_warps=4, num_stages=3)
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512 if m <= 16 else 256, GROUP_M=8, F16=True, num_warps=4,
+                num_stages=3)
 
 
 def _check_fp8_args(x, weight, scale, bias) -> None:
@@ -125,7 +137,8 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
     if m == 0:
         return y
     config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
-    config.setdefault("F16", False)
+    config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
+    config.update(EVEN_K=k % config["BLOCK_K"] == 0, EVEN_N=n % config["BLOCK_N"] == 0)
     grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
     _fp8_linear_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, y,
