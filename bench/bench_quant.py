@@ -191,12 +191,14 @@ def engine_rows(args, gbps: float, tmp: Path) -> list[dict]:
     return rows
 
 
-def seventy_b_rows(args, gbps: float, tmp: Path) -> list[dict]:
-    sync = torch.cuda.synchronize
-    config = transformers.LlamaConfig(**LLAMA_70B)
-    model = make_quantized(config, "fp8", "cuda")
+def seventy_b_rows(args, gbps: float, tmp: Path, shape: dict = LLAMA_70B) -> list[dict]:
+    """The 70B rows (``shape``: a smaller Llama config for a CPU smoke run)."""
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    config = transformers.LlamaConfig(**shape)
+    model = make_quantized(config, "fp8", args.device)
     weights = weight_bytes(model)
-    resident = torch.cuda.memory_allocated()
+    resident = torch.cuda.memory_allocated() if cuda else float("nan")
     adapters = {f"b{i}": write_adapter(model, tmp / f"b{i}", 16, seed=i) for i in range(8)}
     engine = Engine(model, max_loras=8, max_rank=16, max_num_seqs=64, max_seq_len=PROMPT + DECODE + 8,
                     max_num_batched_tokens=4096, graph_sizes=[1, 64], adapters=adapters, quantization="fp8")
@@ -208,8 +210,8 @@ def seventy_b_rows(args, gbps: float, tmp: Path) -> list[dict]:
                          floor_ms=floor_ms, roofline_pct=100 * floor_ms / result["step_ms"]))
         print(rows[-1], flush=True)
     rows[0]["resident_gb"] = resident / 1e9
-    rows[0]["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    rows[0]["gpu_total_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
+    rows[0]["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+    rows[0]["gpu_total_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else float("nan")
     return rows
 
 

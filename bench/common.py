@@ -250,7 +250,8 @@ def write_adapter(model: torch.nn.Module, folder: Path, rank: int, seed: int, **
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, torch.nn.Linear):
+        if name.rsplit(".", 1)[-1] in TARGETS and hasattr(module, "in_features") and hasattr(module, "out_features"):
+            # nn.Linear, or a quantized linear layer (lorakit.layers.quant) of a model made quantized
             weights[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=gen) * 0.01
             weights[f"base_model.model.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.01
     folder.mkdir(parents=True)

@@ -144,7 +144,14 @@ def test_bench_quant_smoke_run_and_its_model_made_layer_by_layer(tmp_path):
               "want = type(rotary)(config).inv_freq\n"
               "assert torch.equal(rotary.inv_freq, want)\n"
               "logits = model(torch.tensor([[1, 2, 3]])).logits\n"
-              "assert torch.isfinite(logits).all() and logits.abs().max() > 0\n")
+              "assert torch.isfinite(logits).all() and logits.abs().max() > 0\n"
+              "import argparse, pathlib, tempfile\n"
+              "tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, "
+              "num_attention_heads=4, num_key_value_heads=2)\n"
+              "with tempfile.TemporaryDirectory() as tmp:  # the 70B rows' code on a tiny shape: 8 adapters served\n"
+              "    rows = bench_quant.seventy_b_rows(argparse.Namespace(device='cpu'), float('nan'), "
+              "pathlib.Path(tmp), tiny)\n"
+              "assert [(r['batch'], r['adapters']) for r in rows] == [(1, 0), (1, 1), (64, 0), (64, 8)]\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -55,9 +55,7 @@ compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE
 # the fp8 weight-only GEMM: its decode and prefill tiles, with a bias
 for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)):
     for f16 in (False, True):
-        for even in (False, True):
-            compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, EVEN_K=even, EVEN_N=even,
-                                                        **tiles), dtype)
+        compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, **tiles), dtype)
 POINTERS["out_ptr"] = "*" + dtype
 compile_for_hopper(_fp8_dequant_kernel, dict(BLOCK_N=32, BLOCK_K=256), dtype)
 print("OK")

@@ -126,10 +126,11 @@ def test_fp8_kernel_matches_the_torch_path_interpreted(m, n, k, dtype, bias, see
     assert rel_err(_fp8_linear_torch(x, w8, scale, b), ref) < TOLERANCE[dtype]
 
 
-def test_fp8_config_fills_the_device_at_decode():
-    for n in (1024, 4096, 6144, 28672):
-        config = fp8_config(1, n, 4096, 132)
-        assert config["BLOCK_M"] == 16 and (n // config["BLOCK_N"] >= 2 * 132 or config["BLOCK_N"] == 32)
+def test_fp8_config_takes_the_swept_tiles():
+    for m in (1, 16, 64):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)):
+            config = fp8_config(m, n, k, 132)
+            assert config["F16"] and config["BLOCK_M"] in (16, 64) and n // config["BLOCK_N"] >= 16
 
 
 def test_mixed_batch_matches_peft_on_the_dequantized_base(quantized_setup):

@@ -34,11 +34,27 @@ INT4_INNER_K_TILES = 8  # tinygemm's packing; in_features must divide by inner_k
 # --- fp8 ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, F16: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if F16:
+            acc = tl.dot(xt.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
+        else:
+            acc = dot(xt, tl.trans(wt.to(xt.dtype)), acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
@@ -57,28 +73,15 @@ def _fp8_linear_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # W [N, K] as stored: K contiguous, 16-byte loads
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        k_mask = offs_k < K
-        # Unmasked where the shape allows (every Llama / Qwen projection): masked loads of W lose their 16-byte width.
-        if EVEN_K:
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            if EVEN_N:
-                wt = tl.load(w_rows + offs_k[None, :])
-            else:
-                wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        # F16: e4m3 widens to float16 in one instruction a pair (to bf16 it takes several), and bf16 x converts to
-        # float16 exactly inside float16's range (bf16's 8 mantissa bits fit in its 11); a tile of x with a value
-        # past that range (65504) takes the dot in x's dtype instead, so nothing overflows.
-        if F16 and tl.max(tl.abs(xt.to(tl.float32))) < 65504.0:
-            acc = tl.dot(xt.to(tl.float16), tl.trans(wt.to(tl.float16)), acc)
-        else:
-            acc = dot(xt, tl.trans(wt.to(xt.dtype)), acc, IEEE)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # W [N, K] as stored: K contiguous
+    # F16: e4m3 widens to float16 in one instruction a pair (to bf16 it takes several: 1.2-1.7x slower on an
+    # H200), and bf16 x converts to float16 exactly inside float16's range (8 mantissa bits fit in 11). A value of
+    # x past that range (65504) becomes inf there: a tile whose sums are not all finite is computed again in x's
+    # dtype, so it gets what bf16 gives (inf or NaN only where x itself has them).
+    acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, F16, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if F16:
+        if tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1)) > 0:
+            acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -104,15 +107,22 @@ FP8_DEQUANT_ROWS = 128
 
 
 def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: row blocks of 16
-    (the row blocks of one column block run together and share its W tiles through L2), column blocks narrow
-    enough that every SM has two in flight, long K steps, the dot in float16 (e4m3 widens to it in one instruction
-    a pair; to bf16 it takes several: 1.2-1.7x faster on an H200, bench/results/bench_quant_sweep_02b43ff.md)."""
-    block_n = 64
-    while block_n > 32 and cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=512 if m <= 16 else 256, GROUP_M=8, F16=True, num_warps=4,
-                num_stages=3)
+    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: the best tiles
+    of the H200 sweep at Llama-3-8B's shapes (bench/results/bench_quant_sweep_02b43ff.md), all with the float16 dot.
+    Rows in blocks of 16 (the blocks of one column block run together, sharing its W tiles through L2) but for a wide
+    layer at 64 rows; long K steps."""
+    if m <= 16:
+        if n >= 16384:  # gate_up
+            tiles = (16, 64, 512, 2)
+        elif k >= 8192 or n <= 4096:  # down, o
+            tiles = (16, 32, 512, 3)
+        else:  # qkv
+            tiles = (16, 64, 256, 4)
+    else:
+        tiles = (64, 128, 128, 3) if n >= 16384 else (16, 64, 256, 3)
+    block_m, block_n, block_k, stages = tiles
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, num_warps=4,
+                num_stages=stages)
 
 
 def _check_fp8_args(x, weight, scale, bias) -> None:
@@ -138,7 +148,6 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
         return y
     config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
     config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
-    config.update(EVEN_K=k % config["BLOCK_K"] == 0, EVEN_N=n % config["BLOCK_N"] == 0)
     grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
     _fp8_linear_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, y,
