@@ -5,7 +5,7 @@ and a Llama-3-70B-shaped fp8 model with 8 adapters on one GPU.
    at M = 1 .. 2048 rows: bf16 cuBLAS (F.linear), lorakit's fp8 kernel (weight-only), torch._scaled_mm (fp8 x fp8,
    row-wise scales: the tensor cores' fp8 path, activations pre-quantized, as a ceiling) and int4 tinygemm. Weight
    bytes / time against the copy bandwidth measured in the same run. ``--sweep`` also times the fp8 kernel's decode
-   tiles (M <= 64) over a grid of configs and reports the best, to set ``fp8_config``.
+   tiles (M <= 64, split-K included) over a list of configs and reports the best, to set ``fp8_config``.
 2. Engine: Llama-3-8B shape, random weights, compiled decode graphs (``--no-compile``: plain graphs), base and 8
    rank-16 adapters on all 7 projections, batch 1 and 64; each scheme in an engine of its own, its tok/s against
    bf16's in the same run. Byte floor per step: the weights as stored + KV + the adapters, / copy bandwidth.
@@ -80,15 +80,15 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
     if sweep and m <= 64:
         tried = []
-        if m <= 16:
-            tiles = [(16, 32, 512, 3), (16, 64, 256, 4), (16, 16, 512, 3), (16, 32, 1024, 2), (16, 16, 1024, 2),
-                     (16, 64, 512, 2)]
+        if m <= 16:  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, SPLIT_K)
+            tiles = [(16, 32, 512, 3, 1), (16, 64, 256, 4, 1), (16, 64, 512, 2, 1), (16, 64, 256, 4, 2),
+                     (16, 64, 256, 3, 4), (16, 128, 256, 3, 4), (16, 128, 128, 3, 8)]
         else:
-            tiles = [(64, 32, 128, 3), (64, 16, 256, 3), (64, 128, 128, 3), (64, 64, 128, 4), (64, 32, 256, 2),
-                     (16, 64, 256, 3)]
-        for (block_m, block_n, block_k, stages), f16 in itertools.product(tiles, (False, True)):
-            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=f16, num_warps=4,
-                          num_stages=stages)
+            tiles = [(64, 128, 128, 3, 1), (16, 64, 256, 3, 1), (64, 64, 128, 4, 1), (64, 128, 128, 3, 2),
+                     (16, 128, 256, 3, 2), (64, 128, 128, 3, 4)]
+        for (block_m, block_n, block_k, stages, split_k), f16 in itertools.product(tiles, (True,)):
+            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=f16, SPLIT_K=split_k,
+                          num_warps=4, num_stages=stages)
             try:
                 t = rotating_us(lambda c, config=config: _launch_fp8_linear(c["x"], c["w8"], c["scale"], None,
                                                                             config), only("x", "w8", "scale"))[0]
@@ -250,9 +250,9 @@ def main(argv=None) -> int:
                               for r in kernels)))
     if best:
         parts.append("## fp8 decode tiles: the best of the sweep against the heuristic\n\n" + table(
-            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | float16 dot |",
+            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | float16 dot | split K |",
             ([b["shape"], b["m"], fmt(b["us"]), fmt(b["heuristic_us"]), b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
-              b["num_stages"], b["F16"]] for b in best)))
+              b["num_stages"], b["F16"], b["SPLIT_K"]] for b in best)))
     if engine:
         mode = "compiled decode graphs" if args.compile and cuda else "CUDA graphs"
         parts.append(f"## Engine decode, Llama-3-8B shape, {mode}\n\n" + table(

@@ -19,11 +19,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
-from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel
+from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel, _fp8_reduce_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
-            "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+            "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32"}
 
 
 def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
@@ -55,9 +55,13 @@ compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE
 # the fp8 weight-only GEMM: its decode and prefill tiles, with a bias
 for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)):
     for f16 in (False, True):
-        compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, **tiles), dtype)
+        for split_k in (1, 4):
+            compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, SPLIT_K=split_k, **tiles),
+                               dtype)
 POINTERS["out_ptr"] = "*" + dtype
 compile_for_hopper(_fp8_dequant_kernel, dict(BLOCK_N=32, BLOCK_K=256), dtype)
+POINTERS.update(ws_ptr="*fp32", y_ptr="*" + dtype)
+compile_for_hopper(_fp8_reduce_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), dtype)
 print("OK")
 '''
 

@@ -34,12 +34,12 @@ INT4_INNER_K_TILES = 8  # tinygemm's packing; in_features must divide by inner_k
 # --- fp8 ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, F16: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_dot(x_rows, w_rows, m_mask, n_mask, k_lo, k_hi, F16: tl.constexpr, IEEE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
+        k_mask = offs_k < k_hi
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if F16:
@@ -51,12 +51,14 @@ def _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, F16: tl.constexpr, IEEE: tl.cons
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # SPLIT_K > 1: axis 1 splits K, each program writes its float32 partial sums to ws [SPLIT_K, M, N] and
+    # _fp8_reduce_kernel adds them in a fixed order (deterministic: no atomics), then scales.
     # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
     # L2 once per group when M spans several row blocks; at decode (one row block) this is the plain order.
     pid = tl.program_id(0)
@@ -78,15 +80,37 @@ def _fp8_linear_kernel(
     # H200), and bf16 x converts to float16 exactly inside float16's range (8 mantissa bits fit in 11). A value of
     # x past that range (65504) becomes inf there: a tile whose sums are not all finite is computed again in x's
     # dtype, so it gets what bf16 gives (inf or NaN only where x itself has them).
-    acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, F16, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, k_lo, k_hi, F16, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     if F16:
         if tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1)) > 0:
-            acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, K, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _fp8_dot(x_rows, w_rows, m_mask, n_mask, k_lo, k_hi, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K > 1:
+        ws_ptrs = ws_ptr + (tl.program_id(1) * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        return
     acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_reduce_kernel(ws_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs_n < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):  # in order: the same sum every run
+        acc += tl.load(ws_ptr + (split * M + row).to(tl.int64) * N + offs_n, mask=mask, other=0.0)
+    acc = acc * tl.load(s_ptr + offs_n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,7 +145,7 @@ def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
     else:
         tiles = (64, 128, 128, 3) if n >= 16384 else (16, 64, 256, 3)
     block_m, block_n, block_k, stages = tiles
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, num_warps=4,
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=1, num_warps=4,
                 num_stages=stages)
 
 
@@ -148,13 +172,19 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
         return y
     config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
     config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
-    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
+    split_k = config.setdefault("SPLIT_K", 1)
+    ws = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else scale
+    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]), split_k)
     _fp8_linear_kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, y,
+        x, weight, scale, b, y, ws,
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
     )
+    if split_k > 1:
+        _fp8_reduce_kernel[(m, cdiv(n, 1024))](ws, scale, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,
+                                               SPLIT_K=split_k, BLOCK=1024)
     return y
 
 
