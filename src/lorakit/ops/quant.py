@@ -173,7 +173,8 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
     config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
     config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
     split_k = config.setdefault("SPLIT_K", 1)
-    ws = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    # the partials of a split K (a float32 tensor stands in, unread, when K is not split)
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else scale
     b = bias if bias is not None else scale
     grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]), split_k)
     _fp8_linear_kernel[grid](
