@@ -85,6 +85,17 @@ def reference_rows(ref_base, peft, names, input_ids):
     return torch.stack(rows)
 
 
+def greedy(engine, requests, max_tokens=6, ignore_eos=True) -> list[list[int]]:
+    """Each (prompt, adapter)'s greedy tokens from ``engine``, the requests run together."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    return [got[i] for i in ids]
+
+
 def test_quantize_swaps_every_linear_but_the_head():
     for scheme, cls in (("fp8", Fp8Linear), ("int4", Int4Linear)):
         model = quant_model("llama")
@@ -185,17 +196,12 @@ def test_the_engine_serves_a_quantized_base_as_generate_on_the_dequantized_one(q
     gen = torch.Generator().manual_seed(2)
     requests = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), adapter)
                 for n, adapter in ((5, None), (11, "a0"), (3, "a1"), (9, "a2"), (7, "a0"))]
-    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0), a) for p, a in requests]
-    got = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += out.token_ids
-    for rid, (prompt, adapter) in zip(ids, requests):
+    for tokens, (prompt, adapter) in zip(greedy(engine, requests, ignore_eos=False), requests):
         model = ref_base if adapter is None else peft[adapter]
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-        assert got[rid] == want.tolist(), (scheme, adapter)
+        assert tokens == want.tolist(), (scheme, adapter)
 
 
 def test_refusals_name_the_problem(caplog):
@@ -396,13 +402,7 @@ def test_a_quantized_base_split_over_two_ranks_gives_the_tokens_of_one(scheme, t
             if tp == 2:
                 down = engine.model.model.layers[0].mlp.down_proj.base_layer
                 assert type(down).__name__ == "RowParallelLinear" and down.quantized.scheme == scheme
-            ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), a)
-                   for p, a in requests]
-            got = {i: [] for i in ids}
-            while engine.has_unfinished():
-                for out in engine.step():
-                    got[out.request_id] += out.token_ids
-            outputs.append([got[i] for i in ids])
+            outputs.append(greedy(engine, requests))
         finally:
             engine.close()
     assert outputs[0] == outputs[1]

@@ -12,9 +12,9 @@ from peft import LoraConfig, PeftModel
 import lorakit
 from _lora_cases import rel_err
 from _peft_models import TARGETS, save_adapter
-from lorakit.engine import Engine, SamplingParams
+from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from test_quant import dequantized
+from test_quant import dequantized, greedy
 
 pytestmark = pytest.mark.gpu
 VOCAB = 512
@@ -103,16 +103,6 @@ def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(sch
             assert err < LOGITS_TOLERANCE[torch.bfloat16], f"{scheme} row {b} ({name}): {err:.2e}"
 
 
-def _generate(engine, requests, max_tokens=8):
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), a)
-           for p, a in requests]
-    got = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += out.token_ids
-    return [got[i] for i in ids]
-
-
 def _requests():
     gen = torch.Generator().manual_seed(3)
     return [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), a)
@@ -126,7 +116,7 @@ def test_float32_fp8_engine_from_cuda_graphs_equals_generate_on_the_dequantized_
     ref_base = dequantized(model)
     engine = Engine(model, max_loras=4, max_num_seqs=8, max_seq_len=64, num_blocks=64, adapters=adapters,
                     graph_sizes=(1, 2, 4, 8))
-    got = _generate(engine, _requests())
+    got = greedy(engine, _requests(), 8)
     for tokens, (prompt, adapter) in zip(got, _requests()):
         ref_model = ref_base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
                                                                                adapters[adapter]).eval()
@@ -144,7 +134,7 @@ def test_bfloat16_engine_replays_quantized_graphs_as_it_runs_eagerly(scheme, ada
                         num_blocks=64, adapters=adapters, quantization=scheme, cuda_graphs=graphs,
                         graph_sizes=(1, 2, 4, 8))
         assert engine.runner.fused_groups == 4
-        outputs.append(_generate(engine, _requests()))
+        outputs.append(greedy(engine, _requests(), 8))
         del engine
         torch.cuda.empty_cache()
     assert outputs[0] == outputs[1]

@@ -104,8 +104,7 @@ def load_quantized(folder: str | Path, scheme: str | None, dtype: torch.dtype, d
     if scheme is None:
         raise ValueError(f"{folder}: no quantization asked for and none saved; load it with from_pretrained")
     if saved is not None:
-        config.quantization_config = None  # read here; transformers' own quantizer is not involved
-        del config.quantization_config
+        del config.quantization_config  # read here; transformers' own quantizer is not involved
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()

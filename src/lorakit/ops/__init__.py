@@ -21,7 +21,7 @@ import torch
 
 from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit::expand)
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
-from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up
+from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up, unobserved
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.expand import _check_expand_args, _launch_expand
@@ -45,14 +45,10 @@ def _check_slot_count(meta: LoraMeta, weights: torch.Tensor, name: str) -> None:
 
 
 def _direct(options: KernelOptions, *tensors: torch.Tensor) -> bool:
-    """Whether an eager call may check its arguments and launch the kernels itself, skipping the dispatcher, which
-    costs 35-50 us of host time per op on an H200 (bench/NOTES.md, host time): on ``options.direct_devices``, only
-    where nothing needs to see the op (not compiling; no dispatch or function mode: tracing, fake tensors, op
-    counters; plain tensors that need no gradient). The kernels and checks are the registered op's, so the results
-    are the same."""
-    return (not torch.compiler.is_compiling() and tensors[0].device.type in options.direct_devices
-            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
-            and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors))
+    """Whether an eager call may check its arguments and launch the kernels itself, skipping the dispatcher: on
+    ``options.direct_devices``, where nothing needs to see the op (``unobserved``). The kernels and checks are the
+    registered op's, so the results are the same."""
+    return tensors[0].device.type in options.direct_devices and unobserved(*tensors)
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, ranks: torch.Tensor, meta: LoraMeta,

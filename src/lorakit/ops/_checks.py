@@ -90,6 +90,16 @@ def round_up(n: int, multiple: int) -> int:
     return cdiv(n, multiple) * multiple
 
 
+def unobserved(*tensors: torch.Tensor) -> bool:
+    """Whether nothing needs to see an op called on ``tensors`` (not compiling; no dispatch or function mode:
+    tracing, fake tensors, op counters; plain tensors that need no gradient), so an eager call may launch its kernel
+    itself and skip the dispatcher, which costs 35-50 us of host time per op on an H200 (bench/NOTES.md, host
+    time)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled()
+            and all(type(t) is torch.Tensor and not t.requires_grad for t in tensors))
+
+
 def host_checks_allowed(t: torch.Tensor) -> bool:
     """Value checks read tensors on the host: always on the CPU, on CUDA (a sync) only with LORAKIT_DEBUG=1;
     never while compiling or capturing a CUDA graph."""

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, num_sms
+from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, num_sms, unobserved
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -234,8 +234,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if (x.is_cuda and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._is_torch_function_mode_enabled() and type(x) is torch.Tensor and not x.requires_grad):
+    if x.is_cuda and unobserved(x2, weight, scale):
         y = _launch_fp8_linear(x2, weight, scale, bias)
     else:
         y = torch.ops.lorakit.fp8_linear(x2, weight, scale, bias)
