@@ -3,6 +3,8 @@
 Contract: ``load_peft_adapter`` returns, for every base-model module that the weights file names, the A, B,
 rank and scale PEFT's ``LoraLayer`` uses (linear ``y += scale * (x @ A.T) @ B.T``, embedding
 ``y += scale * A.T[ids] @ B.T``), or raises ``AdapterError`` naming the adapter, the module and the fix.
+A DoRA adapter's modules also carry their magnitudes (``ModuleLora.magnitude``; the rescale itself is computed
+against the base weight when a slot is written: lorakit.layers.dora).
 Every ``LoraConfig`` field that changes PEFT's forward is matched or refused; nothing is unpickled. A file and
 config that disagree (weights of modules the config does not adapt, which PEFT ignores; adapted modules without
 weights, which PEFT leaves untrained) are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a
@@ -53,9 +55,10 @@ PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the base model, i
 
 # "<module>.lora_A.weight" / "<module>.lora_embedding_A", optionally with a PEFT adapter name inside.
 _LORA_KEY = re.compile(r"(?P<module>.+)\.(?:(?P<lin>lora_[AB])(?:\.(?P<an>[^.]+))?\.weight"
-                       r"|(?P<emb>lora_embedding_[AB])(?:\.(?P<ean>[^.]+))?)")
+                       r"|(?P<emb>lora_embedding_[AB])(?:\.(?P<ean>[^.]+))?"
+                       r"|(?P<mag>lora_magnitude_vector)(?:\.(?P<man>[^.]+)\.weight)?)")
 # What an unexpected key most likely is, first match wins.
-_KEY_HINTS = (("lora_magnitude_vector", "DoRA magnitudes (use_dora)"), ("lora_B.bias", "lora_B biases (lora_bias)"),
+_KEY_HINTS = (("lora_B.bias", "lora_B biases (lora_bias)"),
               ("trainable_tokens", "trainable tokens (trainable_token_indices)"),
               (".bias", "biases of the base layers (bias='all' or 'lora_only')"),
               (".weight", "full module weights (modules_to_save, or an embedding resized during fine-tuning)"))
@@ -92,12 +95,14 @@ class BaseModule:
 @dataclass(frozen=True, eq=False)
 class ModuleLora:
     """One module's LoRA: A [rank, in_features], B [out_features, rank] (embedding: in = num_embeddings,
-    out = embedding_dim), and the scale PEFT multiplies B @ A by."""
+    out = embedding_dim), and the scale PEFT multiplies B @ A by; a DoRA module's ``magnitude``, float32
+    [out_features] (None for plain LoRA)."""
 
     A: torch.Tensor
     B: torch.Tensor
     rank: int
     scale: float
+    magnitude: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.A.dim() != 2 or self.B.dim() != 2 or self.A.shape[0] != self.rank or self.B.shape[1] != self.rank:
@@ -105,6 +110,9 @@ class ModuleLora:
                              f"got A {tuple(self.A.shape)} and B {tuple(self.B.shape)}")
         if not math.isfinite(self.scale):
             raise ValueError(f"ModuleLora.scale must be finite, got {self.scale}")
+        if self.magnitude is not None and tuple(self.magnitude.shape) != (self.B.shape[0],):
+            raise ValueError(f"ModuleLora.magnitude must be [out_features={self.B.shape[0]}], "
+                             f"got {tuple(self.magnitude.shape)}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,7 +135,8 @@ class PeftAdapter:
         return max((lora.rank for lora in self.modules.values()), default=0)
 
     def nbytes(self) -> int:
-        return (sum(lora.A.nbytes + lora.B.nbytes for lora in self.modules.values())
+        return (sum(lora.A.nbytes + lora.B.nbytes + (0 if lora.magnitude is None else lora.magnitude.nbytes)
+                    for lora in self.modules.values())
                 + sum(t.rows.nbytes for t in self.tokens.values()))
 
 
@@ -145,8 +154,9 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs, token_parts = _read_weights(path, config, base_modules, where, strict, tied)
-    modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where) for m, (kind, a, b) in pairs.items()}
+    pairs, token_parts, magnitudes = _read_weights(path, config, base_modules, where, strict, tied)
+    modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where, magnitudes.get(m))
+               for m, (kind, a, b) in pairs.items()}
     tokens = {m: module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
               for m, t in token_parts.items()}
     _check_token_modules(modules, tokens, where)
@@ -159,7 +169,8 @@ class AdapterInfo:
     """What the config and the weights file's header say about an adapter, with no weights read:
     ``modules`` maps each targeted module to its (rank, scale); ``added_tokens``, the token ids past the base
     vocabulary the adapter defines (its requests may use them); ``invocation_tokens``, an activated LoRA's
-    invocation sequence (None for a plain LoRA): see ``activation_start``."""
+    invocation sequence (None for a plain LoRA): see ``activation_start``; ``dora``, the modules it adapts with
+    DoRA."""
 
     name: str
     path: Path
@@ -167,6 +178,7 @@ class AdapterInfo:
     modules: dict[str, tuple[int, float]]
     added_tokens: frozenset[int] = frozenset()
     invocation_tokens: tuple[int, ...] | None = None
+    dora: frozenset[str] = frozenset()
 
     @property
     def max_rank(self) -> int:
@@ -181,8 +193,9 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
-    pairs, token_parts = _read_weights(path, config, base_modules, where, strict, tied, header_only=True)
-    modules = {m: _check_module(m, kind, a, b, config, base_modules, where) for m, (kind, a, b) in pairs.items()}
+    pairs, token_parts, magnitudes = _read_weights(path, config, base_modules, where, strict, tied, header_only=True)
+    modules = {m: _check_module(m, kind, a, b, config, base_modules, where, magnitudes.get(m))
+               for m, (kind, a, b) in pairs.items()}
     added = set()
     for m, t in token_parts.items():
         base = base_modules[m]
@@ -192,7 +205,7 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     _check_token_modules(modules, token_parts, where)
     _check_alora(config, pairs, token_parts, base_modules, where)
     invocation = tuple(config.get("alora_invocation_tokens") or ()) or None
-    return AdapterInfo(name, path, config, modules, frozenset(added), invocation)
+    return AdapterInfo(name, path, config, modules, frozenset(added), invocation, frozenset(magnitudes))
 
 
 def activation_start(token_ids: Sequence[int], invocation: Sequence[int]) -> int | None:
@@ -225,6 +238,29 @@ def _check_alora(config: dict, pairs: Mapping, token_parts: Mapping, base_module
                            f"layers only (no embed_tokens, lm_head, trainable_token_indices or modules_to_save)")
 
 
+MAGNITUDE = "lora_magnitude_vector"  # a DoRA module's magnitudes, beside its lora_A / lora_B
+
+
+def _check_dora(config: dict, pairs: Mapping, magnitudes: Mapping, where: str) -> None:
+    """DoRA adapters (use_dora) need a magnitude for every adapted module, and only they may hold one; PEFT has no
+    activated DoRA."""
+    dora = bool(config.get("use_dora"))
+    if magnitudes and not dora:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} holds DoRA magnitudes ({MAGNITUDE}) of "
+                           f"{_some(magnitudes)} but {CONFIG_NAME} does not set use_dora; set use_dora to true if "
+                           f"the adapter was trained with DoRA, else re-save it without them")
+    if not dora:
+        return
+    missing = sorted(pairs.keys() - magnitudes.keys())
+    if missing:
+        raise AdapterError(f"{where}: use_dora is set but {_some(missing)} have no DoRA magnitude ({MAGNITUDE}) in "
+                           f"{WEIGHTS_NAME}; the weights file is incomplete, re-save the adapter with PEFT's "
+                           f"save_pretrained()")
+    if config.get("alora_invocation_tokens"):
+        raise AdapterError(f"{where}: use_dora and alora_invocation_tokens are both set; PEFT has no activated DoRA "
+                           f"(it refuses this combination too): retrain with one of them")
+
+
 def weights_file(path: Path, where: str) -> Path:
     """The folder's safetensors weights file; AdapterError (naming the fix) when there is none or only a pickle."""
     file = Path(path) / WEIGHTS_NAME
@@ -239,9 +275,10 @@ def weights_file(path: Path, where: str) -> Path:
 
 
 def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModule], where: str, strict: bool,
-                  tied: bool, header_only: bool = False) -> tuple[dict, dict]:
-    """({module: (kind, A, B)}, {module: TokenParts}) from the weights file, every key accounted for; kind is 'linear'
-    or 'embedding'. With header_only, tensors are their shapes, and only the header is read."""
+                  tied: bool, header_only: bool = False) -> tuple[dict, dict, dict]:
+    """({module: (kind, A, B)}, {module: TokenParts}, {module: DoRA magnitude}) from the weights file, every key
+    accounted for; kind is 'linear' or 'embedding'. With header_only, tensors are their shapes, and only the header
+    is read."""
     file = weights_file(path, where)
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -255,10 +292,14 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
                 token_parts[module] = replace(keys, **got)
             for module, key in copies.items():  # PEFT saves the base weight of targeted embeddings / lm_head
                 _check_base_copy(module, tuple(f.get_slice(key).get_shape()), parts, base_modules, where)
-            pairs = {}
+            pairs, magnitudes = {}, {}
             for module, slot in parts.items():
                 kind = "embedding" if any(p.startswith("lora_embedding") for p in slot) else "linear"
                 a, b = ("lora_embedding_A", "lora_embedding_B") if kind == "embedding" else ("lora_A", "lora_B")
+                magnitude = slot.pop(MAGNITUDE, None)
+                if magnitude is not None:
+                    shape = _header_shape(f, module, magnitude, "the DoRA magnitude", where)
+                    magnitudes[module] = shape if header_only else f.get_tensor(magnitude)
                 if set(slot) != {a, b}:
                     raise AdapterError(f"{where}: module {module!r} has {sorted(slot)} but needs exactly {a} and "
                                        f"{b}; the weights file is incomplete, re-save the adapter")
@@ -269,7 +310,8 @@ def _read_weights(path: Path, config: dict, base_modules: Mapping[str, BaseModul
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} is not a readable safetensors file ({e}); "
                            f"re-save the adapter with PEFT's save_pretrained()") from e
-    return pairs, token_parts
+    _check_dora(config, pairs, magnitudes, where)
+    return pairs, token_parts, magnitudes
 
 
 def _header_shape(f, module: str, key: str, label: str, where: str) -> tuple[int, ...]:
@@ -310,12 +352,12 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
             continue
         m = _LORA_KEY.fullmatch(rest)
         if m is not None:
-            adapter_name = m["an"] or m["ean"]
+            adapter_name = m["an"] or m["ean"] or m["man"]
             if adapter_name not in (None, "default"):  # PeftModel.from_pretrained loads "default" keys as they are
                 raise AdapterError(f"{where}: weight {key!r} still holds the PEFT adapter name {adapter_name!r}, "
                                    f"which PEFT loads only as adapter_name={adapter_name!r}; re-save it with PEFT's "
                                    f"save_pretrained(), which leaves the name out")
-            param = m["lin"] or m["emb"]
+            param = m["lin"] or m["emb"] or m["mag"]
             slot = parts.setdefault(m["module"], {})
             if param in slot:
                 raise AdapterError(f"{where}: module {m['module']!r} has {param} twice ({slot[param]!r} and "
@@ -447,8 +489,9 @@ def _pattern_value(config: dict, field: str, fallback: str, default, module: str
     return config.get(fallback, default), fallback
 
 
-def _check_module(module, kind, a_shape, b_shape, config, base_modules, where) -> tuple[int, float]:
-    """The rank and scale of one module's LoRA, after checking its shapes against the model and the config."""
+def _check_module(module, kind, a_shape, b_shape, config, base_modules, where, m_shape=None) -> tuple[int, float]:
+    """The rank and scale of one module's LoRA, after checking its shapes (and a DoRA magnitude's, ``m_shape``)
+    against the model and the config."""
     base = _base_module(module, base_modules, where)
     at = f"{where}: module {module!r}"
     if base.kind != kind:
@@ -467,6 +510,10 @@ def _check_module(module, kind, a_shape, b_shape, config, base_modules, where) -
         raise AdapterError(f"{at}: A {a_shape} and B {b_shape} do not fit the model's module "
                            f"({base.kind} {base.in_features} -> {base.out_features}), which needs A {want_a} and "
                            f"B {want_b}; was the adapter trained for another base model?")
+    if m_shape is not None and tuple(m_shape) != (base.out_features,):
+        raise AdapterError(f"{at}: the DoRA magnitude has shape {list(m_shape)} but the model's module needs "
+                           f"[{base.out_features}] (one per {'embedding dimension' if kind == 'embedding' else 'output'}"
+                           f"); was the adapter trained for another base model?")
     r, r_from = _pattern_value(config, "rank_pattern", "r", 8, module, at)
     if r != rank:
         raise AdapterError(f"{at}: the weights have rank {rank} but {CONFIG_NAME} gives rank {r} (from {r_from}); "
@@ -476,12 +523,18 @@ def _check_module(module, kind, a_shape, b_shape, config, base_modules, where) -
     return rank, float(scale)
 
 
-def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> ModuleLora:
+def _module_lora(module, kind, a, b, config, base_modules, dtype, where, magnitude=None) -> ModuleLora:
     at = f"{where}: module {module!r}"
     for t, label in ((a, "A"), (b, "B")):
         if not t.dtype.is_floating_point:
             raise AdapterError(f"{at}: {label} must be a 2-D floating-point tensor, got {t.dtype} {tuple(t.shape)}")
-    rank, scale = _check_module(module, kind, tuple(a.shape), tuple(b.shape), config, base_modules, where)
+    rank, scale = _check_module(module, kind, tuple(a.shape), tuple(b.shape), config, base_modules, where,
+                                None if magnitude is None else tuple(magnitude.shape))
+    if magnitude is not None:
+        magnitude = magnitude.float()
+        if not torch.isfinite(magnitude).all():
+            raise AdapterError(f"{at}: the DoRA magnitude holds NaN or inf values; the adapter is broken, retrain or "
+                               f"re-export")
     out = []
     for t, label in ((a, "A"), (b, "B")):
         if not torch.isfinite(t).all():
@@ -491,4 +544,4 @@ def _module_lora(module, kind, a, b, config, base_modules, dtype, where) -> Modu
             raise AdapterError(f"{at}: {label} overflows {dtype} (largest |value| {t.abs().max().item():.3g}); "
                                f"load it in a wider dtype such as torch.bfloat16 or torch.float32")
         out.append(cast)
-    return ModuleLora(out[0], out[1], rank, scale)
+    return ModuleLora(out[0], out[1], rank, scale, magnitude)

@@ -24,7 +24,6 @@ class AdapterError(ValueError):
 
 # LoraConfig fields that change the forward when truthy (PEFT's `resolve_lora_variant` tests bool(value)).
 _UNSUPPORTED = {
-    "use_dora": "DoRA rescales the adapted weight by a learned magnitude; merge it with PEFT's merge_and_unload()",
     "use_qalora": "QA-LoRA pools the input in groups before lora_A",
     "lora_bias": "lora_B carries a bias",
     "use_bdlora": "BD-LoRA stores block-diagonal lora_A/lora_B",
@@ -48,6 +47,7 @@ _KNOWN = {
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
     "trainable_token_indices", "modules_to_save",  # checked against the model in adapter.py
     "alora_invocation_tokens",  # activated LoRA: the engine applies the adapter from the invocation on
+    "use_dora",  # DoRA: the magnitudes are checked in adapter.py, the rescale computed in layers/dora.py
 } | _UNSUPPORTED.keys() | _TRAINING_ONLY_KEYS.keys()
 _INIT_OK = {"gaussian", "eva", "orthogonal", "mica"}  # inits that leave the base weights alone
 _INIT_MUTATES_BASE = ("pissa", "olora", "corda", "lora_ga")  # subtract scale * B0 @ A0 from the base weight

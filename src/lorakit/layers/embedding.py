@@ -2,7 +2,8 @@
 
 The shrink of an embedding is a lookup: h[t] = A[s][:, token t]. A is kept as [S, num_embeddings, R_max]
 so that lookup is one gather; the expand goes through ``torch.ops.lorakit.expand``. Like PEFT, the delta
-is multiplied by the base layer's ``embed_scale`` where it has one. On a vocab-parallel embedding (tensor
+is multiplied by the base layer's ``embed_scale`` where it has one (and a DoRA slot's rescale, per embedding
+dimension, multiplies the whole output). On a vocab-parallel embedding (tensor
 parallelism) the slots hold A's rows of this rank's vocabulary: the lookup's h is all-reduced (T x R_max), and
 every rank adds the same delta to the base layer's whole, all-reduced output. Token rows are kept whole (they
 replace a few rows by global id).
@@ -46,6 +47,9 @@ class LoraEmbedding(LoraSlots):
     def weight(self) -> torch.Tensor:
         return self.base_layer.weight
 
+    def base_weight(self, index: int) -> torch.Tensor:
+        return self.base_layer.weight
+
     def embed_scale(self) -> float:
         """The factor the base layer applies to its output (1.0 for a plain nn.Embedding)."""
         scale = getattr(self.base_layer, "embed_scale", None)
@@ -68,7 +72,8 @@ class LoraEmbedding(LoraSlots):
         if self.r_max:
             slots = meta.token_slot.long().clamp(min=0)  # base tokens gather slot 0's row; expand skips them
             h = self._lookup(slots, ids.reshape(-1))[None, None]  # [1, 1, T, R_max]
-            lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, options=self.ctx.kernels)
+            lora_expand(y2, h, self.lora_B.transpose(1, 2), self.ranks, self.scales, meta, options=self.ctx.kernels,
+                        dora=self.dora_or_none())
         if rows is not None:
             y2 = rows.embed(y2, input_ids.reshape(-1), meta.token_slot, self.embed_scale())
         return y2.view(y.shape)

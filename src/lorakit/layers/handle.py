@@ -29,7 +29,7 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
 from lorakit.layers.linear import LoraLinearGroup
-from lorakit.layers.sharded import check_vocab_parallel, full_features
+from lorakit.layers.sharded import ShardedLayer, check_vocab_parallel, full_features
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
 from lorakit.ops import round_up
@@ -83,6 +83,7 @@ class LoraHandle:
         check_vocab_parallel(name, path, self.base_modules, self.vocab_parallel, self.tied)
         info = inspect_peft_adapter(name, path, self.base_modules, strict=strict, tied=self.tied)
         self._check_rank(info.max_rank, f"adapter {name!r} at {path}")
+        self._check_dora(info.dora, info.config, f"adapter {name!r} at {path}")
         return info
 
     def read_adapter(self, name: str, path: str | Path, strict: bool = True) -> PeftAdapter:
@@ -93,12 +94,28 @@ class LoraHandle:
         adapter = load_peft_adapter(name, path, self.base_modules, torch.float32, base_weights, strict=strict,
                                     tied=self.tied)
         self._check_rank(adapter.max_rank, f"adapter {name!r} at {path}")
+        self._check_dora({m for m, lora in adapter.modules.items() if lora.magnitude is not None}, adapter.config,
+                         f"adapter {name!r} at {path}")
         return self._tie_tokens(adapter)
 
     def _check_rank(self, rank: int, where: str) -> None:
         if rank > self.config.max_rank:
             raise AdapterError(f"{where}: rank {rank} is above this model's max_rank={self.config.max_rank}; "
                                f"patch with a larger max_rank (lorakit serve: --max-rank)")
+
+    def _check_dora(self, modules, config: dict, where: str) -> None:
+        """DoRA where lorakit serves it: not on a tensor-parallel shard (its column norms span every rank's
+        shard), not on a head tied to the input embedding through ensure_weight_tying."""
+        sharded = sorted(m for m in modules if isinstance(getattr(self.layers[m], "base_layer", None), ShardedLayer))
+        if sharded:
+            raise AdapterError(f"{where}: it is a DoRA adapter (use_dora) and this model is split by tensor "
+                               f"parallelism, which lorakit does not serve DoRA on yet ({sharded[:3]}); serve it "
+                               f"with --tensor-parallel-size 1, or merge it into the base with PEFT's "
+                               f"merge_and_unload()")
+        if self.tied and config.get("ensure_weight_tying") and modules & {self._input_name, self._output_name}:
+            raise AdapterError(f"{where}: DoRA on an input embedding whose head is tied to it (ensure_weight_tying) "
+                               f"is not served: PEFT's tied DoRA head has no magnitudes of its own in the file; "
+                               f"retrain without ensure_weight_tying or without DoRA on the embedding")
 
     def _tie_tokens(self, adapter: PeftAdapter) -> PeftAdapter:
         """Apply PEFT's rules for the head's token rows: a head tied to the input embedding shares its rows;
@@ -229,6 +246,6 @@ class LoraHandle:
 
     def memory(self) -> dict[str, int]:
         """Bytes of slot buffers: in all, and per slot."""
-        total = sum(store.lora_A.nbytes + store.lora_B.nbytes for store in self._stores.values())
+        total = sum(store.lora_A.nbytes + store.lora_B.nbytes + store.dora.nbytes for store in self._stores.values())
         total += sum(t.rows.nbytes + t.ids1.nbytes for t in self._token_stores.values())
         return {"slot_buffers": total, "per_slot": total // self.num_slots}

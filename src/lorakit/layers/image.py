@@ -10,7 +10,9 @@ padding, all on the current stream. So an upload is one copy at the host link's 
 chooses the stream it runs on.
 
 A written slot holds the adapter's rows up to each slice's rank and zeros beyond: the one way slots are
-written, for ``LoraHandle.load_adapter`` and the adapter pool alike.
+written, for ``LoraHandle.load_adapter`` and the adapter pool alike. A DoRA adapter's image also holds each
+slice's magnitudes; once its A and B are in the slot, the writer computes the slot's rescale from them and the
+base weight on the device (``lorakit.layers.dora``: a few launches per DoRA slice).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from lorakit.layers.adapter import PeftAdapter
+from lorakit.layers.dora import write_gain
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
 from lorakit.layers.sharded import shard_lora
@@ -55,7 +58,9 @@ class Part:
 @dataclass(frozen=True, eq=False)
 class StoreImage:
     """What an adapter writes into one slot of one store. ranks[i] is 0 for a slice it does not target.
-    a[i]: A rows of slice i ([rank, in]; embeddings [num_embeddings, rank]); b: [max(ranks), sum(out)]."""
+    a[i]: A rows of slice i ([rank, in]; embeddings [num_embeddings, rank]); b: [max(ranks), sum(out)].
+    magnitudes[i]: a DoRA slice's magnitudes (float32 [out_i]), None for plain LoRA; norm_scales[i], the scale its
+    norm takes B A at (PEFT's, without an embedding's embed_scale)."""
 
     store: LoraSlots
     ranks: tuple[int, ...]
@@ -63,6 +68,12 @@ class StoreImage:
     b: Part
     rank_part: Part  # int32 [n]
     scale_part: Part  # float32 [n]
+    magnitudes: tuple[Part | None, ...] = ()
+    norm_scales: tuple[float, ...] = ()
+
+    @property
+    def dora(self) -> bool:
+        return any(m is not None for m in self.magnitudes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +99,8 @@ class SlotImage:
     def signature(self) -> tuple:
         """Equal for images of equal layout (same stores, ranks and token rows): such images have the same
         parts at the same offsets, so one list of views serves them all."""
-        return (tuple((id(s.store), s.ranks) for s in self.stores), tuple((id(t.store), t.k) for t in self.tokens))
+        return (tuple((id(s.store), s.ranks, tuple(m is not None for m in s.magnitudes)) for s in self.stores),
+                tuple((id(t.store), t.k) for t in self.tokens))
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +149,9 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
             for i in range(n)
         )
         b = place((max(ranks), store.out_offsets[-1]), store.dtype)
-        plans.append((store, slices, ranks, a, b, place((n,), torch.int32), place((n,), torch.float32)))
+        mags = tuple(place((store.out_sizes[i],), torch.float32)
+                     if i in slices and slices[i][0].magnitude is not None else None for i in range(n))
+        plans.append((store, slices, ranks, a, b, place((n,), torch.int32), place((n,), torch.float32), mags))
 
     token_plans = []
     for module, t in adapter.tokens.items():  # the adapter's rows, ids ascending
@@ -153,7 +167,7 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         rows.view(buffer).copy_(t.rows)
         tokens.append(TokenImage(store, k, added, ids1, rows))
     stores = []
-    for store, slices, ranks, a, b, rank_part, scale_part in plans:
+    for store, slices, ranks, a, b, rank_part, scale_part, mags in plans:
         b_view = b.view(buffer)
         scales = torch.zeros(len(ranks), dtype=torch.float32)
         for i, (lora, scale) in slices.items():
@@ -161,15 +175,19 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
             lo, hi = store.out_offsets[i], store.out_offsets[i + 1]
             b_view[: ranks[i], lo:hi].copy_(lora.B.T)
             scales[i] = scale
+            if mags[i] is not None:
+                mags[i].view(buffer).copy_(lora.magnitude)
         rank_part.view(buffer).copy_(torch.tensor(ranks, dtype=torch.int32))
         scale_part.view(buffer).copy_(scales)
-        stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part))
+        norm_scales = tuple(slices[i][0].scale if i in slices else 0.0 for i in range(len(ranks)))
+        stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part, mags, norm_scales))
     return SlotImage(adapter.name, buffer, tuple(stores), tuple(tokens))
 
 
 def needs_growth(image: SlotImage) -> bool:
-    """Whether a store lacks room for the image's ranks or token rows (or a head for its added tokens)."""
-    return (any(max(s.ranks) > s.store.r_max for s in image.stores)
+    """Whether a store lacks room for the image's ranks or token rows (or a head for its added tokens), or the
+    DoRA buffer its magnitudes need."""
+    return (any(max(s.ranks) > s.store.r_max or (s.dora and not s.store.dora_rows) for s in image.stores)
             or any(t.store.needs_growth(t.k, t.added) for t in image.tokens))
 
 
@@ -178,6 +196,8 @@ def grow_for(image: SlotImage) -> bool:
     grew = needs_growth(image)
     for s in image.stores:
         s.store.grow(max(s.ranks))
+        if s.dora:
+            s.store.enable_dora()
     for t in image.tokens:
         t.store.grow(t.k, t.added)
     return grew
@@ -224,6 +244,11 @@ class SlotWriter:
         else:
             self._plans.move_to_end(key)
         self._run(plan)
+        for s in image.stores:  # DoRA: the rescale, from the slot's A and B now written
+            for i, part in enumerate(s.magnitudes):
+                if part is not None:
+                    write_gain(s.store, slot, i, s.ranks[i], s.norm_scales[i], part.view(staging),
+                               isinstance(s.store, LoraEmbedding))
 
     @property
     def staging_bytes(self) -> int:
@@ -272,6 +297,8 @@ def _plan(slot: int, image: SlotImage, src: torch.Tensor) -> tuple:
                 zeros.append(rows[rank:])
         copy(store.lora_B[slot, : s.b.shape[0]], s.b)
         zeros.append(store.lora_B[slot, s.b.shape[0]:])
+        if store.dora_rows:  # plain LoRA here; a DoRA slice's rescale is written after the copies
+            zeros.append(store.dora[slot])
     for t in image.tokens:
         if t.k:
             copy(t.store.ids1[slot, : t.k], t.ids1)

@@ -36,6 +36,16 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def weight_rows(module: nn.Module) -> torch.Tensor:
+    """A linear-like module's weight as [out, in] (GPT-2's Conv1D stores [in, out]; a quantized layer's, dequantized
+    to float32): what DoRA's column norms are taken over."""
+    if isinstance(module, QuantizedLinear):
+        return module.dequantized_weight(torch.float32)
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.T
+    return module.weight
+
+
 def compute_dtype(module: nn.Module) -> torch.dtype:
     """The dtype a linear-like module takes and returns (a quantized layer's or shard's, not its weight's): its
     slots'."""
@@ -51,6 +61,15 @@ class _LinearSlots(LoraSlots):
         super().__init__(num_slots, shapes[0][0], [out for _, out in shapes], compute_dtype(base_layers[0]),
                          weight.device, rank_multiple)
         self.ctx = ctx
+
+    def _base(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def base_weight(self, index: int) -> torch.Tensor:
+        return weight_rows(self._base(index))
+
+    def base_bias(self, index: int) -> torch.Tensor | None:
+        return getattr(self._base(index), "bias", None)
 
     def _empty_a(self, r_max, dtype, device):
         return torch.zeros(self.num_slots, len(self.out_sizes), r_max, self.in_features, dtype=dtype, device=device)
@@ -69,17 +88,24 @@ class _LinearSlots(LoraSlots):
         in place where dtypes allow."""
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         A, B, ranks, scales = self._weights(index)
+        dora = self.dora_or_none(index)
         # check=False: the slots' buffers, the batch's meta, x2 made above
         return self.added(base(), lambda outs: add_lora(outs, x2, A, B, ranks, scales, meta, check=False,
-                                                        options=self.ctx.kernels))
+                                                        options=self.ctx.kernels, dora=dora), dora is not None)
 
-    def added(self, ys: list[torch.Tensor], add: Callable[[list[torch.Tensor]], None]) -> list[torch.Tensor]:
+    def added(self, ys: list[torch.Tensor], add: Callable[[list[torch.Tensor]], None],
+              whole: bool = False) -> list[torch.Tensor]:
         """``ys`` with ``add(outs)`` (an in-place LoRA add into 2-D outputs) applied: into ys themselves when they
-        are in the slots' dtype, else into zeros of that dtype added to them."""
+        are in the slots' dtype, else into zeros of that dtype added to them; or, if ``add`` needs the ``whole``
+        output (DoRA rescales it), into ys cast to the slots' dtype and back."""
         flat = [y.view(-1, y.shape[-1]) for y in ys]
         if all(y.dtype == self.dtype for y in ys):
             add(flat)
             return ys
+        if whole:
+            cast = [y.to(self.dtype) for y in flat]
+            add(cast)
+            return [c.view(y.shape).to(y.dtype) for y, c in zip(ys, cast)]
         deltas = [torch.zeros(y.shape, dtype=self.dtype, device=y.device) for y in flat]
         add(deltas)
         return [y + d.view(y.shape).to(y.dtype) for y, d in zip(ys, deltas)]
@@ -93,6 +119,9 @@ class LoraLinear(_LinearSlots):
         self.base_layer = base_layer
         self.tokens: TokenRows | None = None  # per-slot token rows, on the model's output head (see patch)
         self.softcap: float | None = None  # the head of a soft-capped model: the cap, applied here (see patch)
+
+    def _base(self, index: int) -> nn.Module:
+        return self.base_layer
 
     # Code that reads the wrapped module's parameters (tied weights, get_output_embeddings) still works.
     @property
@@ -151,6 +180,9 @@ class LoraLinearGroup(_LinearSlots):
         # every sibling's weight and bias, or one quantized layer over them all (fuse_base)
         self._fused: tuple[torch.Tensor, torch.Tensor | None] | QuantizedLinear | None = None
         ctx.on_reset(self.reset)
+
+    def _base(self, index: int) -> nn.Module:
+        return self.members[index].base_layer
 
     def reset(self) -> None:
         self._input, self._outputs = None, None

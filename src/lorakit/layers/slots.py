@@ -5,6 +5,10 @@ One ``LoraSlots`` holds the slots of n slices: one module, or sibling modules th
 no work); loading an adapter grows the padding to the adapter's rank rounded up to ``rank_multiple``,
 copying the slots already loaded bit-exactly. What a slot holds changes with load and unload (written by
 ``lorakit.layers.image``); the slot count and the shapes never do.
+
+A DoRA adapter's rescale lives beside A and B: ``dora`` [S, 1 or 2, sum(out_sizes)] float32, each slot's
+``m / ||W + scale B A|| - 1`` per output column and, for a layer with a bias, ``-(that) * bias`` (zeros for a
+slot of plain LoRA). It is allocated when the first DoRA adapter comes (``enable_dora``), like a rank growth.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class LoraSlots(nn.Module):
         self.register_buffer("lora_A", self._empty_a(0, dtype, device), persistent=False)
         self.register_buffer("lora_B", torch.zeros(num_slots, 0, sum(self.out_sizes), dtype=dtype, device=device),
                              persistent=False)
+        self.register_buffer("dora", torch.zeros(num_slots, 0, sum(self.out_sizes), dtype=torch.float32,
+                                                 device=device), persistent=False)
 
     # Subclasses say how A is laid out: [S, n, R, in] for linear layers, [S, in, R] for embeddings (the rank
     # is dimension 2 in both).
@@ -63,7 +69,39 @@ class LoraSlots(nn.Module):
 
     def slot_tensors(self, slot: int) -> tuple[torch.Tensor, ...]:
         """What one slot holds (zeroed, the slot holds nothing)."""
-        return self.ranks[slot], self.scales[slot], self.lora_A[slot], self.lora_B[slot]
+        return self.ranks[slot], self.scales[slot], self.lora_A[slot], self.lora_B[slot], self.dora[slot]
+
+    # DoRA: the base layers' weights and biases the rescale is computed from (``lorakit.layers.dora``).
+
+    def base_weight(self, index: int) -> torch.Tensor:
+        """Slice ``index``'s base weight as [out, in] (an embedding's as [num_embeddings, dim]), dequantized."""
+        raise NotImplementedError
+
+    def base_bias(self, index: int) -> torch.Tensor | None:
+        return None
+
+    @property
+    def dora_rows(self) -> int:
+        """1 (a gain per column) or 2 (and a shift: some slice has a bias) once DoRA is enabled, else 0."""
+        return self.dora.shape[1]
+
+    def enable_dora(self) -> bool:
+        """Allocate the DoRA buffer (zeros: every slot plain LoRA); True if it was allocated now."""
+        if self.dora_rows:
+            return False
+        rows = 2 if any(self.base_bias(i) is not None for i in range(len(self.out_sizes))) else 1
+        self.dora = torch.zeros(self.num_slots, rows, self.out_offsets[-1], dtype=torch.float32,
+                                device=self.lora_B.device)
+        return True
+
+    def dora_or_none(self, index: int | None = None) -> torch.Tensor | None:
+        """The DoRA buffer for the kernels (of slice ``index`` alone, if given), None while no DoRA adapter came."""
+        if not self.dora_rows:
+            return None
+        if index is None:
+            return self.dora
+        return self.dora[:, :, self.out_offsets[index]: self.out_offsets[index + 1]]
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_sizes}, slots={self.num_slots}, r_max={self.r_max}"
+        dora = ", dora" if self.dora_rows else ""
+        return f"in={self.in_features}, out={self.out_sizes}, slots={self.num_slots}, r_max={self.r_max}{dora}"

@@ -84,8 +84,10 @@ def split_columns(y: torch.Tensor, slice_sizes: Sequence[int] | None) -> list[to
 
 def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
                 scales: torch.Tensor, meta: LoraMeta, slice_sizes: Sequence[int] | None = None,
-                check: bool = True, options: KernelOptions = DEFAULT_OPTIONS) -> None:
-    """``torch.ops.lorakit.expand`` over a LoraMeta: ys[i] += scale * h[i] @ B[slice i].T, in place.
+                check: bool = True, options: KernelOptions = DEFAULT_OPTIONS,
+                dora: torch.Tensor | None = None) -> None:
+    """``torch.ops.lorakit.expand`` over a LoraMeta: ys[i] += scale * h[i] @ B[slice i].T, in place, then DoRA's
+    per-column rescale where ``dora`` (float32 [S, 1 or 2, out]: see the op) is given.
 
     ys: one output per slice, or one tensor y split into slices of widths slice_sizes; check, options: as for
     lora_shrink."""
@@ -95,28 +97,31 @@ def lora_expand(ys: torch.Tensor | Sequence[torch.Tensor], h: torch.Tensor, B: t
     pdl = "expand" in options.pdl
     if _direct(options, h, B, *outs):
         if check:
-            _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m)
-        _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, pdl)
+            _check_expand_args(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
+                               dora)
+        _launch_expand(outs, h, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, pdl, dora=dora)
         return
     torch.ops.lorakit.expand(outs, h, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
-                             pdl)
+                             pdl, dora)
 
 
 def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              ranks: torch.Tensor, scales: torch.Tensor, meta: LoraMeta,
              slice_sizes: Sequence[int] | None = None, check: bool = True,
-             options: KernelOptions = DEFAULT_OPTIONS) -> None:
+             options: KernelOptions = DEFAULT_OPTIONS, dora: torch.Tensor | None = None) -> None:
     """The whole LoRA delta of one (possibly fused) layer, added in place.
 
     Semantics:
         for t, i: s = meta.token_slot[t]; r = ranks[s, i]
             y_i[t] += scales[s, i] * (x[t] @ A[s, i, :r].T) @ B[s, slice i, :r].T   (skipped where s == -1)
+            with dora, then: y_i[t] += dora[s, 0, slice i] * y_i[t] (+ dora[s, 1, slice i])   (DoRA's rescale)
 
     x: [T, in]; y: [T, out] split into slices of widths slice_sizes (default: one slice), or a list of
     outputs y_i [T, out_i] (q, k and v of one input); A: [S, n_slices, R_max, in]; B: [S, out, R_max]
     (store it as [S, R_max, out] and pass ``.transpose(1, 2)``: the expand then reads only the first r
     rows, fully coalesced); ranks int32 and scales float32 [S, n_slices]. The meta must be built for S slots.
     check=False: see lora_shrink (the layers' eager calls); options: how the kernels launch (``KernelOptions``).
+    dora: float32 [S, 1 or 2, out] or None (``torch.ops.lorakit.expand``).
     """
     lora_expand(y, lora_shrink(x, A, ranks, meta, check=check, options=options), B, ranks, scales, meta, slice_sizes,
-                check=check, options=options)
+                check=check, options=options, dora=dora)

@@ -3,7 +3,8 @@
 The slices of a fused projection (q/k/v under GQA, gate/up) are column ranges of one ``y`` and one
 ``B``; each program takes a tile of tokens of one slot and a range of one slice's columns, sums the
 split-K partials of ``h`` once, and streams B and y through a pipelined loop over the columns, reading
-B only up to ``rank[s, i]``.
+B only up to ``rank[s, i]``. A DoRA slot's per-column rescale of the sum (``dora``) is applied in the same
+pass, before y is written back: one more float32 read per column and tile, no extra launch.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R:
 
 
 @triton.jit
-def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                    stride_hk, stride_bn, stride_br, stride_yn,
+def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                    stride_hk, stride_bn, stride_br, stride_yn, stride_dk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr):
+                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr, DORA: tl.constexpr):
     """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step.
 
     HOIST (rank <= BLOCK_R): h is loaded once and only B and y stream through the pipelined loop.
-    Otherwise the rank is walked in chunks of BLOCK_R for every block of columns."""
+    Otherwise the rank is walked in chunks of BLOCK_R for every block of columns.
+    DORA (1: a gain, 2: a gain and a shift, at d_base and d_base + stride_dk): the sum v becomes
+    v + gain * v + shift, column by column."""
     if HOIST:
         hv = _load_h(h_rows, 0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K)
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -62,20 +65,27 @@ def _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
                 bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
                 acc = dot(hc, bv, acc, IEEE)
-        tl.store(y_ptrs, (yv.to(tl.float32) + scale * acc).to(yv.dtype), mask=mask)
+        out = yv.to(tl.float32) + scale * acc
+        if DORA >= 1:
+            gain = tl.load(d_base + offs_n, mask=n_mask, other=0.0)
+            out += gain[None, :] * out
+        if DORA == 2:
+            out += tl.load(d_base + stride_dk + offs_n, mask=n_mask, other=0.0)[None, :]
+        tl.store(y_ptrs, out.to(yv.dtype), mask=mask)
 
 
 @triton.jit
 def _expand_kernel(
-    Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr,
+    Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr,
     R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS,
     stride_hk, stride_hi, stride_ht,
     stride_bs, stride_bn, stride_br,
     stride_rs, stride_ri,
     stride_ss, stride_si,
     stride_tiles,
+    stride_ds, stride_dk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, DORA: tl.constexpr,
 ):
     # Launched while the kernel before (the shrink) may still run: wait for it before the first load. No early
     # trigger for the kernel after: a PDL shrink that started beside this kernel would take its SMs.
@@ -104,28 +114,29 @@ def _expand_kernel(
         y_rows = y_ptr + tok[:, None] * stride_yt
         h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + lo * stride_bn
+        d_base = d_ptr + slot.to(tl.int64) * stride_ds + lo
         # The rank block follows this slot's rank: bytes stop at the rank, FLOPs at the next of 16, 32,
         # 64 or 128, and ranks above 128 walk chunks of 64.
         if rank <= 16:
-            _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True)
+            _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                            stride_hk, stride_bn, stride_br, 1, stride_dk,
+                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True, DORA)
         elif rank <= 32:
-            _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True)
+            _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                            stride_hk, stride_bn, stride_br, 1, stride_dk,
+                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True, DORA)
         elif rank <= 64:
-            _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True)
+            _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                            stride_hk, stride_bn, stride_br, 1, stride_dk,
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True, DORA)
         elif rank <= 128:
-            _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True)
+            _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                            stride_hk, stride_bn, stride_br, 1, stride_dk,
+                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True, DORA)
         else:
-            _expand_columns(y_rows, h_rows, b_base, n_lo, n_hi, rank, scale, m_mask,
-                            stride_hk, stride_bn, stride_br, 1,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False)
+            _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
+                            stride_hk, stride_bn, stride_br, 1, stride_dk,
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False, DORA)
 
 
 # Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
@@ -138,9 +149,10 @@ EXPAND_CONFIGS = {
 
 
 def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, pdl: bool = False,
-                   sms: int | None = None) -> None:
-    """Launch the expand kernel: ys[i] += the delta of slice i. ``pdl``: launched with programmatic dependent
-    launch where the device supports it; the grid is sized for ``sms`` SMs (default: the device's)."""
+                   sms: int | None = None, dora: torch.Tensor | None = None) -> None:
+    """Launch the expand kernel: ys[i] += the delta of slice i (then DoRA's rescale where ``dora`` is given).
+    ``pdl``: launched with programmatic dependent launch where the device supports it; the grid is sized for
+    ``sms`` SMs (default: the device's)."""
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
@@ -158,19 +170,21 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, pd
     grid = (cdiv(max(widths), cols), n_tiles, n_slices)
     pdl = pdl and pdl_supported(h.device)
     _expand_kernel[grid](
-        *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles,
+        *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles, B if dora is None else dora,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
         h.stride(0), h.stride(1), h.stride(2),
         B.stride(0), B.stride(1), B.stride(2),
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),
         tiles.stride(0),
+        *((0, 0) if dora is None else (dora.stride(0), dora.stride(1))),
         BLOCK_M=block_m, SPLIT_K=split_k, IEEE=B.dtype == torch.float32, PDL=pdl,
+        DORA=0 if dora is None else dora.shape[1],
         **({"launch_pdl": True} if pdl else {}), **config,
     )
 
 
-def _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m) -> None:
+def _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, dora=None) -> None:
     if not isinstance(ys, (list, tuple)) or not 1 <= len(ys) <= MAX_SLICES:
         raise ValueError(f"ys must be a list of 1 to {MAX_SLICES} output tensors (one per slice), got {ys!r:.100}")
     check_tensor("ys[0]", ys[0], dim=2, dtypes=FLOAT_DTYPES, device=ys[0].device, unit_stride_dim=1)
@@ -196,6 +210,11 @@ def _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, 
     check_meta(token_slot, token_order, tiles, num_tokens, device)
     check_block_m(block_m)
     check_ranks(ranks, r_max)
+    if dora is not None:
+        check_tensor("dora", dora, dim=3, dtypes=(torch.float32,), device=device, unit_stride_dim=2)
+        if dora.shape[0] != num_slots or dora.shape[1] not in (1, 2) or dora.shape[2] != sum(widths):
+            raise ValueError(f"dora must be float32 [S={num_slots}, 1 or 2, {sum(widths)}] (each slot's gain - 1, "
+                             f"and optionally its shift, per output column), got shape {tuple(dora.shape)}")
 
 
 @torch.library.custom_op("lorakit::expand", mutates_args=("ys",))
@@ -210,38 +229,43 @@ def expand(
     tiles: torch.Tensor,
     block_m: int,
     pdl: bool = False,
+    dora: torch.Tensor | None = None,
 ) -> None:
     """LoRA expand for all slices of a projection, added in place into one output per slice.
 
     Semantics:
         for t, i: s = token_slot[t]; r = ranks[s, i]; cols = the columns of B for slice i (B's slices are
         ys' widths, in order)
-            ys[i][t] += scales[s, i] * h.sum(0)[i, t, :r] @ B[s, cols, :r].T   (skipped where s == -1)
+            v = ys[i][t] + scales[s, i] * h.sum(0)[i, t, :r] @ B[s, cols, :r].T   (skipped where s == -1 or r == 0)
+            if dora is given: v = v + dora[s, 0, cols] * v (+ dora[s, 1, cols] where dora has 2 rows)
+            ys[i][t] = v
 
     ys: 1 to 4 tensors [T, out_i] of one dtype (float32/float16/bfloat16), unit column stride, modified
     in place: separate outputs (q, k, v of one input) or column views of one output;
     h: float32 [split_k, n_slices, T, R_max] from shrink; B: [S, sum(out_i), R_max], ys' dtype,
     any strides ([S, R_max, out] storage read as B.transpose(1, 2) is fastest);
     ranks: int32 [S, n_slices]; scales: float32 [S, n_slices]; token_slot, token_order, tiles, block_m: a LoraMeta.
+    dora: None, or float32 [S, 1 or 2, sum(out_i)], unit column stride: DoRA's per-column rescale of each slot,
+    ``m / ||W + scale B A|| - 1`` and, for a layer with a bias b, ``-(that) * b`` (zeros: a plain LoRA slot).
     The delta is accumulated in float32 and rounded once into ys. pdl: how the CUDA kernel launches
     (``KernelOptions.pdl``: "expand" in it); the results do not depend on it.
     """
-    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
-    _expand_torch(ys, h, B, ranks, scales, token_slot)
+    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, dora)
+    _expand_torch(ys, h, B, ranks, scales, token_slot, dora)
 
 
 @expand.register_kernel("cuda")
-def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False):
-    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m)
-    _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m, pdl)
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False, dora=None):
+    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, dora)
+    _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m, pdl, dora=dora)
 
 
 @expand.register_fake
-def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False):
+def _(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False, dora=None):
     return None
 
 
-def _expand_torch(ys, h, B, ranks, scales, token_slot) -> None:
+def _expand_torch(ys, h, B, ranks, scales, token_slot, dora=None) -> None:
     """The CPU path in plain torch: one matmul per (used slot, slice), float32, rounded once into ys."""
     if adapter_tokens_skipped():
         return
@@ -258,5 +282,9 @@ def _expand_torch(ys, h, B, ranks, scales, token_slot) -> None:
             if r == 0:
                 continue
             lo, hi = offsets[i], offsets[i + 1]
-            delta = (hs[i, idx, :r] @ B[s, lo:hi, :r].float().T) * scales_host[s][i]
-            y[idx] = (y[idx].float() + delta).to(y.dtype)
+            v = y[idx].float() + (hs[i, idx, :r] @ B[s, lo:hi, :r].float().T) * scales_host[s][i]
+            if dora is not None:
+                v = v + dora[s, 0, lo:hi] * v
+                if dora.shape[1] == 2:
+                    v = v + dora[s, 1, lo:hi]
+            y[idx] = v.to(y.dtype)

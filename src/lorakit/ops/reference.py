@@ -41,8 +41,10 @@ def expand_ref(
     scales: torch.Tensor,
     slots: torch.Tensor,
     slice_sizes: Sequence[int],
+    dora: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t, slice i] + scales[s, i] * h[i, t, :r] @ B[s, slice i, :r].T, in float64; y is not modified.
+    With ``dora`` ([S, 1 or 2, sum(slice_sizes)]), that sum v becomes v + dora[s, 0] * v (+ dora[s, 1]) where r > 0.
 
     y: [T, sum(slice_sizes)]; h: [n_slices, T, R_max]; B: [S, sum(slice_sizes), R_max].
     """
@@ -55,8 +57,13 @@ def expand_ref(
         for i in range(len(slice_sizes)):
             r = int(ranks[s, i])
             lo, hi = offsets[i], offsets[i + 1]
+            if r == 0:
+                continue
             b = B[s, lo:hi, :r].double().cpu()
             out[t, lo:hi] += float(scales[s, i]) * (h[i, t, :r].double().cpu() @ b.T)
+            if dora is not None:
+                d = dora[s].double().cpu()
+                out[t, lo:hi] += d[0, lo:hi] * out[t, lo:hi] + (d[1, lo:hi] if d.shape[0] == 2 else 0.0)
     return out
 
 
@@ -69,9 +76,11 @@ def lora_ref(
     scales: torch.Tensor,
     slots: torch.Tensor,
     slice_sizes: Sequence[int],
+    dora: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The whole delta: y[t] + scale[s] * (x[t] @ A[s].T) @ B[s].T per slice, in float64."""
-    return expand_ref(y, shrink_ref(x, A, ranks, slots), B, ranks, scales, slots, slice_sizes)
+    """The whole delta: y[t] + scale[s] * (x[t] @ A[s].T) @ B[s].T per slice, in float64 (then DoRA's rescale, as
+    ``expand_ref``)."""
+    return expand_ref(y, shrink_ref(x, A, ranks, slots), B, ranks, scales, slots, slice_sizes, dora)
 
 
 def lora_ref_by_slot(
