@@ -59,12 +59,15 @@ class SavedAdapter:
 
 
 def save_adapter(base, name: str, lora_config: LoraConfig, tmp_path, seed: int, std: float = 0.3) -> SavedAdapter:
-    """A PEFT adapter with random nonzero A and B (normal, this std), saved as safetensors."""
+    """A PEFT adapter with random nonzero A and B (normal, this std), saved as safetensors; a DoRA adapter's
+    magnitudes are PEFT's initial ones (the column norms) each scaled by a random factor in [0.5, 1.5)."""
     peft_model = get_peft_model(copy.deepcopy(base), lora_config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in peft_model.named_parameters():
-            if "lora_" in pname:
+            if "lora_magnitude_vector" in pname:
+                p.mul_(0.5 + torch.rand(p.shape, generator=gen).to(p.dtype))
+            elif "lora_" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     path = tmp_path / name
     peft_model.save_pretrained(path)

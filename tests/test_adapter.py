@@ -272,7 +272,6 @@ def test_pickle_weights_are_refused_never_unpickled(folder, base, monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("use_dora", True, "use_dora=True is not supported yet"),
     ("use_qalora", True, "use_qalora"),
     ("lora_bias", True, "lora_bias"),
     ("alora_invocation_tokens", [5, -6], "alora_invocation_tokens must be null or a list"),  # accepted: test_alora
@@ -346,7 +345,6 @@ def test_non_finite_weights_name_the_module(folder, base):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (f"{QKEY}.lora_magnitude_vector", "DoRA"),
     (f"{QKEY}.lora_B.bias", "lora_bias"),
     (f"{QKEY}.base_layer.bias", "bias='all'"),
     ("base_model.model.model.norm.weight", "full module weights"),

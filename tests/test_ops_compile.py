@@ -28,6 +28,8 @@ def test_opcheck(device, mapping):
     # with the launch options (programmatic dependent launch: ignored where unsupported, never in the results)
     torch.library.opcheck(torch.ops.lorakit.shrink.default, (*shrink_args, True, True))
     torch.library.opcheck(torch.ops.lorakit.expand.default, (*expand_args, True))
+    dora = torch.rand(3, 2, 24, device=device) - 0.5  # a DoRA rescale of every slot (gain - 1, shift)
+    torch.library.opcheck(torch.ops.lorakit.expand.default, (*expand_args, False, dora))
 
 
 def lora_layer(y, x, A, B, ranks, scales, slots, num_slots: int, sizes: list[int],
@@ -67,4 +69,4 @@ def test_compiling_goes_through_the_registered_ops_even_on_a_direct_device(pdl):
     args = (case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, 4, case.slice_sizes, options)
     torch.compile(lora_layer, backend=backend, fullgraph=True)(*args)
     assert calls["lorakit.shrink"][8:] == ("shrink" in pdl, "expand" in pdl)  # pdl, and the trigger for the expand
-    assert calls["lorakit.expand"][9:] == ("expand" in pdl,)
+    assert calls["lorakit.expand"][9:] == ("expand" in pdl, None)  # pdl; no DoRA rescale
