@@ -34,6 +34,7 @@ from lorakit.layers.adapter_config import (
     _is_int,
     read_adapter_config,
 )
+from lorakit.layers.adapter_experts import expert_factors, expert_shapes, expert_stems
 from lorakit.layers.adapter_targets import MATCH_SECONDS, lora_targets, token_targets
 from lorakit.layers.adapter_tokens import (
     ModuleTokens,
@@ -68,12 +69,14 @@ _KEY_HINTS = (("lora_B.bias", "lora_B biases (lora_bias)"),
 class BaseModule:
     """A base-model module an adapter may target. linear: (in_features, out_features);
     embedding: (num_embeddings, embedding_dim). ``tokens``: "input" for the input embedding, "output" for the
-    output head (the modules whose rows are tokens), else None."""
+    output head (the modules whose rows are tokens), else None. experts: a stacked MoE expert parameter
+    (``<module>.<parameter>``, adapter_experts.py): (in_features, out_features) of each of its experts."""
 
     kind: str
     in_features: int
     out_features: int
     tokens: str | None = None
+    num_experts: int = 1  # kind "experts": a stacked MoE parameter of this many experts, in -> out each
 
     @property
     def vocab(self) -> int:
@@ -84,9 +87,10 @@ class BaseModule:
         return self.out_features if self.kind == "embedding" else self.in_features
 
     def __post_init__(self):
-        if self.kind not in ("linear", "embedding"):
-            raise ValueError(f"BaseModule.kind must be 'linear' or 'embedding', got {self.kind!r}")
-        for field in ("in_features", "out_features"):
+        if self.kind not in ("linear", "embedding", "experts"):
+            raise ValueError(f"BaseModule.kind must be 'linear' or 'embedding' (or 'experts', a stacked MoE "
+                             f"parameter), got {self.kind!r}")
+        for field in ("in_features", "out_features", "num_experts"):
             value = getattr(self, field)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"BaseModule.{field} must be a positive int, got {value!r}")
@@ -105,8 +109,11 @@ class ModuleLora:
     magnitude: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.A.dim() != 2 or self.B.dim() != 2 or self.A.shape[0] != self.rank or self.B.shape[1] != self.rank:
-            raise ValueError(f"ModuleLora needs A [rank, in] and B [out, rank] with rank={self.rank}, "
+        # stacked MoE experts (adapter_experts.py): A [E, rank, in], B [E, out, rank]
+        if (self.A.dim() not in (2, 3) or self.B.dim() != self.A.dim() or self.A.shape[-2] != self.rank
+                or self.B.shape[-1] != self.rank or self.A.shape[:-2] != self.B.shape[:-2]):
+            raise ValueError(f"ModuleLora needs A [rank, in] and B [out, rank] (experts: [E, rank, in] and "
+                             f"[E, out, rank]) with rank={self.rank}, "
                              f"got A {tuple(self.A.shape)} and B {tuple(self.B.shape)}")
         if not math.isfinite(self.scale):
             raise ValueError(f"ModuleLora.scale must be finite, got {self.scale}")
@@ -329,6 +336,7 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
     enables. Then hold the file against what the config adapts (``_disagreements``)."""
     skip = [pattern for field, pattern in _TRAINING_ONLY_KEYS.items() if config.get(field)]
     targets = lora_targets(config, base_modules, tied, where)
+    stems = expert_stems(targets or (), base_modules)  # where target_parameters' LoRA weights are saved
     tt = token_targets(config, base_modules, tied, where)
     roles = {name for name, m in base_modules.items() if m.tokens}
     parts: dict[str, dict[str, str]] = {}
@@ -358,7 +366,7 @@ def _sort_keys(keys: list[str], config: dict, base_modules: Mapping[str, BaseMod
                                    f"which PEFT loads only as adapter_name={adapter_name!r}; re-save it with PEFT's "
                                    f"save_pretrained(), which leaves the name out")
             param = m["lin"] or m["emb"] or m["mag"]
-            slot = parts.setdefault(m["module"], {})
+            slot = parts.setdefault(stems.get(m["module"], m["module"]), {})
             if param in slot:
                 raise AdapterError(f"{where}: module {m['module']!r} has {param} twice ({slot[param]!r} and "
                                    f"{key!r}); keep one")
@@ -494,6 +502,9 @@ def _check_module(module, kind, a_shape, b_shape, config, base_modules, where, m
     against the model and the config."""
     base = _base_module(module, base_modules, where)
     at = f"{where}: module {module!r}"
+    if base.kind == "experts":  # PEFT's [r * E, in] / [out, r * E], checked; then as one expert's linear LoRA
+        a_shape, b_shape = expert_shapes(at, base, kind, a_shape, b_shape)
+        kind, base = "linear", replace(base, kind="linear")
     if base.kind != kind:
         stored = "lora_embedding_A/B" if kind == "embedding" else "lora_A/lora_B"
         raise AdapterError(f"{at} is {'an' if base.kind == 'embedding' else 'a'} {base.kind} in the model but the "
@@ -544,4 +555,6 @@ def _module_lora(module, kind, a, b, config, base_modules, dtype, where, magnitu
             raise AdapterError(f"{at}: {label} overflows {dtype} (largest |value| {t.abs().max().item():.3g}); "
                                f"load it in a wider dtype such as torch.bfloat16 or torch.float32")
         out.append(cast)
+    if base_modules[module].kind == "experts":
+        out = expert_factors(*out, base_modules[module].num_experts)
     return ModuleLora(out[0], out[1], rank, scale, magnitude)

@@ -31,7 +31,6 @@ _UNSUPPORTED = {
     "kasa_config": "KaSA adds a singular-value diagonal and truncates the base weight",
     "megatron_config": "Megatron tensor-parallel LoRA layers",
     "layer_replication": "layer replication changes the model's stack of layers",
-    "target_parameters": "LoRA on nn.Parameter targets (e.g. MoE experts)",
 }
 # Variants whose inference forward is vanilla LoRA; their training-only state in the weights file is skipped.
 _TRAINING_ONLY_KEYS = {
@@ -47,6 +46,7 @@ _KNOWN = {
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
     "trainable_token_indices", "modules_to_save",  # checked against the model in adapter.py
     "alora_invocation_tokens",  # activated LoRA: the engine applies the adapter from the invocation on
+    "target_parameters",  # stacked MoE expert parameters: adapter_experts.py
     "use_dora",  # DoRA: the magnitudes are checked in adapter.py, the rescale computed in layers/dora.py
 } | _UNSUPPORTED.keys() | _TRAINING_ONLY_KEYS.keys()
 _INIT_OK = {"gaussian", "eva", "orthogonal", "mica"}  # inits that leave the base weights alone

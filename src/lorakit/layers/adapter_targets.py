@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import regex
 
 from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError, _is_int
+from lorakit.layers.adapter_experts import parameter_targets
 
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")  # peft.utils.constants: what ensure_weight_tying looks for
 
@@ -33,12 +34,13 @@ def lora_targets(config: dict, base_modules: Mapping, tied: bool, where: str) ->
     target_modules (PEFT then picks defaults by model type, which lorakit cannot know). ``tied``: the model's output
     head shares the input embedding's weight."""
     target = config.get("target_modules")
+    params = parameter_targets(config, base_modules, where)  # target_parameters: stacked MoE experts
     if target is None:
-        return None
+        return params or None
     try:
         if isinstance(target, str) and target.lower() == "all-linear":  # every linear but the output head
             target = [n for n, m in base_modules.items() if m.kind == "linear" and m.tokens != "output"]
-        found = {n for n in base_modules if _is_target(config, target, n)}
+        found = {n for n, m in base_modules.items() if m.kind != "experts" and _is_target(config, target, n)}
         copied = any(m.split(".")[-1] in EMBEDDING_LAYER_NAMES for m in config.get("modules_to_save") or [])
         if tied and config.get("ensure_weight_tying") and not copied and _names_embedding(config["target_modules"]):
             # PEFT adapts the input embedding and ties the head's LoRA layer to it, whatever else the config says
@@ -51,7 +53,7 @@ def lora_targets(config: dict, base_modules: Mapping, tied: bool, where: str) ->
         raise AdapterError(f"{where}: {CONFIG_NAME}: a pattern in target_modules, exclude_modules, layers_pattern "
                            f"or modules_to_save takes too long to match a module name (over {MATCH_SECONDS} s: "
                            f"catastrophic backtracking); simplify it") from e
-    return found
+    return found | params
 
 
 def _names_embedding(target) -> bool:

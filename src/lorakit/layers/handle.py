@@ -29,6 +29,7 @@ from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
 from lorakit.layers.linear import LoraLinearGroup
+from lorakit.layers.moe import ExpertSlots
 from lorakit.layers.sharded import ShardedLayer, check_vocab_parallel, full_features
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
@@ -45,10 +46,11 @@ class LoraHandle:
         self.layers = layers
         self._ctx = ctx
         self.base_modules: dict[str, BaseModule] = {
-            name: BaseModule("embedding" if isinstance(layer, LoraEmbedding) else "linear",
-                             *full_features(layer),  # a tensor-parallel shard: the unsharded layer's shape
-                             ("input" if isinstance(layer, LoraEmbedding) else "output")
-                             if getattr(layer, "tokens", None) is not None else None)
+            name: layer.base_module() if isinstance(layer, ExpertSlots)  # a stacked MoE parameter
+            else BaseModule("embedding" if isinstance(layer, LoraEmbedding) else "linear",
+                            *full_features(layer),  # a tensor-parallel shard: the unsharded layer's shape
+                            ("input" if isinstance(layer, LoraEmbedding) else "output")
+                            if getattr(layer, "tokens", None) is not None else None)
             for name, layer in layers.items()
         }
         self._token_stores = {name: layer.tokens for name, layer in layers.items()

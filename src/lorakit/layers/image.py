@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lorakit.layers.adapter import PeftAdapter
+from lorakit.layers.adapter import ModuleLora, PeftAdapter
 from lorakit.layers.dora import write_gain
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
+from lorakit.layers.moe import ExpertSlots
 from lorakit.layers.sharded import shard_lora
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
@@ -115,7 +116,7 @@ def store_of(layer: nn.Module) -> tuple[LoraSlots, int]:
     """The store that holds a patched module's slots, and the module's slice index in it."""
     if isinstance(layer, LoraLinearMember):
         return layer.group, layer.index
-    if isinstance(layer, (LoraLinear, LoraEmbedding)):
+    if isinstance(layer, (LoraLinear, LoraEmbedding, ExpertSlots)):
         return layer, 0
     raise TypeError(f"not a lorakit LoRA layer: {type(layer).__name__}")
 
@@ -128,6 +129,10 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
             lora = shard_lora(layer, adapter.modules[module])  # a tensor-parallel layer keeps its shard
             store, index = store_of(layer)
             scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
+            if isinstance(store, ExpertSlots):  # one slice per expert: its A [r, in] and B [out, r] (views)
+                by_store[store] = {e: (ModuleLora(lora.A[e], lora.B[e], lora.rank, scale), scale)
+                                   for e in range(store.num_experts)}
+                continue
             by_store.setdefault(store, {})[index] = (lora, scale)
 
     offset = 0

@@ -21,6 +21,7 @@ from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.tokens import TokenRows
 from lorakit.layers.linear import LoraLinear, LoraLinearGroup, LoraLinearMember, linear_shape
+from lorakit.layers.moe import LoraExperts, expert_params, unsupported_experts
 from lorakit.layers.sharded import ShardedLayer, full_features, is_vocab_parallel
 from lorakit.ops import MAX_SLICES, KernelOptions
 
@@ -75,7 +76,7 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
         raise ValueError("this model is already patched by lorakit; use the handle patch() returned")
     ctx = LoraContext(config.max_loras, config.kernels)
     token_modules = _token_modules(model)
-    linears, embeddings, vocab_parallel = {}, {}, {}
+    linears, embeddings, vocab_parallel, experts = {}, {}, {}, {}
     for name, module in model.named_modules():
         if not name or (config.filter_fn is not None and not config.filter_fn(module, name)):
             continue
@@ -85,7 +86,13 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             linears[name] = module
         elif isinstance(module, (nn.Embedding, ShardedLayer)):  # a sharded layer not linear: an embedding
             embeddings[name] = module
-    if not linears and not embeddings:
+        elif expert_params(module) is not None:  # stacked MoE experts (layers/moe.py)
+            why = unsupported_experts(module)
+            if why is None:
+                experts[name] = module
+            else:
+                logger.warning("%s: not given expert LoRA slots: %s", name, why)
+    if not linears and not embeddings and not experts:
         raise ValueError("found no nn.Linear, Conv1D or nn.Embedding module to patch (check filter_fn)")
 
     layers: dict[str, nn.Module] = {}
@@ -104,6 +111,8 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
             layers[name] = wrapper(module, ctx, config.max_loras, config.rank_multiple)
     for name, module in embeddings.items():
         layers[name] = LoraEmbedding(module, ctx, config.max_loras, config.rank_multiple)
+    for name, module in experts.items():
+        layers[name] = LoraExperts(module, ctx, config.max_loras, config.rank_multiple)
     for name, role in token_modules.items():
         layer = layers.get(name)
         if isinstance(layer, (LoraEmbedding, LoraLinear)):
@@ -116,6 +125,9 @@ def patch(model: nn.Module, max_loras: int = PatchConfig.max_loras, *, max_rank:
     for name, wrapper in layers.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
+    for name in experts:  # each adapted parameter is a store of its own, named as PEFT's target_parameters name it
+        for param, store in layers.pop(name).slots.items():
+            layers[f"{name}.{param}"] = store
 
     handle = LoraHandle(model, ctx, layers, config, vocab_parallel=set(vocab_parallel))
     model._lorakit_handle = handle
@@ -135,6 +147,10 @@ def slot_bytes(model: nn.Module, rank: int, rank_multiple: int = PatchConfig.ran
         shape = linear_shape(module) if name else None
         if shape is None and isinstance(module, nn.Embedding):
             shape = (module.num_embeddings, module.embedding_dim)
+        names = expert_params(module) if shape is None and name else None
+        if names is not None:  # stacked experts: each parameter's [E, out, in], E experts' A and B
+            weights = [getattr(module, n) for n in names]
+            total += sum(w.shape[0] * (r * (w.shape[1] + w.shape[2]) * w.dtype.itemsize + 8) for w in weights)
         if shape is not None:
             weight = getattr(module, "weight", None)
             dtype = getattr(module, "compute_dtype", None) or (weight.dtype if weight is not None else None)

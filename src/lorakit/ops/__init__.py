@@ -23,13 +23,15 @@ from lorakit.ops import expand as _expand_mod  # noqa: F401  (registers lorakit:
 from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit::shrink)
 from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up, unobserved
 from lorakit.ops.attention import paged_attention, write_kv
+from lorakit.ops.experts import add_expert_lora, expert_keys  # registers lorakit::expert_lora
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.expand import _check_expand_args, _launch_expand
 from lorakit.ops.options import KernelOptions
 from lorakit.ops.shrink import _check_shrink_args, _launch_shrink, shrink_split_k
 
 __all__ = [
-    "MAX_SLICES", "KernelOptions", "LoraMeta", "add_lora", "block_m_for", "build_lora_meta", "cdiv", "lora_expand",
+    "MAX_SLICES", "KernelOptions", "LoraMeta", "add_expert_lora", "add_lora", "block_m_for", "build_lora_meta", "cdiv",
+    "expert_keys", "lora_expand",
     "lora_shrink", "no_adapter_tokens", "num_sms", "paged_attention", "round_up", "split_columns", "write_kv",
 ]
 

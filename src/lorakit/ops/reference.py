@@ -141,3 +141,63 @@ def attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start, 
             w = torch.where(visible.any(dim=-1, keepdim=True), w, 0.0)
             out[lo + r0:lo + r1] = torch.einsum("kgnl,lkd->nkgd", w, V).reshape(r1 - r0, num_heads, head_dim)
     return out
+
+
+def expert_lora_ref(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """``expert_lora`` in float64, one (token, expert) row at a time: y[p] + scales[s, e] * (x[p] @ A[s, e, :r].T)
+    @ B[s, e, :, :r].T with s = slots[p], e = experts[p], r = ranks[s, e]; rows of slot -1 unchanged.
+
+    x: [P, in]; y: [P, out]; A: [S, E, R_max, in]; B: [S, E, out, R_max]; ranks, scales: [S, E]; slots, experts: [P].
+    y is not modified."""
+    out = y.double().cpu().clone()
+    for p in range(x.shape[0]):
+        s, e = int(slots[p]), int(experts[p])
+        if s < 0:
+            continue
+        r = int(ranks[s, e])
+        h = x[p].double().cpu() @ A[s, e, :r].double().cpu().T
+        out[p] += float(scales[s, e]) * (h @ B[s, e, :, :r].double().cpu().T)
+    return out
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    slots: torch.Tensor,
+    weights: dict,
+    loras: dict,
+    act,
+) -> torch.Tensor:
+    """A gated MoE experts layer with expert LoRA, in float64, token by token: for each token t and its k-th expert
+    e, ``gu = x[t] @ W_gate_up[e].T + delta``, ``a = act(gate) * up`` (the halves of gu), ``d = a @ W_down[e].T +
+    delta``, summed with the routing weights. ``weights``: {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]};
+    ``loras``: {param: (A [S, E, R, in], B [S, E, out, R], ranks [S, E], scales [S, E])} for the adapted params;
+    slots [T] (-1: no delta)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        s = int(slots[t])
+        for k in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, k])
+            h = x[t].double().cpu()
+            for name in ("gate_up_proj", "down_proj"):
+                y = h @ weights[name][e].double().cpu().T
+                if s >= 0 and name in loras:
+                    A, B, ranks, scales = loras[name]
+                    r = int(ranks[s, e])
+                    y = y + float(scales[s, e]) * ((h @ A[s, e, :r].double().cpu().T) @ B[s, e, :, :r].double().cpu().T)
+                if name == "gate_up_proj":
+                    gate, up = y.chunk(2)
+                    y = act(gate) * up
+                h = y
+            out[t] += float(top_k_weights[t, k]) * h
+    return out
