@@ -42,6 +42,7 @@ ADAPTERS |= {  # on the vocab-parallel head and embedding
 }
 REFUSED = {  # name -> LoraConfig arguments of adapters a tensor-parallel model must refuse
     "saved_head": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    "dora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True),
 }
 NAMES = [None, "all7", "qvdown", "mlp1", "all7", "head", "embed", "tokens"]
 
@@ -174,3 +175,5 @@ def test_tp2_whole_matrices_of_vocab_parallel_modules_are_refused(run):
         message = report["refusals"]["saved_head"]
         assert message is not None, f"rank {rank}: an adapter saving the whole lm_head was loaded"
         assert "saves whole matrices of ['lm_head']" in message and "trainable_token_indices" in message, message
+        message = report["refusals"]["dora"]
+        assert message is not None and "DoRA adapter (use_dora)" in message and "tensor-parallel-size 1" in message
