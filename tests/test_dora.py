@@ -21,6 +21,7 @@ from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 from lorakit.ops.shrink import _launch_shrink
+from test_patch import reference_logits
 
 LOGITS_TOLERANCE = 1e-5  # float32, each row against PEFT's
 DORA_ARCHS = ("llama", "qwen2", "gemma2", "gpt2")  # qwen2: biases on q/k/v; gemma2: a scaled embedding; gpt2: Conv1D
@@ -89,19 +90,10 @@ def dora_config(arch: str, targets, r: int, alpha: int, **kwargs) -> LoraConfig:
                       fan_in_fan_out=arch == "gpt2", **kwargs)
 
 
-def rows_of(base, adapters, names, input_ids):
-    rows = []
-    for b, name in enumerate(names):
-        model = base if name is None else adapters[name].peft_model
-        with torch.no_grad():
-            rows.append(model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0])
-    return torch.stack(rows)
-
-
 def assert_rows_match(model, handle, base, adapters, names, input_ids):
     with torch.no_grad():
         out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
-    ref = rows_of(base, adapters, names, input_ids)
+    ref = reference_logits(base, adapters, names, input_ids)
     for b, name in enumerate(names):
         err = rel_err(out[b], ref[b])
         assert err < LOGITS_TOLERANCE, f"row {b} ({name}): relative error {err:.2e}"

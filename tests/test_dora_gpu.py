@@ -14,7 +14,7 @@ from lorakit.engine import Engine
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.reference import lora_ref_by_slot
 from test_quant import greedy
-from test_quant_gpu import VOCAB, qwen2_2048
+from test_quant_gpu import VOCAB, _requests, qwen2_2048
 
 pytestmark = pytest.mark.gpu
 KERNEL_TOLERANCE = 1e-2  # bf16 output against float64, relative to the output
@@ -69,12 +69,6 @@ def test_bfloat16_dora_mixed_batch_matches_float32_peft(adapters):
             ref = ref_model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
             err = rel_err(out[b], ref)
             assert err < LOGITS_TOLERANCE[torch.bfloat16], f"row {b} ({name}): {err:.2e}"
-
-
-def _requests():
-    gen = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), a)
-            for n, a in ((5, None), (40, "a0"), (3, "a1"), (19, "a2"), (7, "a0"), (12, None))]
 
 
 def test_float32_dora_engine_from_cuda_graphs_equals_peft_generate(adapters):
