@@ -158,3 +158,20 @@ def test_bench_quant_smoke_run_and_its_model_made_layer_by_layer(tmp_path):
     rows = json.loads((tmp_path / "bench_quant.json").read_text())["engine"]
     assert [(r["scheme"], r["what"], r["batch"]) for r in rows][:2] == [("bf16", "base", 1), ("bf16", "base", 64)]
     assert {r["scheme"] for r in rows} == {"bf16", "fp8", "int4"} and len(rows) == 12
+
+
+def test_bench_moe_smoke_run(tmp_path):
+    """bench_moe on tiny shapes (CPU, no timing value): a dense and an MoE layer, with 1 and 2 adapters, and the
+    expert LoRA op alone on each expert parameter."""
+    script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
+              "import bench_moe\n"
+              f"assert bench_moe.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny', '--batch', '8', "
+              "'--adapters', '1,2']) == 0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert [(r["layer"], r["adapters"]) for r in result["layers"]] == [("dense", 1), ("dense", 2), ("moe", 1), ("moe", 2)]
+    assert {(r["op"], r["adapters"]) for r in result["ops"]} == {(p, n) for p in ("gate_up_proj", "down_proj")
+                                                                 for n in (1, 2)}
+    assert [r["adapters"] for r in result["ratios"]] == [1, 2]

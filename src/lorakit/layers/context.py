@@ -84,6 +84,8 @@ class LoraContext:
     def _token_slots(self, leading: tuple[int, ...]) -> torch.Tensor:
         ids = self.ids
         batch = ids.shape[0]
+        if len(leading) == 1 and leading[0] != batch and leading[0] % batch == 0:
+            leading = (batch, leading[0] // batch)  # [batch * seq] tokens flattened (MoE experts, shared experts)
         if len(leading) == 0 or leading[0] != batch:
             raise ValueError(
                 f"lora_ids has {batch} rows but a LoRA layer got an input of leading shape {leading}; "

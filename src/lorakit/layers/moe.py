@@ -101,10 +101,7 @@ class LoraExperts(nn.Module):
         if ids is None or not any(s.r_max for s in self.slots.values()):
             return self.base_layer(hidden_states, top_k_index, top_k_weights)
         num_tokens, hidden = hidden_states.shape
-        batch = ids.shape[0]
-        if num_tokens % batch:
-            raise ValueError(f"lora_ids has {batch} rows but the experts got {num_tokens} tokens, not a multiple")
-        token_slot = self.ctx.meta_for((batch, num_tokens // batch)).token_slot
+        token_slot = self.ctx.meta_for(hidden_states.shape[:-1]).token_slot  # the block flattened [batch, seq]
         top_k = top_k_index.shape[-1]
 
         # The pairs sorted by expert, as transformers' grouped_mm experts do; the LoRA rows are grouped by key.

@@ -201,3 +201,27 @@ def moe_experts_ref(
                 h = y
             out[t] += float(top_k_weights[t, k]) * h
     return out
+
+
+def expert_lora_ref_by_key(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    experts: torch.Tensor,
+) -> torch.Tensor:
+    """``expert_lora_ref`` for large shapes, on the inputs' device, in float64: the rows of each (slot, expert) in one
+    product (no per-row loop)."""
+    out = y.double().clone()
+    for s in range(A.shape[0]):
+        for e in range(A.shape[1]):
+            rows = ((slots == s) & (experts == e)).nonzero().squeeze(1)
+            r = int(ranks[s, e])
+            if rows.numel() == 0 or r == 0:
+                continue
+            h = x[rows].double() @ A[s, e, :r].double().T
+            out[rows] += float(scales[s, e]) * (h @ B[s, e, :, :r].double().T)
+    return out

@@ -1,0 +1,399 @@
+"""MoE expert LoRA (PEFT's ``target_parameters`` on stacked experts) against PEFT and the float64 references.
+
+Tiny random Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert) and OLMoE models; adapters on the experts' gate_up /
+down parameters and on attention with random nonzero A and B; each row of a mixed batch (base rows and three adapters)
+against PEFT with that adapter alone (float32, relative error < 1e-5); compiled whole; rank growth; the engine's
+greedy tokens against ``generate``; the op on its torch path and its Triton kernels (interpreted) against
+``ops/reference.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+
+import lorakit
+from _lora_cases import TOLERANCE, make_slots, rel_err
+from _peft_models import save_adapter
+from lorakit.engine import Engine, SamplingParams
+from lorakit.layers.adapter import AdapterError
+from lorakit.layers.moe import ExpertSlots, LoraExperts
+from lorakit.layers.patch import slot_bytes
+from lorakit.ops import KernelOptions, add_expert_lora, build_lora_meta, expert_keys
+from lorakit.ops.experts import _launch, expert_split_k
+from lorakit.ops.reference import expert_lora_ref, moe_experts_ref
+
+VOCAB = 96
+BOTH = ["experts.gate_up_proj", "experts.down_proj"]
+triton_on_cpu = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
+)
+
+
+def moe_config(family: str, experts: int = 4, top_k: int = 2, layers: int = 2):
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=experts,
+                                          num_experts_per_tok=top_k)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, head_dim=8,
+                                           num_experts=experts, num_experts_per_tok=top_k)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
+                                           shared_expert_intermediate_size=40, num_experts=experts,
+                                           num_experts_per_tok=top_k)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**common, intermediate_size=48, num_experts=experts, num_experts_per_tok=top_k)
+    raise ValueError(family)
+
+
+def moe_model(family: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(moe_config(family, **kw), attn_implementation="eager").eval()
+
+
+def three_adapters(base, tmp_path, attention=("q_proj", "v_proj")):
+    """Adapters on both expert parameters (+ attention), on gate_up alone (+ o_proj), on down alone (rsLoRA with an
+    alpha pattern), of ranks 8, 4 and 20."""
+    configs = {
+        "both": LoraConfig(r=8, lora_alpha=16, target_modules=list(attention), target_parameters=BOTH),
+        "gate_up": LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=["experts.gate_up_proj"]),
+        "down": LoraConfig(r=20, lora_alpha=8, use_rslora=True, target_modules=[],
+                           target_parameters=["experts.down_proj"], alpha_pattern={"layers.1.mlp.experts.down_proj": 3}),
+    }
+    return {n: save_adapter(base, n, c, tmp_path, seed=i, std=0.2) for i, (n, c) in enumerate(configs.items())}
+
+
+def patched(base, adapters, **kw):
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=4, **kw)
+    for a in adapters.values():
+        handle.load_adapter(a.name, a.path)
+    return model, handle
+
+
+def reference_rows(base, adapters, input_ids, names):
+    rows = []
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            model = base if name is None else adapters[name].peft_model
+            rows.append(model(input_ids=input_ids[i: i + 1], use_cache=False).logits)
+    return torch.cat(rows)
+
+
+NAMES = [None, "both", "gate_up", "down", "both", None]
+
+
+# ----------------------------------------------------------------------------------------------- models vs PEFT
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+def test_mixed_batch_rows_equal_peft(family, tmp_path):
+    base = moe_model(family)
+    shared = ("shared_expert.down_proj", "shared_expert_gate") if family == "qwen2_moe" else ()
+    adapters = three_adapters(base, tmp_path, attention=("q_proj", "v_proj", *shared))
+    model, handle = patched(base, adapters)
+    assert sum(isinstance(m, LoraExperts) for m in model.modules()) == 2
+    input_ids = torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(1))
+    want = reference_rows(base, adapters, input_ids, NAMES)
+    with torch.no_grad():
+        got = model(input_ids=input_ids, lora_ids=handle.ids(NAMES), use_cache=False).logits
+    for i, name in enumerate(NAMES):
+        assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], (family, name)
+    # the delta matters: a row of another adapter is far from this one's
+    assert rel_err(got[1], reference_rows(base, adapters, input_ids[1:2], [None])[0]) > 1e-2
+
+
+def test_without_ids_the_model_is_unchanged_bit_for_bit(tmp_path):
+    base = moe_model("mixtral", seed=3)
+    adapters = three_adapters(base, tmp_path)
+    model, _ = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=input_ids).logits, base(input_ids=input_ids).logits)
+
+
+def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp_path):
+    base = moe_model("qwen3_moe", seed=1)
+    adapters = three_adapters(base, tmp_path)
+    model, handle = patched(base, adapters)
+    input_ids = torch.randint(0, VOCAB, (len(NAMES), 6), generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(model, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for names in (NAMES, list(reversed(NAMES)), [None] * len(NAMES)):
+            ids = handle.ids(names)
+            eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
+            assert rel_err(comp, eager) < TOLERANCE[torch.float32], names
+            assert rel_err(comp, reference_rows(base, adapters, input_ids, names)) < TOLERANCE[torch.float32], names
+
+
+def test_rank_growth_keeps_loaded_adapters_and_hot_swaps_zero_the_slot(tmp_path):
+    base = moe_model("olmoe", seed=2)
+    small = save_adapter(base, "small", LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=BOTH),
+                         tmp_path, seed=10)
+    big = save_adapter(base, "big", LoraConfig(r=40, lora_alpha=8, target_modules=["k_proj"],
+                                               target_parameters=["experts.down_proj"]), tmp_path, seed=11)
+    other = save_adapter(base, "other", LoraConfig(r=2, lora_alpha=4, target_modules=[],
+                                                   target_parameters=["experts.gate_up_proj"]), tmp_path, seed=12)
+    adapters = {a.name: a for a in (small, big, other)}
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    handle.load_adapter("small", small.path)
+    stores = [m for m in model.modules() if isinstance(m, ExpertSlots)]
+    assert sorted(s.r_max for s in stores) == [16] * 4
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(input_ids=input_ids, lora_ids=handle.ids(["small", None])).logits
+        handle.load_adapter("big", big.path)  # down_proj's stores grow 16 -> 48
+        assert sorted(s.r_max for s in stores) == [16, 16, 48, 48]
+        assert torch.equal(model(input_ids=input_ids, lora_ids=handle.ids(["small", None])).logits, before)
+        after = model(input_ids=input_ids, lora_ids=handle.ids(["small", "big"])).logits
+        assert rel_err(after, reference_rows(base, adapters, input_ids, ["small", "big"])) < TOLERANCE[torch.float32]
+        handle.unload_adapter("big")  # its slot zeroed, then another adapter in it
+        handle.load_adapter("other", other.path)
+        got = model(input_ids=input_ids, lora_ids=handle.ids(["other", "small"])).logits
+        assert rel_err(got, reference_rows(base, adapters, input_ids, ["other", "small"])) < TOLERANCE[torch.float32]
+    slot = handle.adapters["other"]
+    for s in stores:
+        assert not s.lora_A[slot, :, 2:].any() and not s.lora_B[slot, 2:].any()
+
+
+@settings(max_examples=8)
+@given(top_k=st.integers(1, 4), ranks=st.lists(st.integers(1, 24), min_size=3, max_size=3),
+       params=st.lists(st.sampled_from([["experts.gate_up_proj"], ["experts.down_proj"], BOTH]), min_size=3,
+                       max_size=3),
+       mapping=st.sampled_from(["distinct", "uniform", "identical", "some-base", "all-base"]), seed=st.integers(0, 99))
+def test_property_rows_equal_peft(tmp_path_factory, top_k, ranks, params, mapping, seed):
+    base = moe_model("qwen3_moe", seed=seed % 3, layers=1, top_k=top_k)
+    tmp = tmp_path_factory.mktemp("moe")
+    adapters = {f"a{i}": save_adapter(base, f"a{i}", LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj"],
+                                                               target_parameters=p), tmp, seed=seed + i)
+                for i, (r, p) in enumerate(zip(ranks, params))}
+    model, handle = patched(base, adapters)
+    gen = torch.Generator().manual_seed(seed)
+    slots = make_slots(mapping, 5, 3, gen)
+    names = [None if s < 0 else f"a{s}" for s in slots.tolist()]
+    input_ids = torch.randint(0, VOCAB, (5, 4), generator=gen)
+    with torch.no_grad():
+        got = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
+    assert rel_err(got, reference_rows(base, adapters, input_ids, names)) < TOLERANCE[torch.float32]
+
+
+def test_engine_greedy_tokens_equal_generate(tmp_path):
+    base = moe_model("qwen2_moe", seed=5)
+    adapters = three_adapters(base, tmp_path, attention=("q_proj", "shared_expert.gate_proj"))
+    engine = Engine(copy.deepcopy(base), max_loras=3, max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                    num_blocks=64, max_seq_len=40, adapters={n: a.path for n, a in adapters.items()})
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(3, VOCAB, (n,), generator=gen).tolist(), a)
+                for n, a in ((5, None), (11, "both"), (3, "gate_up"), (9, "down"), (7, "both"))]
+    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    for i, (prompt, adapter) in zip(ids, requests):
+        model = base if adapter is None else adapters[adapter].peft_model
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
+        assert got[i] == want.tolist(), adapter
+
+
+def test_handle_describes_the_expert_parameters_and_slot_bytes_counts_them():
+    base = moe_model("mixtral", experts=3)
+    estimate = slot_bytes(base, 16)
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    m = handle.base_modules["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (m.kind, m.num_experts, m.in_features, m.out_features) == ("experts", 3, 32, 96)
+    m = handle.base_modules["model.layers.1.mlp.experts.down_proj"]
+    assert (m.kind, m.num_experts, m.in_features, m.out_features) == ("experts", 3, 48, 32)
+    assert estimate == handle.slot_bytes(16) // 2  # one slot of every store, at rank 16
+
+
+# ---------------------------------------------------------------------------------------------- adapter refusals
+
+
+def _rewrite(folder, config=None, weights=None):
+    if config is not None:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        cfg.update(config)
+        (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        tensors = load_file(folder / "adapter_model.safetensors")
+        save_file(weights(tensors), folder / "adapter_model.safetensors")
+
+
+def test_refusals_name_the_adapter_the_parameter_and_the_fix(tmp_path):
+    base = moe_model("mixtral", experts=4)
+    a = save_adapter(base, "a", LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=BOTH), tmp_path, 0)
+    key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"  # the outer wrapper: down_proj
+    cases = [
+        ({"target_parameters": ["experts.nope"]}, None, r"'experts.nope' names no stacked MoE expert parameter.*"
+                                                        r"experts.down_proj"),
+        ({"target_parameters": "experts.down_proj"}, None, "must be a list of parameter names"),
+        ({"fan_in_fan_out": True}, None, "ParamWrapper does not work with fan_in_fan_out"),
+        ({"r": 8}, None, r"rank 4 but adapter_config.json gives rank 8"),
+        (None, lambda t: {**t, key: t[key][:10]}, r"experts.down_proj'.*need A \[r \* 4, 48\]"),
+        (None, lambda t: {k: v for k, v in t.items() if "layers.1.mlp.experts.base_layer" not in k},
+         r"layers.1.mlp.experts.gate_up_proj.*no LoRA weights"),
+        (None, lambda t: {**t, key: t[key] * float("nan")}, "NaN"),
+    ]
+    for i, (config, weights, match) in enumerate(cases):
+        folder = tmp_path / f"bad{i}"
+        folder.mkdir()
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            (folder / f).write_bytes((tmp_path / "a" / f).read_bytes())
+        _rewrite(folder, config, weights)
+        handle = lorakit.patch(copy.deepcopy(base), max_loras=1)
+        with pytest.raises(AdapterError, match=match):
+            handle.load_adapter("bad", folder)
+        assert not handle.adapters
+    # a model without experts names what it lacks
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    with pytest.raises(AdapterError, match="the model has none"):
+        lorakit.patch(dense, max_loras=1).load_adapter("a", a.path)
+
+
+# --------------------------------------------------------------------------------------------------- the op
+
+
+def op_case(tokens, slots, experts, r_max, in_f, out_f, dtype, mapping, seed, pad_nan=False):
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, r_max + 1, (slots, experts), generator=gen, dtype=torch.int32)
+    A = torch.randn(slots, experts, r_max, in_f, generator=gen) * 0.3
+    Bs = torch.randn(slots, r_max, experts * out_f, generator=gen) * 0.3
+    if pad_nan:  # rank padding never read: NaN there cannot reach y
+        for s in range(slots):
+            for e in range(experts):
+                A[s, e, ranks[s, e]:] = float("nan")
+                Bs[s, ranks[s, e]:, e * out_f:(e + 1) * out_f] = float("nan")
+    A, Bs = A.to(dtype), Bs.to(dtype)
+    B = Bs.view(slots, r_max, experts, out_f).permute(0, 2, 3, 1)
+    x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+    y = torch.randn(tokens, out_f, generator=gen).to(dtype)
+    scales = torch.rand(slots, experts, generator=gen) + 0.5
+    slot = make_slots(mapping, tokens, slots, gen)
+    expert = torch.randint(0, experts, (tokens,), generator=gen)
+    return y, x, A, B, ranks, scales, slot, expert
+
+
+def check_op(y_out, case):
+    y, x, A, B, ranks, scales, slot, expert = case
+    clean = lambda t: torch.nan_to_num(t, nan=0.0)  # noqa: E731  (the reference stops at the rank anyway)
+    ref = expert_lora_ref(y, x, clean(A), clean(B), ranks, scales, slot, expert)
+    mag = expert_lora_ref(y.abs(), x.abs(), clean(A).abs(), clean(B).abs(), ranks, scales, slot, expert)
+    assert rel_err(y_out, ref, mag) <= TOLERANCE[y.dtype]
+    base = slot < 0
+    assert torch.equal(y_out[base], y[base])
+
+
+@given(tokens=st.sampled_from([1, 3, 7, 33, 133]), slots=st.integers(1, 4), experts=st.integers(1, 5),
+       r_max=st.sampled_from([1, 5, 16, 40]), dims=st.sampled_from([(8, 24), (40, 3), (67, 130)]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       mapping=st.sampled_from(["distinct", "uniform", "zipf", "identical", "all-base", "some-base"]),
+       seed=st.integers(0, 999))
+def test_op_torch_path_matches_reference(tokens, slots, experts, r_max, dims, dtype, mapping, seed):
+    case = op_case(tokens, slots, experts, r_max, *dims, dtype, mapping, seed, pad_nan=True)
+    y, x, A, B, ranks, scales, slot, expert = case
+    out = y.clone()
+    add_expert_lora(out, x, A, B, ranks, scales, expert_keys(slot, expert, slots, experts))
+    check_op(out, case)
+
+
+@triton_on_cpu
+@settings(max_examples=12)
+@given(tokens=st.sampled_from([1, 3, 7, 33]), slots=st.integers(1, 3), experts=st.integers(1, 4),
+       r_max=st.sampled_from([1, 5, 16, 40, 130]), dims=st.sampled_from([(8, 24), (40, 3), (67, 300)]),
+       dtype=st.sampled_from([torch.float32, torch.float16]),
+       mapping=st.sampled_from(["distinct", "uniform", "identical", "some-base"]), seed=st.integers(0, 999))
+def test_triton_kernels_match_reference_interpreted(tokens, slots, experts, r_max, dims, dtype, mapping, seed):
+    case = op_case(tokens, slots, experts, r_max, *dims, dtype, mapping, seed, pad_nan=True)
+    y, x, A, B, ranks, scales, slot, expert = case
+    key = torch.where(slot >= 0, slot * experts + expert, -1)
+    for block_m, split_k, sms in ((None, 1, None), (64, 3, 1)):  # decode and prefill tiles; K split; one SM
+        meta = build_lora_meta(key, slots * experts, block_m)
+        out = y.clone()
+        _launch(out, x, A, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, split_k, sms=sms)
+        check_op(out, case)
+    out = y.clone()  # and through the public call, launching directly
+    add_expert_lora(out, x, A, B, ranks, scales, expert_keys(slot, expert, slots, experts),
+                    options=KernelOptions(direct_devices={"cuda", "cpu"}))
+    check_op(out, case)
+
+
+def test_opcheck_and_compiled_op_match_eager():
+    case = op_case(9, 2, 3, 8, 16, 24, torch.float32, "some-base", seed=1)
+    y, x, A, B, ranks, scales, slot, expert = case
+    meta = expert_keys(slot, expert, 2, 3)
+    args = (y.clone(), x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, 1)
+    torch.library.opcheck(torch.ops.lorakit.expert_lora.default, args)
+
+    def f(y, x):
+        y = y.clone()
+        add_expert_lora(y, x, A, B, ranks, scales, expert_keys(slot, expert, 2, 3))
+        return y
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(y, x), f(y, x))
+
+
+def test_op_refuses_bad_arguments_before_touching_y():
+    y, x, A, B, ranks, scales, slot, expert = op_case(5, 2, 3, 8, 16, 24, torch.float32, "uniform", seed=2)
+    meta = expert_keys(slot, expert, 2, 3)
+    bad = [
+        (dict(A=A[:, :, :, :8]), r"A must have shape \[S, E, R_max, in=16\]"),
+        (dict(B=B[:, :2]), r"B must have shape \(2, 3, 24, 8\)"),
+        (dict(ranks=ranks.long()), "ranks must have dtype"),
+        (dict(scales=scales[:1]), r"scales must have shape \(2, 3\)"),
+        (dict(x=x.half()), "y must have dtype"),
+        (dict(x=x.half(), y=y.half()), "A must have dtype"),
+        (dict(ranks=ranks + 9), r"ranks must lie in \[0, R_max=8\]"),
+    ]
+    for change, match in bad:
+        args = dict(y=y.clone(), x=x, A=A, B=B, ranks=ranks, scales=scales) | change
+        before = args["y"].clone()
+        with pytest.raises((ValueError, TypeError), match=match):
+            add_expert_lora(**args, meta=meta)
+        assert torch.equal(args["y"], before)
+    with pytest.raises(ValueError, match="built for 6 keys but A holds 1 slots x 3 experts"):
+        add_expert_lora(y.clone(), x, A[:1], B[:1], ranks[:1], scales[:1], meta)
+    assert expert_split_k(4096, 16, 9, 132) > 1 and expert_split_k(64, 16, 9, 132) == 1
+
+
+def test_moe_reference_equals_the_base_experts_with_the_delta_merged():
+    """moe_experts_ref (float64) against the model's own experts with W_e + scale * B_e @ A_e merged in."""
+    base = moe_model("mixtral", layers=1)
+    experts = base.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    T, E, R = 6, 4, 3
+    A = torch.randn(1, E, R, 32, generator=gen) * 0.3
+    B = torch.randn(1, E, 96, R, generator=gen) * 0.3
+    ranks, scales = torch.full((1, E), R, dtype=torch.int32), torch.full((1, E), 0.7)
+    x = torch.randn(T, 32, generator=gen)
+    top = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    w = torch.rand(T, 2, generator=gen)
+    weights = {"gate_up_proj": experts.gate_up_proj.detach(), "down_proj": experts.down_proj.detach()}
+    ref = moe_experts_ref(x, top, w, torch.zeros(T, dtype=torch.long), weights,
+                          {"gate_up_proj": (A, B, ranks, scales)}, torch.nn.functional.silu)
+    merged = copy.deepcopy(experts)
+    with torch.no_grad():
+        merged.gate_up_proj += 0.7 * B[0] @ A[0]
+        assert rel_err(merged(x, top, w), ref) < TOLERANCE[torch.float32]
+        wrapper = LoraExperts(copy.deepcopy(experts), None, 1)
+        assert wrapper.slots["gate_up_proj"].num_experts == E
