@@ -397,3 +397,97 @@ def test_moe_reference_equals_the_base_experts_with_the_delta_merged():
         assert rel_err(merged(x, top, w), ref) < TOLERANCE[torch.float32]
         wrapper = LoraExperts(copy.deepcopy(experts), None, 1)
         assert wrapper.slots["gate_up_proj"].num_experts == E
+
+
+# ------------------------------------------------------------------------ per-expert linear targets (older layout)
+
+
+class ExpertMLP(torch.nn.Module):
+    """One expert as transformers 4 kept it: three nn.Linear (gate, up, down under either naming)."""
+
+    def __init__(self, hidden, inter, act, names):
+        super().__init__()
+        self.names = names
+        for name, (n_in, n_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            self.add_module(name, torch.nn.Linear(n_in, n_out, bias=False))
+        self.act = act
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(self.act(gate(x)) * up(x))
+
+
+class ExpertList(torch.nn.ModuleList):
+    """transformers 4's experts layout: a ModuleList of MLPs, each called on the tokens routed to it."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self):
+            token, k = torch.where(top_k_index == e)
+            out.index_add_(0, token, expert(hidden[token]) * top_k_weights[token, k, None].to(hidden.dtype))
+        return out
+
+
+def older_layout(model, names):
+    """A copy of ``model`` with its stacked experts split into per-expert nn.Linear modules of the same weights."""
+    old = copy.deepcopy(model)
+    for layer in old.model.layers:
+        stacked = layer.mlp.experts
+        e, i2, h = stacked.gate_up_proj.shape
+        experts = ExpertList([ExpertMLP(h, i2 // 2, stacked.act_fn, names) for _ in range(e)])
+        with torch.no_grad():
+            for w_gu, w_d, expert in zip(stacked.gate_up_proj, stacked.down_proj, experts):
+                gate, up, down = (getattr(expert, n) for n in names)
+                gate.weight.copy_(w_gu[: i2 // 2])
+                up.weight.copy_(w_gu[i2 // 2:])
+                down.weight.copy_(w_d)
+        layer.mlp.experts = experts
+    return old
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")])
+def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_experts(names, tmp_path, monkeypatch):
+    """An adapter trained when the experts were per-expert nn.Linear modules (keys ``experts.<e>.gate_proj``, ...),
+    with other ranks and alphas for up and down, served on the stacked experts: each row equals PEFT on the model of
+    the older layout (the same weights)."""
+    import peft.utils.transformers_weight_conversion as conversion
+
+    # PEFT on transformers 5 rewrites such configs for a model of the new layout; the old-layout model keeps them
+    monkeypatch.setattr(conversion, "convert_peft_config_for_transformers", lambda *args, **kwargs: None)
+    base = moe_model("qwen3_moe", seed=6)
+    old = older_layout(base, names)
+    gate, up, down = names
+    configs = {
+        "all": LoraConfig(r=4, lora_alpha=8, target_modules=[gate, up, down, "q_proj"], rank_pattern={up: 6},
+                          alpha_pattern={down: 3}),
+        "gate_up": LoraConfig(r=8, lora_alpha=8, target_modules=[gate, up]),
+        "down": LoraConfig(r=2, lora_alpha=4, target_modules=f".*\\.{down}"),  # a regex
+    }
+    adapters = {n: save_adapter(old, n, c, tmp_path, seed=i, std=0.2) for i, (n, c) in enumerate(configs.items())}
+    assert any(f"experts.3.{up}.lora_A" in k for k in load_file(tmp_path / "all" / "adapter_model.safetensors"))
+    model, handle = patched(base, adapters)
+    info = handle.inspect_adapter("x", adapters["all"].path)
+    assert info.modules["model.layers.0.mlp.experts.gate_up_proj"][0] == 10  # gate's 4 + up's 6
+    assert info.modules["model.layers.1.mlp.experts.down_proj"] == (4, 3 / 4)
+    names_ = [None, "all", "gate_up", "down", "all"]
+    input_ids = torch.randint(0, VOCAB, (len(names_), 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(input_ids=input_ids, lora_ids=handle.ids(names_), use_cache=False).logits
+    want = reference_rows(old, adapters, input_ids, names_)
+    for i, name in enumerate(names_):
+        assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], name
+
+
+def test_peft_converted_per_expert_targets_are_served(tmp_path):
+    """PEFT on transformers 5 turns target_modules naming the experts' projections into target_parameters (gate_up at
+    twice the rank, by rank and alpha patterns): served as PEFT serves it."""
+    base = moe_model("olmoe", seed=7)
+    a = save_adapter(base, "conv", LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj",
+                                                                                "k_proj"]), tmp_path, seed=3)
+    config = json.loads((tmp_path / "conv" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    model, handle = patched(base, {"conv": a})
+    input_ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = model(input_ids=input_ids, lora_ids=handle.ids(["conv", None]), use_cache=False).logits
+    assert rel_err(got, reference_rows(base, {"conv": a}, input_ids, ["conv", None])) < TOLERANCE[torch.float32]

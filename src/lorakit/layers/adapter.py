@@ -34,7 +34,13 @@ from lorakit.layers.adapter_config import (
     _is_int,
     read_adapter_config,
 )
-from lorakit.layers.adapter_experts import expert_factors, expert_shapes, expert_stems
+from lorakit.layers.adapter_experts import (
+    expert_factors,
+    expert_shapes,
+    expert_stems,
+    fold_expert_linears,
+    with_expert_linears,
+)
 from lorakit.layers.adapter_targets import MATCH_SECONDS, lora_targets, token_targets
 from lorakit.layers.adapter_tokens import (
     ModuleTokens,
@@ -161,9 +167,10 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
+    base_modules = with_expert_linears(config, base_modules, path / WEIGHTS_NAME)  # per-expert linear targets
     pairs, token_parts, magnitudes = _read_weights(path, config, base_modules, where, strict, tied)
-    modules = {m: _module_lora(m, kind, a, b, config, base_modules, dtype, where, magnitudes.get(m))
-               for m, (kind, a, b) in pairs.items()}
+    modules = fold_expert_linears({m: _module_lora(m, kind, a, b, config, base_modules, dtype, where, magnitudes.get(m))
+                                   for m, (kind, a, b) in pairs.items()}, base_modules, where)
     tokens = {m: module_tokens(m, t, base_modules[m], (base_weights or {}).get(m), dtype, where)
               for m, t in token_parts.items()}
     _check_token_modules(modules, tokens, where)
@@ -200,9 +207,10 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     path = Path(path)
     where = f"adapter {name!r} at {path}"
     config = read_adapter_config(name, path)
+    base_modules = with_expert_linears(config, base_modules, path / WEIGHTS_NAME)  # per-expert linear targets
     pairs, token_parts, magnitudes = _read_weights(path, config, base_modules, where, strict, tied, header_only=True)
-    modules = {m: _check_module(m, kind, a, b, config, base_modules, where, magnitudes.get(m))
-               for m, (kind, a, b) in pairs.items()}
+    modules = fold_expert_linears({m: _check_module(m, kind, a, b, config, base_modules, where, magnitudes.get(m))
+                                   for m, (kind, a, b) in pairs.items()}, base_modules, where)
     added = set()
     for m, t in token_parts.items():
         base = base_modules[m]

@@ -12,9 +12,12 @@ in the module's parameter order innermost, so the i-th of n targeted parameters 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError
 
@@ -85,3 +88,92 @@ def expert_factors(A: torch.Tensor, B: torch.Tensor, num_experts: int) -> tuple[
     A3 = A.reshape(num_experts, -1, A.shape[-1])
     B3 = B.reshape(B.shape[0], -1, num_experts).permute(2, 0, 1)
     return A3.contiguous(), B3.contiguous()
+
+
+# An adapter saved when transformers kept experts as a ModuleList of MLPs (transformers 4) names each expert's
+# projections; transformers 5 stacks them, gate and up concatenated into gate_up_proj (its checkpoint conversion).
+# Such an adapter is read against each expert's projections as linear modules, then folded into the stacked
+# parameters exactly: gate_up's A is [A_gate; A_up] (rank r_gate + r_up) and its B block-diagonal, as PEFT's own
+# conversion (utils/transformers_weight_conversion.py) does.
+V4_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_V4_MODULE = re.compile(rf"(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>{'|'.join(V4_ROLES)})")
+_V4_KEY = re.compile(rf"\.(\d+)\.({'|'.join(V4_ROLES)})\.lora_[AB]\.weight$")
+
+
+def with_expert_linears(config: dict, base_modules: Mapping, weights_file: Path) -> Mapping:
+    """``base_modules`` plus, for an adapter of per-expert linear targets (``target_modules`` naming the experts'
+    projections, no ``target_parameters``), each expert's projections as linear modules ``<experts>.<e>.<proj>``: the
+    names the config may name (a list's entries; for a pattern, the names the weights file uses)."""
+    target = config.get("target_modules")
+    if config.get("target_parameters") or not target:
+        return base_modules
+    if isinstance(target, list):
+        names = {t.rpartition(".")[2] for t in target} & V4_ROLES.keys()
+    else:
+        try:
+            with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+                names = {m.group(2) for m in map(_V4_KEY.search, f.keys()) if m}
+        except (SafetensorError, OSError):
+            return base_modules  # reading the file fails later, with its message
+    extra = {}
+    for fqn, m in base_modules.items():
+        module, _, param = fqn.rpartition(".")
+        if m.kind != "experts" or param not in ("gate_up_proj", "down_proj"):
+            continue
+        out = m.out_features // 2 if param == "gate_up_proj" else m.out_features
+        for name in sorted(n for n in names if (V4_ROLES[n] == "down") == (param == "down_proj")):
+            for e in range(m.num_experts):
+                extra[f"{module}.{e}.{name}"] = type(m)("linear", m.in_features, out)
+    return {**base_modules, **extra} if extra else base_modules
+
+
+def fold_expert_linears(modules: dict, base_modules: Mapping, where: str) -> dict:
+    """``modules`` with the LoRA of per-expert linear modules (``with_expert_linears``) folded into their stacked
+    parameters. Values are ModuleLora (a loaded adapter) or (rank, scale) (an inspected one); a folded parameter's
+    rank is the largest of its experts' (gate + up for gate_up), its scale the first part's, the other parts' scales
+    folded into their B (exact where they are equal, as they are unless alpha_pattern or rank_pattern differ)."""
+    groups: dict[str, dict[int, dict[str, object]]] = {}
+    out = {}
+    for name, value in modules.items():
+        m = _V4_MODULE.fullmatch(name)
+        param = None if m is None else (f"{m['experts']}.down_proj" if V4_ROLES[m["proj"]] == "down"
+                                         else f"{m['experts']}.gate_up_proj")
+        if param is None or getattr(base_modules.get(param), "kind", None) != "experts":
+            out[name] = value
+            continue
+        groups.setdefault(param, {}).setdefault(int(m["e"]), {})[V4_ROLES[m["proj"]]] = value
+    for param, experts in groups.items():
+        base = base_modules[param]
+        roles = ("down",) if param.endswith(".down_proj") else ("gate", "up")
+        first = next(iter(next(iter(experts.values())).values()))
+        if not isinstance(first, tuple) and any(getattr(v, "magnitude", None) is not None
+                                                for parts in experts.values() for v in parts.values()):
+            raise AdapterError(f"{where}: DoRA on per-expert linear modules of {param.rpartition('.')[0]!r} cannot be "
+                               f"served on its stacked experts (PEFT's ParamWrapper has no DoRA either)")
+        rank = max(sum(_rank(p[r]) for r in roles if r in p) for p in experts.values())
+        scale = first[1] if isinstance(first, tuple) else first.scale
+        out[param] = (rank, scale) if isinstance(first, tuple) else _stacked(experts, roles, base, rank, scale)
+    return out
+
+
+def _rank(value) -> int:
+    return value[0] if isinstance(value, tuple) else value.rank
+
+
+def _stacked(experts: dict, roles: tuple, base, rank: int, scale: float):
+    """One ModuleLora of the stacked parameter: A [E, rank, in], B [E, out, rank], zeros where an expert (or its
+    gate or up) has none."""
+    any_lora = next(iter(next(iter(experts.values())).values()))
+    width = base.out_features // len(roles)  # gate and up: each half of gate_up's rows
+    A = torch.zeros(base.num_experts, rank, base.in_features, dtype=any_lora.A.dtype)
+    B = torch.zeros(base.num_experts, base.out_features, rank, dtype=any_lora.B.dtype)
+    for e, parts in experts.items():
+        r0 = 0
+        for i, role in enumerate(roles):
+            lora = parts.get(role)
+            if lora is None:
+                continue
+            A[e, r0:r0 + lora.rank] = lora.A
+            B[e, i * width:(i + 1) * width, r0:r0 + lora.rank] = lora.B * (lora.scale / scale)
+            r0 += lora.rank
+    return type(any_lora)(A, B, rank, scale)
