@@ -43,9 +43,9 @@ def test_kernels_at_real_sizes(tokens, mapping, dtype):
         out = y.clone()
         add_expert_lora(out, x, A, B, ranks, scales, meta)
         ref = expert_lora_ref_by_key(y, x, A, B, ranks, scales, slots, experts)
-        delta = ref - y.double()
-        assert rel_err(out.double() - y.double(), delta) < KERNEL_TOLERANCE[dtype] * 3, (n_in, n_out)
-        assert rel_err(out, ref) < KERNEL_TOLERANCE[dtype]
+        assert rel_err(out, ref) < KERNEL_TOLERANCE[dtype], (n_in, n_out)
+        if dtype == torch.float32:  # the delta itself (in bf16 the rounding of y is of its own size)
+            assert rel_err(out.double() - y.double(), ref - y.double()) < KERNEL_TOLERANCE[dtype], (n_in, n_out)
         assert torch.equal(out[slots < 0], y[slots < 0])
 
 
