@@ -80,9 +80,8 @@ def test_one_mixtral_layer_at_real_size_under_three_adapters_equals_float32_peft
         a.peft_model.cpu()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(family, tmp_path):
-    base = moe_model(family, seed=4)
+def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(tmp_path):
+    base = moe_model("qwen3_moe", seed=4)
     adapters = three_adapters(base, tmp_path)
     paths = {n: a.path for n, a in adapters.items()}
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +90,7 @@ def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(fam
     outs = {}
     # float32 engine (graphs) against generate of float32 PEFT; bf16 compiled graphs against bf16 eager graphs
     for dtype, compile in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=8, compile=compile,
+        engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=4, compile=compile,
                         adapters=paths)
         assert engine.runner.graph_captures == 1
         got = {}
