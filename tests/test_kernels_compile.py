@@ -23,7 +23,7 @@ from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel, _fp8_redu
 from lorakit.ops.shrink import _shrink_kernel
 
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
-            "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32"}
+            "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32", "d_ptr": "*fp32"}
 
 
 def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
@@ -51,7 +51,10 @@ except RuntimeError as e:
         sys.exit(0)
     raise
 # A 1-wide slice with unit row stride is specialised to constexpr 1 by the launcher: compile that too.
-compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1), dtype)
+# (and with DoRA's rescale: a gain, a gain and a shift)
+for dora in (0, 1, 2):
+    compile_for_hopper(_expand_kernel, dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=4, IEEE=False, N1=1, SYT1=1, DORA=dora),
+                       dtype)
 # the fp8 weight-only GEMM: its decode and prefill tiles, with a bias
 for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8)):
     for f16 in (False, True):

@@ -52,6 +52,14 @@ def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_m
         y_ptrs = y_rows + offs_n[None, :] * stride_yn
         mask = m_mask[:, None] & n_mask[None, :]
         yv = tl.load(y_ptrs, mask=mask, other=0.0)
+        # DoRA's rescale of these columns, loaded beside y (not after the dot: a short loop pays each late load's
+        # latency in full)
+        gain = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        shift = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if DORA >= 1:
+            gain = tl.load(d_base + offs_n, mask=n_mask, other=0.0)
+        if DORA == 2:
+            shift = tl.load(d_base + stride_dk + offs_n, mask=n_mask, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if HOIST:
             offs_r = tl.arange(0, BLOCK_R)
@@ -67,10 +75,9 @@ def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_m
                 acc = dot(hc, bv, acc, IEEE)
         out = yv.to(tl.float32) + scale * acc
         if DORA >= 1:
-            gain = tl.load(d_base + offs_n, mask=n_mask, other=0.0)
             out += gain[None, :] * out
         if DORA == 2:
-            out += tl.load(d_base + stride_dk + offs_n, mask=n_mask, other=0.0)[None, :]
+            out += shift[None, :]
         tl.store(y_ptrs, out.to(yv.dtype), mask=mask)
 
 
