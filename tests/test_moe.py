@@ -542,3 +542,31 @@ def test_expert_kernels_compile_for_sm90(dtype):
     if run.stdout.startswith("SKIP"):
         pytest.skip(run.stdout.strip())
     assert run.stdout.strip().endswith("OK")
+
+
+def test_lorakit_serve_serves_an_moe_model_with_an_expert_adapter(tmp_path):
+    """The OpenAI-compatible server over an engine of a MoE model: a completion on the expert adapter is PEFT's."""
+    from _serve_helpers import LiveServer, make_tokenizer
+    from lorakit.serve import ServeConfig, create_app
+
+    tokenizer = make_tokenizer()
+    config = moe_config("qwen3_moe")
+    config.vocab_size, config.eos_token_id = len(tokenizer), tokenizer.eos_token_id
+    torch.manual_seed(9)
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    a = save_adapter(base, "moe", LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], target_parameters=BOTH),
+                     tmp_path, seed=1, std=0.2)
+    engine = Engine(copy.deepcopy(base), tokenizer, max_loras=1, adapters={"moe": a.path}, block_size=4)
+    server = LiveServer(create_app(engine, ServeConfig(model_name="tiny")))
+    try:
+        got = {name: server.client().completions.create(model=name, prompt="hello world, the", max_tokens=6,
+                                                        temperature=0).choices[0].text for name in ("moe", "tiny")}
+    finally:
+        server.close()
+    prompt = torch.tensor([tokenizer("hello world, the").input_ids])
+    for name, model in (("moe", a.peft_model), ("tiny", base)):
+        with torch.no_grad():
+            want = model.generate(prompt, max_new_tokens=6, do_sample=False,
+                                  attention_mask=torch.ones_like(prompt))[0, prompt.shape[1]:]
+        assert got[name] == tokenizer.decode(want, skip_special_tokens=True), name
+    assert got["moe"] != got["tiny"]
