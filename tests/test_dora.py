@@ -123,6 +123,22 @@ def test_dora_rows_mixed_with_plain_lora_and_base_rows_match_peft(arch, data, tm
     assert_rows_match(model, handle, base, adapters, ["d0", None, "plain", "d1", "d0"], input_ids)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt2"])
+def test_dora_on_a_scaled_embedding_and_a_tied_head_matches_peft(arch, tmp_path):
+    """Gemma 2's embedding scales its output (and so the delta) by sqrt(hidden); its head and GPT-2's are tied to
+    the embedding, and PEFT gives each of the two its own DoRA layer."""
+    base = tiny_model(arch, seed=5)
+    embed, head = TARGETS[arch][-2:]
+    adapters = {"d": save_adapter(base, "d", dora_config(arch, [embed, head, TARGETS[arch][0]], 8, 16), tmp_path,
+                                  seed=0, std=0.1)}
+    model = copy.deepcopy(base)
+    handle = lorakit.patch(model, max_loras=2)
+    handle.load_adapter("d", adapters["d"].path)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(2))
+    assert_rows_match(model, handle, base, adapters, ["d", None, "d"], ids)
+
+
 def test_dora_differs_from_its_plain_lora(tmp_path):
     """The rescale is there: the same A and B served without the magnitudes give other logits."""
     base = tiny_model("llama", seed=0)
