@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -445,11 +446,13 @@ def older_layout(model, names):
     return old
 
 
-@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")])
-def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_experts(names, tmp_path, monkeypatch):
-    """An adapter trained when the experts were per-expert nn.Linear modules (keys ``experts.<e>.gate_proj``, ...),
-    with other ranks and alphas for up and down, served on the stacked experts: each row equals PEFT on the model of
-    the older layout (the same weights)."""
+@pytest.mark.parametrize("names,mixtral_path", [(("gate_proj", "up_proj", "down_proj"), False),
+                                                (("w1", "w3", "w2"), True)])
+def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_experts(names, mixtral_path, tmp_path,
+                                                                                      monkeypatch):
+    """An adapter trained when the experts were per-expert nn.Linear modules (keys ``experts.<e>.gate_proj``, ...;
+    transformers 4's Mixtral: ``block_sparse_moe.experts.<e>.w1``), with other ranks and alphas for up and down,
+    served on the stacked experts: each row equals PEFT on the model of the older layout (the same weights)."""
     import peft.utils.transformers_weight_conversion as conversion
 
     # PEFT on transformers 5 rewrites such configs for a model of the new layout; the old-layout model keeps them
@@ -465,6 +468,10 @@ def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_ex
     }
     adapters = {n: save_adapter(old, n, c, tmp_path, seed=i, std=0.2) for i, (n, c) in enumerate(configs.items())}
     assert any(f"experts.3.{up}.lora_A" in k for k in load_file(tmp_path / "all" / "adapter_model.safetensors"))
+    if mixtral_path:  # the keys as transformers 4's Mixtral named the block
+        for a in adapters.values():
+            _rewrite(Path(a.path), weights=lambda t: {k.replace(".mlp.experts.", ".block_sparse_moe.experts."): v
+                                                      for k, v in t.items()})
     model, handle = patched(base, adapters)
     info = handle.inspect_adapter("x", adapters["all"].path)
     assert info.modules["model.layers.0.mlp.experts.gate_up_proj"][0] == 10  # gate's 4 + up's 6

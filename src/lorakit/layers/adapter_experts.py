@@ -98,6 +98,7 @@ def expert_factors(A: torch.Tensor, B: torch.Tensor, num_experts: int) -> tuple[
 V4_ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _V4_MODULE = re.compile(rf"(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>{'|'.join(V4_ROLES)})")
 _V4_KEY = re.compile(rf"\.(\d+)\.({'|'.join(V4_ROLES)})\.lora_[AB]\.weight$")
+MIXTRAL_V4 = ".block_sparse_moe.experts."  # transformers 4's Mixtral path of ".mlp.experts." (its conversion renames it)
 
 
 def with_expert_linears(config: dict, base_modules: Mapping, weights_file: Path) -> Mapping:
@@ -107,19 +108,23 @@ def with_expert_linears(config: dict, base_modules: Mapping, weights_file: Path)
     target = config.get("target_modules")
     if config.get("target_parameters") or not target:
         return base_modules
+    try:
+        with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+    except (SafetensorError, OSError):
+        return base_modules  # reading the file fails later, with its message
     if isinstance(target, list):
         names = {t.rpartition(".")[2] for t in target} & V4_ROLES.keys()
     else:
-        try:
-            with safe_open(str(weights_file), framework="pt", device="cpu") as f:
-                names = {m.group(2) for m in map(_V4_KEY.search, f.keys()) if m}
-        except (SafetensorError, OSError):
-            return base_modules  # reading the file fails later, with its message
+        names = {m.group(2) for m in map(_V4_KEY.search, keys) if m}
+    renamed = any(MIXTRAL_V4 in k for k in keys)  # transformers 4's Mixtral: the block was block_sparse_moe
     extra = {}
     for fqn, m in base_modules.items():
         module, _, param = fqn.rpartition(".")
         if m.kind != "experts" or param not in ("gate_up_proj", "down_proj"):
             continue
+        if renamed:
+            module = module.replace(".mlp.experts", MIXTRAL_V4.rstrip("."))
         out = m.out_features // 2 if param == "gate_up_proj" else m.out_features
         for name in sorted(n for n in names if (V4_ROLES[n] == "down") == (param == "down_proj")):
             for e in range(m.num_experts):
@@ -136,8 +141,9 @@ def fold_expert_linears(modules: dict, base_modules: Mapping, where: str) -> dic
     out = {}
     for name, value in modules.items():
         m = _V4_MODULE.fullmatch(name)
-        param = None if m is None else (f"{m['experts']}.down_proj" if V4_ROLES[m["proj"]] == "down"
-                                         else f"{m['experts']}.gate_up_proj")
+        experts = None if m is None else m["experts"].replace(MIXTRAL_V4.rstrip("."), ".mlp.experts")
+        param = None if m is None else (f"{experts}.down_proj" if V4_ROLES[m["proj"]] == "down"
+                                         else f"{experts}.gate_up_proj")
         if param is None or getattr(base_modules.get(param), "kind", None) != "experts":
             out[name] = value
             continue
