@@ -272,3 +272,29 @@ def test_bad_dora_adapters_are_refused_by_name(tmp_path):
             with pytest.raises(AdapterError, match=message):
                 handle.inspect_adapter(name, path)
     assert handle.adapters == {"good": 0}
+
+
+def test_lorakit_serve_loads_a_dora_adapter_at_runtime_and_serves_it_as_peft(tmp_path):
+    import httpx
+
+    from _serve_helpers import build_world, start
+
+    world = build_world(tmp_path)
+    base, tokenizer, root, _ = world
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"],
+                     use_dora=True, init_lora_weights=False)
+    dora = save_adapter(base, "dora", cfg, root, seed=9, std=0.3)
+    server = start(world, allow_runtime_lora=True)
+    try:
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": dora.path})
+        assert r.status_code == 200, r.text
+        prompt = "What is the capital of France?"
+        out = server.client().completions.create(model="dora", prompt=prompt, max_tokens=10, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            want = dora.peft_model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                            attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
+        assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        server.close()
