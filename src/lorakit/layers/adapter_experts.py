@@ -106,7 +106,7 @@ def with_expert_linears(config: dict, base_modules: Mapping, weights_file: Path)
     projections, no ``target_parameters``), each expert's projections as linear modules ``<experts>.<e>.<proj>``: the
     names the config may name (a list's entries; for a pattern, the names the weights file uses)."""
     target = config.get("target_modules")
-    if config.get("target_parameters") or not target:
+    if config.get("target_parameters") or not target or not any(m.kind == "experts" for m in base_modules.values()):
         return base_modules
     try:
         with safe_open(str(weights_file), framework="pt", device="cpu") as f:
