@@ -211,7 +211,8 @@ def test_engine_greedy_tokens_equal_generate(tmp_path):
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-        assert got[i] == want.tolist(), adapter
+        # generate stops at the eos token (2), the engine (ignore_eos) goes on: the same tokens up to it
+        assert got[i][: len(want)] == want.tolist() and (len(want) == 6 or want[-1] == 2), adapter
 
 
 def test_handle_describes_the_expert_parameters_and_slot_bytes_counts_them():

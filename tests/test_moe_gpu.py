@@ -109,4 +109,5 @@ def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(tmp
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-        assert tokens == want.tolist(), name
+        # generate stops at the eos token, the engine (ignore_eos) goes on: the same tokens up to it
+        assert tokens[: len(want)] == want.tolist() and (len(want) == 8 or want[-1] == 2), name
