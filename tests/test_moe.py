@@ -55,12 +55,20 @@ def moe_config(family: str, experts: int = 4, top_k: int = 2, layers: int = 2):
                                            num_experts_per_tok=top_k)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=48, num_experts=experts, num_experts_per_tok=top_k)
+    if family == "gpt_oss":  # experts stored transposed [E, in, out], with biases and a gate of their own
+        return transformers.GptOssConfig(**common, intermediate_size=24, head_dim=8, num_local_experts=experts,
+                                         num_experts_per_tok=top_k, rope_parameters=None)
     raise ValueError(family)
 
 
 def moe_model(family: str, seed: int = 0, **kw):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(moe_config(family, **kw), attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(family, **kw), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:  # random stacked experts, gpt-oss's biases too (zero at init)
+                p.normal_(0, 0.1)
+    return model
 
 
 def three_adapters(base, tmp_path, attention=("q_proj", "v_proj")):
@@ -98,7 +106,7 @@ NAMES = [None, "both", "gate_up", "down", "both", None]
 # ----------------------------------------------------------------------------------------------- models vs PEFT
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_mixed_batch_rows_equal_peft(family, tmp_path):
     base = moe_model(family)
     shared = ("shared_expert.down_proj", "shared_expert_gate") if family == "qwen2_moe" else ()

@@ -26,10 +26,13 @@ _UP_NAMES = ("gate_up_proj", "up_proj")  # gated experts (act(gate) * up) or pla
 
 def expert_params(module: nn.Module) -> tuple[str, str] | None:
     """(up parameter, down parameter) names of a stacked-experts module, None for any other module: 3-D
-    parameters of one expert count with an ``act_fn``, as transformers' experts classes have them."""
+    parameters of one expert count with an ``act_fn`` (or a gate of their own, ``_apply_gate``), as transformers'
+    experts classes have them."""
     up = next((n for n in _UP_NAMES if isinstance(getattr(module, n, None), nn.Parameter)), None)
     down = getattr(module, "down_proj", None)
-    if up is None or not isinstance(down, nn.Parameter) or not hasattr(module, "act_fn"):
+    # a gated module's gate: its act_fn, or a gate of its own (gpt-oss: _apply_gate, no act_fn)
+    activation = hasattr(module, "act_fn") or (up == "gate_up_proj" and hasattr(module, "_apply_gate"))
+    if up is None or not isinstance(down, nn.Parameter) or not activation:
         return None
     w = getattr(module, up)
     if w.dim() != 3 or down.dim() != 3 or w.shape[0] != down.shape[0]:
