@@ -88,8 +88,10 @@ def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(tmp
     prompts = [(torch.randint(3, 96, (4 + 3 * i,), generator=gen).tolist(), n)
                for i, n in enumerate([None, "both", "gate_up", "down", "both", None, "down", "gate_up"])]
     outs = {}
-    # float32 engine (graphs) against generate of float32 PEFT; bf16 compiled graphs against bf16 eager graphs
-    for dtype, compile in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+    # float32 engine (graphs) against generate of float32 PEFT and against itself compiled; bf16 graphs run. (Compiled
+    # and eager bf16 greedy tokens are not compared: Inductor rounds fused bf16 elementwise ops once, eager after each
+    # op, and on the H200 one request of this tiny random model then took another token at its second step.)
+    for dtype, compile in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
         engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=4, compile=compile,
                         adapters=paths)
         assert engine.runner.graph_captures == 1
@@ -103,7 +105,8 @@ def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(tmp
         outs[dtype, compile] = list(got.values())
         del engine
     torch._dynamo.reset()
-    assert outs[torch.bfloat16, True] == outs[torch.bfloat16, False]
+    assert outs[torch.float32, True] == outs[torch.float32, False]
+    assert all(len(tokens) == 8 for tokens in outs[torch.bfloat16, False])
     for tokens, (prompt, name) in zip(outs[torch.float32, False], prompts):
         model = base if name is None else adapters[name].peft_model
         with torch.no_grad():
