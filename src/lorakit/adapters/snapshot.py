@@ -107,12 +107,14 @@ def digest(records: Iterable[FileRecord]) -> str:
 
 def image_bytes(handle: LoraHandle, info: AdapterInfo) -> int:
     """The size of the packed image, from the header: A and B at each module's rank, in the model's dtype, at the
-    shapes this model's slots hold (a tensor-parallel rank's: its shard of each sharded layer)."""
+    shapes this model's slots hold (a tensor-parallel rank's: its shard of each sharded layer; every expert's of a
+    stacked-experts parameter), and a DoRA module's float32 magnitudes."""
     itemsize = handle.dtype.itemsize
     total = 0
     for module, (rank, _) in info.modules.items():
         layer = handle.layers[module]
-        total += rank * (layer.in_features + layer.out_features) * itemsize
+        total += rank * (layer.in_features + layer.out_features) * itemsize * getattr(layer, "num_experts", 1)
+        total += 4 * layer.out_features if module in info.dora else 0
     return total
 
 
