@@ -332,3 +332,25 @@ def test_forward_with_grad_enabled_warns_inference_only(tmp_path):
     input_ids = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(10))
     with pytest.warns(UserWarning, match="inference-only"):
         model(input_ids=input_ids, lora_ids=handle.ids(["r8"]), use_cache=False)
+
+
+def test_flattened_tokens_map_to_their_rows_and_a_subset_is_refused(tmp_path):
+    """A layer fed the batch's tokens flattened ([batch * seq], as an MoE block's experts are) gets each token's
+    adapter; one fed a subset of them (the tokens routed to it) is refused with per-token ids, never misread."""
+    base, adapters = two_adapters(tmp_path)
+    model, handle = patched(base, adapters)
+    o_proj = model.model.layers[0].self_attn.o_proj
+    x = torch.randn(2, 3, 32)
+    ctx = handle._ctx
+    for ids in (handle.ids(["r8", "r64"]), handle.ids(["r8", "r64"])[:, None].expand(2, 3)):
+        ctx.begin(ids, None)
+        try:
+            assert torch.equal(o_proj(x.reshape(6, 32)), o_proj(x).reshape(6, 32))
+        finally:
+            ctx.end()
+    ctx.begin(handle.ids(["r8", "r64"])[:, None].expand(2, 3), None)
+    try:
+        with pytest.raises(ValueError, match="lora_ids has 2 rows"):
+            o_proj(x.reshape(6, 32)[:4])
+    finally:
+        ctx.end()

@@ -84,8 +84,11 @@ class LoraContext:
     def _token_slots(self, leading: tuple[int, ...]) -> torch.Tensor:
         ids = self.ids
         batch = ids.shape[0]
-        if len(leading) == 1 and leading[0] != batch and leading[0] % batch == 0:
-            leading = (batch, leading[0] // batch)  # [batch * seq] tokens flattened (MoE experts, shared experts)
+        # [batch * seq] tokens flattened (an MoE block's experts and shared experts): with per-token ids only when the
+        # count is theirs, so a layer that sees a subset of the tokens (routed to it) is refused, never misread
+        flat = len(leading) == 1 and leading[0] != batch and leading[0] % batch == 0
+        if flat and (ids.dim() == 1 or leading[0] == ids.numel()):
+            leading = (batch, leading[0] // batch)
         if len(leading) == 0 or leading[0] != batch:
             raise ValueError(
                 f"lora_ids has {batch} rows but a LoRA layer got an input of leading shape {leading}; "
