@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
+from lorakit.ops.experts import _expert_expand_kernel, _expert_shrink_kernel
 from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel, _fp8_reduce_kernel
 from lorakit.ops.shrink import _shrink_kernel
 
@@ -65,6 +66,14 @@ POINTERS["out_ptr"] = "*" + dtype
 compile_for_hopper(_fp8_dequant_kernel, dict(BLOCK_N=32, BLOCK_K=256), dtype)
 POINTERS.update(ws_ptr="*fp32", y_ptr="*" + dtype)
 compile_for_hopper(_fp8_reduce_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), dtype)
+# MoE expert LoRA: the shrink and expand keyed by (slot, expert), decode and prefill tiles
+POINTERS["y_ptr"] = "*" + dtype
+for block_m in (16, 64):
+    compile_for_hopper(_expert_shrink_kernel, dict(BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=128, SPLIT_K=4, IEEE=False),
+                       dtype)
+for block_m, block_r in ((16, 16), (64, 64)):
+    compile_for_hopper(_expert_expand_kernel, dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=block_r, SPLIT_K=2,
+                                                   IEEE=False), dtype)
 print("OK")
 '''
 

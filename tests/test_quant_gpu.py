@@ -93,6 +93,11 @@ def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(sch
     handle.fuse_sibling_gemms()
     names = ["a0", None, "a1", "a2", "a0", None]
     input_ids = torch.randint(0, VOCAB, (len(names), 17), generator=torch.Generator().manual_seed(0)).cuda()
+    assert_rows_match_peft(model, handle, ref_base, adapters, names, input_ids, scheme)
+
+
+def assert_rows_match_peft(model, handle, ref_base, adapters, names, input_ids, label):
+    """Each row of a bf16 patched model's mixed batch against float32 PEFT on ``ref_base`` with its adapter alone."""
     with torch.no_grad():
         out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits.float()
         for b, name in enumerate(names):
@@ -100,7 +105,7 @@ def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(sch
                                                                                 adapters[name]).eval()
             ref = ref_model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
             err = rel_err(out[b], ref)
-            assert err < LOGITS_TOLERANCE[torch.bfloat16], f"{scheme} row {b} ({name}): {err:.2e}"
+            assert err < LOGITS_TOLERANCE[torch.bfloat16], f"{label} row {b} ({name}): {err:.2e}"
 
 
 def _requests():

@@ -143,6 +143,14 @@ def attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start, 
     return out
 
 
+def _per_key(A, B, ranks, scales, slots, experts):
+    """Expert LoRA's weights as LoRA's of one slot per (slot, expert), keyed s * E + e (-1 where the slot is)."""
+    S, E = ranks.shape
+    keys = torch.where(slots >= 0, slots.long() * E + experts.long(), -1)
+    return (A.reshape(S * E, 1, *A.shape[2:]), B.reshape(S * E, *B.shape[2:]), ranks.reshape(S * E, 1),
+            scales.reshape(S * E, 1), keys)
+
+
 def expert_lora_ref(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -154,19 +162,12 @@ def expert_lora_ref(
     experts: torch.Tensor,
 ) -> torch.Tensor:
     """``expert_lora`` in float64, one (token, expert) row at a time: y[p] + scales[s, e] * (x[p] @ A[s, e, :r].T)
-    @ B[s, e, :, :r].T with s = slots[p], e = experts[p], r = ranks[s, e]; rows of slot -1 unchanged.
+    @ B[s, e, :, :r].T with s = slots[p], e = experts[p], r = ranks[s, e]; rows of slot -1 unchanged (``lora_ref``
+    with one slot per (slot, expert)).
 
     x: [P, in]; y: [P, out]; A: [S, E, R_max, in]; B: [S, E, out, R_max]; ranks, scales: [S, E]; slots, experts: [P].
     y is not modified."""
-    out = y.double().cpu().clone()
-    for p in range(x.shape[0]):
-        s, e = int(slots[p]), int(experts[p])
-        if s < 0:
-            continue
-        r = int(ranks[s, e])
-        h = x[p].double().cpu() @ A[s, e, :r].double().cpu().T
-        out[p] += float(scales[s, e]) * (h @ B[s, e, :, :r].double().cpu().T)
-    return out
+    return lora_ref(y, x, *_per_key(A, B, ranks, scales, slots, experts), [y.shape[1]])
 
 
 def moe_experts_ref(
@@ -213,15 +214,6 @@ def expert_lora_ref_by_key(
     slots: torch.Tensor,
     experts: torch.Tensor,
 ) -> torch.Tensor:
-    """``expert_lora_ref`` for large shapes, on the inputs' device, in float64: the rows of each (slot, expert) in one
-    product (no per-row loop)."""
-    out = y.double().clone()
-    for s in range(A.shape[0]):
-        for e in range(A.shape[1]):
-            rows = ((slots == s) & (experts == e)).nonzero().squeeze(1)
-            r = int(ranks[s, e])
-            if rows.numel() == 0 or r == 0:
-                continue
-            h = x[rows].double() @ A[s, e, :r].double().T
-            out[rows] += float(scales[s, e]) * (h @ B[s, e, :, :r].double().T)
-    return out
+    """``expert_lora_ref`` for large shapes, on the inputs' device, in float64 (``lora_ref_by_slot`` with one slot
+    per (slot, expert): no per-row loop)."""
+    return lora_ref_by_slot(y, x, *_per_key(A, B, ranks, scales, slots, experts), [y.shape[1]])
