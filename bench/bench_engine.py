@@ -32,6 +32,15 @@ from lorakit.engine import Engine, SamplingParams
 from lorakit.ops import KernelOptions
 
 PROMPT = 128
+EIGHT = [f"u{i}" for i in range(8)]
+COMPILED = {  # key: label, adapters, batches (None: all), engine options; the last three against the defaults
+    "base": ("base", [None], None, {}),
+    "8": ("8 adapters, rank 16", EIGHT, None, {}),
+    "32": ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None, {}),
+    "no-twins": ("base, graphs with (empty) LoRA kernels", [None], [1, 64], dict(base_twins=False)),
+    "unfused": ("base, one GEMM per projection", [None], [1, 64], dict(fuse_siblings=False)),
+    "no-pdl": ("8 adapters, rank 16, PDL off", EIGHT, [64], dict(kernels=KernelOptions(pdl=frozenset()))),
+}
 
 
 def weight_bytes(model) -> int:
@@ -101,12 +110,18 @@ def main(argv=None) -> int:
                    help="also compiled: base, 8 and 32 adapters at every batch; base at batch 1 and 64 without base "
                         "twins and without fused sibling GEMMs; 8 adapters at batch 64 without PDL")
     p.add_argument("--compile-only", action="store_true", help="only the compiled rows")
+    p.add_argument("--cases", type=lambda v: v.split(","), default=list(COMPILED),
+                   help=f"the compiled rows to run, of {','.join(COMPILED)} (default: all)")
+    p.add_argument("--batches", type=lambda v: tuple(int(b) for b in v.split(",")), default=None,
+                   help="batch sizes (default: 1,16,64; 64 with --quick)")
     args = parse_args(p, argv)
+    if unknown := set(args.cases) - set(COMPILED):
+        p.error(f"--cases: unknown {sorted(unknown)}; the compiled rows are {','.join(COMPILED)}")
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     layers = 2 if args.tiny else 32
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
-    batches = (64,) if args.quick else (1, 16, 64)
+    batches = args.batches or ((64,) if args.quick else (1, 16, 64))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -148,17 +163,9 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
         if args.compile:  # decode graphs captured from torch.compile (one compile per batch size)
-            eight = [f"u{i}" for i in range(8)]
-            compiled = [  # label, adapters, batches (None: all), engine options; the last three against the defaults
-                ("base", [None], None, {}), ("8 adapters, rank 16", eight, None, {}),
-                ("32 adapters, rank 16", [f"u{i}" for i in range(32)], None, {}),
-                ("base, graphs with (empty) LoRA kernels", [None], [1, 64], dict(base_twins=False)),
-                ("base, one GEMM per projection", [None], [1, 64], dict(fuse_siblings=False)),
-                ("8 adapters, rank 16, PDL off", eight, [64], dict(kernels=KernelOptions(pdl=frozenset())))]
-            for label, names, sizes, options in compiled:
-                sizes = sizes or list(batches)
-                if args.quick:
-                    sizes = [b for b in sizes if b == 64]
+            for key in args.cases:
+                label, names, sizes, options = COMPILED[key]
+                sizes = [b for b in sizes or batches if b in batches]
                 if not sizes:
                     continue
                 torch.manual_seed(0)

@@ -222,16 +222,19 @@ def main(argv=None) -> int:
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--kernels-only", action="store_true")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--only-70b", action="store_true", help="the 70B rows alone (no kernels, no 8B engine)")
     p.add_argument("--rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=ROWS,
                    help=f"the kernels' row counts M (default: {','.join(map(str, ROWS))})")
     args = parse_args(p, argv)
+    if args.only_70b:
+        args.skip_kernels, args.skip_70b, args.kernels_only = True, False, False
     cuda = args.device == "cuda"
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
     if cuda and not args.skip_kernels:
         kernels, best = kernel_rows(gbps, args.sweep, args.rows)
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.kernels_only:
+        if not (args.kernels_only or args.only_70b):
             engine = engine_rows(args, gbps, Path(tmp))
         if cuda and not (args.skip_70b or args.kernels_only or args.tiny):
             seventy = seventy_b_rows(args, gbps, Path(tmp))

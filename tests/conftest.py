@@ -19,17 +19,42 @@ settings.register_profile(
     "dev", max_examples=60, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.register_profile(
-    "gpu", max_examples=150, deadline=None, print_blob=True,
+settings.register_profile(  # scripts/gpu-check: each property test under a minute on the H200
+    "gpu", max_examples=40, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LORAKIT_GPU_PART"):  # scripts/gpu-check --part K/N: this part's share of the tests
+        keep_part(config, items, os.environ["LORAKIT_GPU_PART"])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def keep_part(config, items, part: str) -> None:
+    """Deselect the tests other parts of the GPU check run (tests/_gpu_plan.py deals them out)."""
+    from _gpu_plan import DURATIONS, load_durations, parse_part, tests_of_part
+
+    table = load_durations(pathlib.Path(os.environ.get("LORAKIT_GPU_DURATIONS", DURATIONS)))
+    mine = tests_of_part(items, parse_part(part), table)
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in mine])
+    items[:] = [item for item in items if item.nodeid in mine]
+
+
+def pytest_runtest_logreport(report):
+    """With LORAKIT_TEST_LOG=FILE, one JSON line per test phase as it ends (nodeid, phase, outcome, seconds), written
+    at once: scripts/gpu-check reads test durations from it, also from a run cut off before pytest's own reports."""
+    path = os.environ.get("LORAKIT_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller writes every worker's reports
+        return
+    import json
+
+    line = dict(nodeid=report.nodeid, when=report.when, outcome=report.outcome, seconds=round(report.duration, 3))
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")

@@ -14,13 +14,14 @@ from lorakit.engine import Engine
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.reference import lora_ref_by_slot
 from test_quant import greedy
-from test_quant_gpu import VOCAB, _requests, assert_rows_match_peft, qwen2_2048
+from test_quant_gpu import (VOCAB, _requests, assert_rows_match_peft, assert_same_tokens_but_at_near_ties,
+                            greedy_with_top2, qwen2_2048)
 
 pytestmark = pytest.mark.gpu
 KERNEL_TOLERANCE = 1e-2  # bf16 output against float64, relative to the output
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, pytest.param(64, marks=pytest.mark.quick), 512])
 @pytest.mark.parametrize("sizes", [[4096, 1024, 1024], [4096], [14336, 14336]])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_dora_expand_at_llama_8b_shapes(tokens, sizes, rows):
@@ -51,6 +52,7 @@ def adapters(tmp_path_factory):
     return folders
 
 
+@pytest.mark.quick
 def test_bfloat16_dora_mixed_batch_matches_float32_peft(adapters):
     ref_base = qwen2_2048(torch.float32).cuda()
     model = qwen2_2048(torch.bfloat16).cuda()
@@ -82,7 +84,7 @@ def test_bfloat16_dora_engine_replays_graphs_as_it_runs_eagerly(adapters):
     for graphs in (False, True):
         engine = Engine(qwen2_2048(torch.bfloat16).cuda(), max_loras=4, max_num_seqs=8, max_seq_len=64,
                         num_blocks=64, adapters=adapters, cuda_graphs=graphs, graph_sizes=(1, 2, 4, 8))
-        outputs.append(greedy(engine, _requests(), 8))
+        outputs.append(greedy_with_top2(engine, _requests(), 8))
         del engine
         torch.cuda.empty_cache()
-    assert outputs[0] == outputs[1]
+    assert_same_tokens_but_at_near_ties(*outputs)

@@ -36,6 +36,7 @@ def setup(tmp_path_factory):
     return base, saved
 
 
+@pytest.mark.quick
 def test_mixed_batch_with_cuda_graphs_matches_peft(setup):
     base, saved = setup
     engine = Engine(copy.deepcopy(base).to("cuda", torch.bfloat16), max_loras=2, max_num_seqs=16,

@@ -23,7 +23,7 @@ H, I, E, K = 4096, 14336, 8, 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, pytest.param(64, marks=pytest.mark.quick), 512])
 @pytest.mark.parametrize("mapping", ["distinct", "some-base", "identical"])
 def test_kernels_at_real_sizes(tokens, mapping, dtype):
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -80,37 +80,53 @@ def test_one_mixtral_layer_at_real_size_under_three_adapters_equals_float32_peft
         a.peft_model.cpu()
 
 
-def test_engine_serves_a_small_moe_model_from_cuda_graphs_eager_and_compiled(tmp_path):
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    """A small random Qwen3-MoE, its three adapters and eight prompts over them."""
     base = moe_model("qwen3_moe", seed=4)
-    adapters = three_adapters(base, tmp_path)
-    paths = {n: a.path for n, a in adapters.items()}
+    adapters = three_adapters(base, tmp_path_factory.mktemp("moe-engine"))
     gen = torch.Generator().manual_seed(0)
     prompts = [(torch.randint(3, 96, (4 + 3 * i,), generator=gen).tolist(), n)
                for i, n in enumerate([None, "both", "gate_up", "down", "both", None, "down", "gate_up"])]
-    outs = {}
-    # float32 engine (graphs) against generate of float32 PEFT and against itself compiled; bf16 graphs run. (Compiled
-    # and eager bf16 greedy tokens are not compared: Inductor rounds fused bf16 elementwise ops once, eager after each
-    # op, and on the H200 one request of this tiny random model then took another token at its second step.)
-    for dtype, compile in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
-        engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=4, compile=compile,
-                        adapters=paths)
-        assert engine.runner.graph_captures == 1
-        got = {}
-        for prompt, name in prompts:
-            got[engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), name)] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                got[out.request_id] += out.token_ids
-        assert engine.runner.graph_replays > 0
-        outs[dtype, compile] = list(got.values())
-        del engine
-    torch._dynamo.reset()
-    assert outs[torch.float32, True] == outs[torch.float32, False]
-    assert all(len(tokens) == 8 for tokens in outs[torch.bfloat16, False])
-    for tokens, (prompt, name) in zip(outs[torch.float32, False], prompts):
+    return base, adapters, prompts
+
+
+def serve_greedy(small_moe, dtype, compile=False) -> list[list[int]]:
+    """Each prompt's 8 greedy tokens from an engine of ``dtype`` that replays CUDA graphs (compiled or not)."""
+    base, adapters, prompts = small_moe
+    engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=4, compile=compile,
+                    adapters={n: a.path for n, a in adapters.items()})
+    assert engine.runner.graph_captures == 1
+    got = {}
+    for prompt, name in prompts:
+        got[engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), name)] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert engine.runner.graph_replays > 0
+    return list(got.values())
+
+
+@pytest.mark.quick
+def test_float32_engine_from_cuda_graphs_equals_peft_generate(small_moe):
+    base, adapters, prompts = small_moe
+    for tokens, (prompt, name) in zip(serve_greedy(small_moe, torch.float32), prompts):
         model = base if name is None else adapters[name].peft_model
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
         # generate stops at the eos token, the engine (ignore_eos) goes on: the same tokens up to it
         assert tokens[: len(want)] == want.tolist() and (len(want) == 8 or want[-1] == 2), name
+
+
+def test_float32_engine_compiled_equals_eager(small_moe):
+    compiled = serve_greedy(small_moe, torch.float32, compile=True)
+    torch._dynamo.reset()
+    assert compiled == serve_greedy(small_moe, torch.float32)
+
+
+def test_bfloat16_engine_serves_from_cuda_graphs(small_moe):
+    """bf16 graphs run to length. (Compiled and eager bf16 greedy tokens are not compared: Inductor rounds fused bf16
+    elementwise ops once, eager after each op, and on the H200 one request of this tiny random model then took
+    another token at its second step.)"""
+    assert all(len(tokens) == 8 for tokens in serve_greedy(small_moe, torch.bfloat16))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
 from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
 from lorakit.ops import KernelOptions, add_lora, build_lora_meta, lora_shrink
@@ -20,8 +20,7 @@ def poison_cuda_cache(nbytes: int = 1 << 30) -> None:
     del junk
 
 
-@given(case=cases(ALL_DTYPES))
-@settings(max_examples=200)
+@given(case=cases(ALL_DTYPES))  # examples: the profile's (gpu: 40, about 40 s on the H200)
 def test_kernels_match_reference_on_gpu(case):
     case = case.to("cuda")
     poison_cuda_cache(64 << 20)
@@ -36,7 +35,7 @@ REAL = [
     # tokens, in, slice widths, R_max, slots, mapping, min rank
     (1, 4096, [4096], 16, 8, "distinct", 16),
     (16, 4096, [4096, 1024, 1024], 64, 16, "distinct", 1),
-    (256, 4096, [14336, 14336], 64, 32, "zipf", 1),
+    pytest.param(256, 4096, [14336, 14336], 64, 32, "zipf", 1, marks=pytest.mark.quick),
     (256, 4096, [4096], 128, 128, "distinct", 8),
     (77, 4096, [4096, 1024, 1024], 128, 8, "some-base", 0),
     (4096, 4096, [14336], 64, 8, "uniform", 64),
@@ -73,6 +72,7 @@ def capture(fn):
     return graph, out
 
 
+@pytest.mark.quick
 def test_cuda_graph_builds_metadata_inside():
     """One capture, many mappings: the metadata build itself is captured (no host sync, fixed shapes), so a replay
     after the slots change in place groups the new mapping."""

@@ -16,6 +16,7 @@ from lorakit.engine import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.quick  # the aLoRA model test of gpu-check --quick
 def test_prefix_cache_keeps_greedy_tokens_with_graphs(tmp_path):
     base = tiny_model("llama", seed=3)
     adapters = {n: save_adapter(base, n, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS["llama"][:7],

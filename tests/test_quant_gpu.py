@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel
 import lorakit
 from _lora_cases import rel_err
 from _peft_models import TARGETS, save_adapter
-from lorakit.engine import Engine
+from lorakit.engine import Engine, SamplingParams
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
 from test_quant import dequantized, greedy
 
@@ -24,7 +24,7 @@ KERNEL_TOLERANCE = 1e-2
 LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.quick), 64, 256, 2048])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_kernels_at_llama_8b_shapes(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -82,6 +82,7 @@ def adapters(tmp_path_factory):
     return folders
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])
 def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(scheme, adapters):
     model = qwen2_2048(torch.bfloat16).cuda()
@@ -131,6 +132,30 @@ def test_float32_fp8_engine_from_cuda_graphs_equals_generate_on_the_dequantized_
         assert tokens == want[0, len(prompt):].tolist(), adapter
 
 
+def greedy_with_top2(engine, requests, max_tokens):
+    """Each request's greedy tokens and, per token, the two most likely tokens' log-probabilities."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
+    got = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.token_ids)
+            got[out.request_id][1].extend(sorted(t.top.values(), reverse=True)[:2] for t in out.logprobs)
+    return [got[i] for i in ids]
+
+
+def assert_same_tokens_but_at_near_ties(eager, graphs, gap=0.1):
+    """Graph replays pad the batch to a captured size, and the GEMMs' tiles (so the bf16 rounding) follow the row
+    count: greedy tokens may part only where the eager run's two best tokens were within ``gap`` of each other
+    (a near tie: one bf16 step of these logits is about 0.016), and nothing after that is compared."""
+    for (want, top), (tokens, _) in zip(eager, graphs):
+        split = next((i for i, (a, b) in enumerate(zip(want, tokens)) if a != b), None)
+        assert len(tokens) == len(want)
+        if split is not None:
+            best, second = top[split]
+            assert best - second < gap, f"tokens parted at step {split} where eager's margin was {best - second:.3f}"
+
+
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])
 def test_bfloat16_engine_replays_quantized_graphs_as_it_runs_eagerly(scheme, adapters):
     outputs = []
@@ -139,10 +164,10 @@ def test_bfloat16_engine_replays_quantized_graphs_as_it_runs_eagerly(scheme, ada
                         num_blocks=64, adapters=adapters, quantization=scheme, cuda_graphs=graphs,
                         graph_sizes=(1, 2, 4, 8))
         assert engine.runner.fused_groups == 4
-        outputs.append(greedy(engine, _requests(), 8))
+        outputs.append(greedy_with_top2(engine, _requests(), 8))
         del engine
         torch.cuda.empty_cache()
-    assert outputs[0] == outputs[1]
+    assert_same_tokens_but_at_near_ties(*outputs)
     # and the fused GEMM computes what the members compute alone
     model = qwen2_2048(torch.bfloat16).cuda()
     quantize(model, scheme)

@@ -171,7 +171,7 @@ def test_bad_token_adapters_are_refused_and_change_nothing(tmp_path):
     assert handle.adapters == {"good": 0}
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.quick])])
 def test_engine_generates_an_added_token_for_its_adapter_only(device, tmp_path):
     """The "add" adapter's head row for its new token V points along the hidden state after the prompt, so
     greedy decoding emits V and then reads it back through its own embedding row; lorakit's engine equals

@@ -212,8 +212,9 @@ def test_langchain_bind_tools_and_structured_output_by_function_calling(world):
     method="function_calling")`` against the live server, on an adapter."""
     from typing import Literal
 
-    from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
+
+    ChatOpenAI = pytest.importorskip("langchain_openai", reason="pip install -e '.[test]'").ChatOpenAI
 
     class Weather(BaseModel):
         """The weather in a city."""
