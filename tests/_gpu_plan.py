@@ -24,7 +24,7 @@ def load_durations(path: Path = DURATIONS) -> dict:
     return json.loads(path.read_text())
 
 
-def test_units(seconds: dict[str, float], workers: int) -> dict[str, tuple[float, list[str]]]:
+def units_of_tests(seconds: dict[str, float], workers: int) -> dict[str, tuple[float, list[str]]]:
     """Test ids grouped into units of wall-clock seconds: a whole file where its tests are short together, else
     one unit per test. A file's seconds are spread over the ``workers`` xdist workers."""
     files = defaultdict(list)
@@ -55,7 +55,7 @@ def split(units: dict[str, tuple[float, list[str]]], parts: int) -> list[list[st
 def plan(test_seconds: dict[str, float], bench_seconds: dict[str, float], workers: int,
          parts: int) -> list[dict]:
     """Each part's tests (node ids), benchmarks (names) and estimated seconds."""
-    units = test_units(test_seconds, workers) | {f"bench:{b}": (s, [b]) for b, s in bench_seconds.items()}
+    units = units_of_tests(test_seconds, workers) | {f"bench:{b}": (s, [b]) for b, s in bench_seconds.items()}
     out = []
     for names in split(units, parts):
         out.append(dict(
