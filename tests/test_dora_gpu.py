@@ -14,7 +14,7 @@ from lorakit.engine import Engine
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.reference import lora_ref_by_slot
 from test_quant import greedy
-from test_quant_gpu import (VOCAB, _requests, assert_rows_match_peft, assert_same_tokens_but_at_near_ties,
+from test_quant_gpu import (FLOAT32_GRAPHS, VOCAB, _requests, assert_rows_match_peft, assert_same_tokens_but_at_near_ties,
                             greedy_with_top2, qwen2_2048)
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,7 @@ def test_bfloat16_dora_mixed_batch_matches_float32_peft(adapters):
 def test_float32_dora_engine_from_cuda_graphs_equals_peft_generate(adapters):
     ref_base = qwen2_2048(torch.float32).cuda()
     engine = Engine(qwen2_2048(torch.float32).cuda(), max_loras=4, max_num_seqs=8, max_seq_len=64, num_blocks=64,
-                    adapters=adapters, graph_sizes=(1, 2, 4, 8))
+                    adapters=adapters, **FLOAT32_GRAPHS)
     got = greedy(engine, _requests(), 8)
     for tokens, (prompt, adapter) in zip(got, _requests()):
         ref_model = ref_base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),

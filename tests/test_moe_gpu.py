@@ -95,7 +95,7 @@ def serve_greedy(small_moe, dtype, compile=False) -> list[list[int]]:
     """Each prompt's 8 greedy tokens from an engine of ``dtype`` that replays CUDA graphs (compiled or not)."""
     base, adapters, prompts = small_moe
     engine = Engine(copy.deepcopy(base).to("cuda", dtype), max_loras=3, max_num_seqs=4, compile=compile,
-                    adapters={n: a.path for n, a in adapters.items()})
+                    adapters={n: a.path for n, a in adapters.items()}, graph_sizes=(4,), graph_token_sizes=())
     assert engine.runner.graph_captures == 1
     got = {}
     for prompt, name in prompts:

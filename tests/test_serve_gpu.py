@@ -19,7 +19,7 @@ import pytest
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.serve.model import bundled_adapters, bundled_gguf
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("serve_gpu")]  # one worker: each server starts once
 
 BASE = "SmolLM2-135M-Instruct"
 SMOL = Path(__file__).resolve().parents[1] / ".smol-config"
