@@ -91,21 +91,21 @@ class Metrics:
         process's counters and histograms added up, and the engine's gauges once."""
         self.prune()
         if not os.environ.get(MULTIPROCESS_ENV):
-            return prom.generate_latest(self.registry)
+            return prom.generate_latest(_Only(self.live(), self.registry))
         registry = prom.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        return prom.generate_latest(_Only(registry, self._engine, self.live()))
+        return prom.generate_latest(_Only(self.live(), registry, self._engine))
 
 
 class _Only:
-    """A registry's families, and ``extra``'s, without the samples of adapters outside ``live`` (other processes'
-    series, kept in their files, of adapters unregistered since)."""
+    """Collectors' families without the samples of adapters outside ``live``: other processes' series, kept in their
+    files, and the engine's stats as of its last step (an idle engine's still name an adapter unloaded since)."""
 
-    def __init__(self, registry, extra, live: set[str]):
-        self.registry, self.extra, self.live = registry, extra, live
+    def __init__(self, live: set[str], *collectors):
+        self.live, self.collectors = live, collectors
 
     def collect(self):
-        for family in (*self.registry.collect(), *self.extra.collect()):
+        for family in (c for collector in self.collectors for c in collector.collect()):
             family.samples = [s for s in family.samples if s.labels.get("adapter", self.live) in self.live or
                               "adapter" not in s.labels]
             yield family
