@@ -261,3 +261,21 @@ def test_a_scrape_of_several_api_servers_leaves_out_adapters_that_are_gone():
     text = prom.generate_latest(_Only({"a", "base"}, registry)).decode()
     assert 'x_total{adapter="a"}' in text and 'x_total{adapter="base"}' in text and "y_total 1.0" in text
     assert "gone" not in text
+
+
+def test_an_engines_stale_stats_name_no_adapter_that_is_gone():
+    """The engine core sends its stats with its steps: an idle core's last ones still name an adapter unloaded since
+    (issue 45: 7 series of it 3 s after its unload). A scrape shows only the registered adapters' and the base's."""
+    from types import SimpleNamespace
+
+    from lorakit.serve.metrics import Metrics
+
+    stats = SimpleNamespace(
+        pid=1, running=0, waiting=0, steps=5, step_seconds=0.1, gpu_seconds=0.0,
+        loads_by_adapter={"sql": 1, "gone": 1}, evictions_by_adapter={"gone": 1},
+        residency={"sql": "gpu", "gone": "disk"}, prefix_prompt_tokens={"": 8, "sql": 4, "gone": 4},
+        prefix_cached_tokens={"gone": 2}, prefix_cached_blocks=0, prefix_evictions=0)
+    engine = SimpleNamespace(adapters={"sql": object()}, stats=lambda: stats)
+    text = Metrics(engine, "tiny").render().decode()
+    assert 'adapter="sql"' in text and 'adapter="tiny"' in text
+    assert 'adapter="gone"' not in text
