@@ -232,6 +232,29 @@ def test_a_header_trickled_byte_by_byte_is_dropped_after_the_header_timeout(worl
         live.close()
 
 
+# 1c. A client that sent its request and half-closed its socket (shutdown(SHUT_WR)) got 0 bytes: the server took
+# the end of its input for the end of the connection, and the request was cancelled.
+
+@pytest.mark.parametrize("http", http_protocols())
+def test_a_client_that_half_closes_after_its_request_reads_its_answer(world, http):
+    live = start(world, http=http)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", live.port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            sock.shutdown(socket.SHUT_WR)
+            status, answer = response(sock)  # then the server closes: the client sends nothing more
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+        with socket.create_connection(("127.0.0.1", live.port), timeout=60) as sock:  # half-closed mid-body: closed
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(100) == b""
+        assert httpx.get(f"{live.url}/v1/models", timeout=30).status_code == 200
+    finally:
+        live.close()
+
+
 # 2. A lone surrogate in a prompt, a chat's content or /generate's text was a 500 (from the tokenizer).
 
 LONE = r"\ud800"

@@ -1,5 +1,6 @@
 """The HTTP edge: what a connection may cost the server before a handler sees its request, and what a client sees.
 
+- A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``): it still reads the answer.
 - Headers: a connection must deliver a request's headers within ``header_timeout`` seconds of opening (or of its
   previous response) and in at most ``MAX_HEADER_BYTES``, else it gets a 408 / 431 and is closed (an idle one is
   closed without a word). ``guarded_protocol`` subclasses uvicorn's HTTP protocol for this: before a request exists,
@@ -266,8 +267,22 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
                     self._drop(431, "Request Header Fields Too Large", f"the request line and headers pass "
                                f"{MAX_HEADER_BYTES} bytes; send fewer or shorter headers")
 
+        _half_closed = False  # the client ended its side once its request was in: answer it, then close
+
+        def eof_received(self):
+            """A client that half-closes (``shutdown(SHUT_WR)``) once its request is in still reads its answer: the
+            connection stays open for the response, then closes. An end anywhere else closes it, as before."""
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body is False and not cycle.response_complete:
+                self._half_closed = True
+                return True
+            return super().eof_received()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self._half_closed:
+                self.transport.close()
+                return
             self._await_headers()
 
         def connection_lost(self, exc):
