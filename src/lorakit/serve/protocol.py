@@ -18,9 +18,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["ERROR_CODES", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody", "check_extras",
-           "chat_messages", "error_status",
-           "nth_sample", "parse_body", "samples", "sampling_params", "shown", "structured_param", "token_id"]
+__all__ = ["ERROR_CODES", "MAX_JSON_DEPTH", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody",
+           "check_extras", "chat_messages", "error_status", "json_value", "nth_sample", "parse_body", "read_json",
+           "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
@@ -81,19 +81,21 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _WALK_ITEMS = 20_000  # the most values looked at to name the field that holds one (a bound on the event loop's time)
 
 
+def _lone_surrogate(raw: bytes) -> bool:
+    """Whether JSON text (its UTF-8 bytes) spells a lone surrogate, raw or escaped (at C speed)."""
+    return (b"\\u" in raw or b"\xed" in raw) and _LONE.search(_PAIR.sub(rb"\1", raw)) is not None
+
+
 def parse_body(body: bytes) -> Any:
     """A request body's JSON (json.JSONDecodeError as json.loads raises it), or an ApiError 400 for text no tokenizer
     takes: bytes that are not UTF-8, or a lone surrogate, naming the field that holds it (``messages[0].content``)."""
-    if b"\\u" in body or b"\xed" in body:
-        lone = _LONE.search(_PAIR.sub(rb"\1", body))
-    else:
-        lone = None
+    lone = _lone_surrogate(body)
     try:
         value = json.loads(body)
     except UnicodeDecodeError as e:
         raise ApiError(400, f"the request body is not UTF-8 text ({e.reason} at byte {e.start}); send UTF-8 JSON"
                        ) from None
-    if lone is not None:
+    if lone:
         where = _holding_surrogate(value)
         raise ApiError(400, f"{where or 'the request body'}: text with a lone UTF-16 surrogate (\\ud800-\\udfff, half "
                             f"of a pair, or the UTF-8 bytes of one) is not Unicode text; send the character, or both "
@@ -122,6 +124,66 @@ def _holding_surrogate(value: Any) -> str | None:
             path = f"{parent}{part}"
             stack.extend((item[i], path, f"[{i}]") for i in range(min(len(item), _WALK_ITEMS) - 1, -1, -1))
     return None
+
+
+# JSON inside a string (tool calls' arguments, a model's output): read strictly, within bounds. Python's json takes
+# NaN, Infinity and 1e999 (as inf), which JSON does not, and recurses once per level: 100,000 "[" raise RecursionError.
+MAX_JSON_DEPTH = 128
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _double(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {shown(text, 20)} is beyond a double")
+    return value
+
+
+_STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_double)
+
+
+def _deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` deep (level by level, not a recursion)."""
+    level = [value]
+    for _ in range(limit):
+        nested = []
+        for item in level:
+            for v in item.values() if type(item) is dict else item:
+                if type(v) is dict or type(v) is list:
+                    nested.append(v)
+        if not nested:
+            return False
+        level = nested
+    return True
+
+
+def read_json(text: str, at: int = 0) -> tuple[Any, int]:
+    """The JSON value at ``text[at:]`` (after any JSON whitespace) and the index where it ends; ValueError saying why
+    when there is none: not JSON, NaN / Infinity / a number beyond a double, nested more than MAX_JSON_DEPTH deep, or
+    a lone surrogate. Linear in the text's length, whatever the text."""
+    at = _JSON_SPACE.match(text, at).end()
+    try:
+        value, end = _STRICT.raw_decode(text, at)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep") from None
+    if isinstance(value, (dict, list)) and text.count("[", at, end) + text.count("{", at, end) > MAX_JSON_DEPTH \
+            and _deeper(value, MAX_JSON_DEPTH):
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep")
+    if "\\u" in text[at:end] and _lone_surrogate(text[at:end].encode()):
+        raise ValueError("a lone UTF-16 surrogate (\\ud800-\\udfff) is not Unicode text")
+    return value, end
+
+
+def json_value(text: str) -> Any:
+    """``text`` as one JSON value (``read_json``'s, with nothing but whitespace after it); ValueError otherwise."""
+    value, end = read_json(text)
+    if _JSON_SPACE.match(text, end).end() != len(text):
+        raise ValueError(f"extra text after the JSON value, at character {end}")
+    return value
 
 
 # The most items of a list or an object in a request whose size nothing else bounds (prompts of a batch, messages,
@@ -348,10 +410,10 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
             calls = []
             for j, call in enumerate(m.tool_calls):
                 try:
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON",
-                                   param=f"{where}.tool_calls[{j}].function.arguments") from None
+                    arguments = json_value(call.function.arguments)
+                except ValueError as e:
+                    raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON a template can "
+                                        f"render: {e}", param=f"{where}.tool_calls[{j}].function.arguments") from None
                 # the templates take the arguments as an object (and some want the id)
                 calls.append({"id": call.id, "type": "function",
                               "function": {"name": call.function.name, "arguments": arguments}})

@@ -20,18 +20,22 @@ content.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.protocol import ApiError, NamedToolChoice, Tool, shown
+from lorakit.serve.protocol import MAX_JSON_DEPTH, ApiError, NamedToolChoice, Tool, json_value, read_json, shown
 
 __all__ = ["PARSERS", "NamedToolChoice", "Tool", "ToolCalls", "checked_tools", "parser_for", "stream_deltas",
            "tool_grammar"]
 
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # the most calls one "required" answer holds with parallel_tool_calls (a bounded grammar)
+
+logger = logging.getLogger("lorakit.serve")
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -81,80 +85,127 @@ def _arguments_schema(tool: dict) -> dict:
 
 
 def tool_grammar(tools: list[dict], choice: str, named: str | None, parallel: bool) -> StructuredOutput | None:
-    """The structured output that enforces ``choice`` ("required" or "named"); None for "auto" and "none"."""
+    """The structured output that enforces ``choice`` ("required" or "named"); None for "auto" and "none". For
+    "required", each tool's schema sits in the wrapper's ``$defs`` under its name, its local refs moved with it."""
     if choice == "named":
         tool = next(t for t in tools if t["function"]["name"] == named)
         return StructuredOutput.json_schema(_arguments_schema(tool))
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": _arguments_schema(t)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return StructuredOutput.json_schema({"type": "array", "minItems": 1,
-                                         "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
-                                         "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
+    names = [t["function"]["name"] for t in tools]
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{name}"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for name in names]
+    return StructuredOutput.json_schema({
+        "$defs": {name: _moved(_arguments_schema(t), f"#/$defs/{name}") for name, t in zip(names, tools)},
+        "type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
+
+
+# The keywords whose value is a schema or a list of schemas, and those whose value maps names to schemas.
+_SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "additionalProperties", "unevaluatedItems",
+               "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "contains",
+               "propertyNames", "contentSchema"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+
+
+def _moved(schema: dict, base: str) -> dict:
+    """A copy of ``schema`` for a place under another document's ``base`` ("#/$defs/NAME"): each local JSON-pointer
+    ref ("#", "#/$defs/node") prefixed with it, so that each resolves as in the schema's own document. A schema (or
+    subschema) with an ``$id`` is a resource of its own, whose refs resolve against it: it is left as it is."""
+    moved = json.loads(json.dumps(schema))  # a copy (checked_tools bounds its depth)
+    stack = [moved]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or "$id" in node:
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = base + ref[1:]
+        for key, value in node.items():
+            if key in _SUBSCHEMAS:
+                stack.extend(value if isinstance(value, list) else [value])
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+    return moved
 
 
 # The parsers of "auto": text -> (content, [(name, arguments dict)]). Each finds its family's calls and leaves the
-# rest as content; text that holds no call, or a call that does not parse, is content whole.
+# rest as content; text that holds no call, or a call that does not parse, is content whole. Each is linear in the
+# text: str.find and JSON decoding, no backtracking pattern, no recursion (read_json bounds the depth).
+Call = tuple[str, dict]
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_BETWEEN_CALLS = re.compile(r"[ \t\n\r;]*")
 
-def _hermes(text: str) -> tuple[str, list[tuple[str, dict]]]:
-    """Hermes / Qwen 2.5+: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number."""
-    calls, spans = [], []
-    for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
-        call = _call(m.group(1))
+
+def _hermes(text: str) -> tuple[str, list[Call]]:
+    """Hermes / Qwen 2.5+: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number; the last one's
+    closing tag may be missing (the model stopped after the JSON)."""
+    calls, content, at = [], [], 0
+    while (start := text.find(_OPEN, at)) >= 0:
+        end = text.find(_CLOSE, start)
+        end = len(text) if end < 0 else end
+        call = _call(text[start + len(_OPEN):end])
         if call is None:
             return text, []
         calls.append(call)
-        spans.append(m.span())
-    content = text
-    for start, end in reversed(spans):
-        content = content[:start] + content[end:]
-    return content.strip() if calls else text, calls
+        content.append(text[at:start])
+        at = end + len(_CLOSE)
+    content.append(text[at:])
+    return ("".join(content).strip(), calls) if calls else (text, [])
 
 
-def _llama3_json(text: str) -> tuple[str, list[tuple[str, dict]]]:
+def _llama3_json(text: str) -> tuple[str, list[Call]]:
     """Llama 3.1+: the whole answer a JSON call ``{"name": ..., "parameters": {...}}`` (after an optional
-    ``<|python_tag|>``), several separated by ";"."""
+    ``<|python_tag|>``), several separated by ";" (outside their strings)."""
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    calls = [_call(part) for part in body.split(";") if part.strip()]
-    return ("", calls) if calls and all(c is not None for c in calls) else (text, [])
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            item, at = read_json(body, at)
+        except ValueError:
+            return text, []
+        call, gap = _call(item), _BETWEEN_CALLS.match(body, at).end()
+        if call is None or (gap < len(body) and ";" not in body[at:gap]):
+            return text, []
+        calls.append(call)
+        at = gap
+    return "", calls
 
 
-def _mistral(text: str) -> tuple[str, list[tuple[str, dict]]]:
+def _mistral(text: str) -> tuple[str, list[Call]]:
     """Mistral: ``[TOOL_CALLS]`` and a JSON array of calls; the text before it is content."""
     head, sep, tail = text.partition("[TOOL_CALLS]")
     if not sep:
         return text, []
-    try:
-        items = json.loads(tail.strip())
-    except ValueError:
-        return text, []
+    items = _json(tail)
     calls = [_call(item) for item in (items if isinstance(items, list) else [items])]
-    return (head.strip(), calls) if calls and all(c is not None for c in calls) else (text, [])
+    return (head.strip(), calls) if calls and None not in calls else (text, [])
 
 
-def _call(item) -> tuple[str, dict] | None:
-    """(name, arguments) of one call: a JSON object (or its text) with "name" and "arguments" or "parameters"."""
+def _json(text: str) -> Any:
+    """``text`` as strict JSON within bounds (``protocol.json_value``); None when it is not."""
+    try:
+        return json_value(text)
+    except ValueError:
+        return None
+
+
+def _call(item: Any) -> Call | None:
+    """(name, arguments) of one call: a JSON object (or its text) with a string "name" and an object of "arguments"
+    or "parameters" (or its JSON text); None for anything else."""
     if isinstance(item, str):
-        try:
-            item = json.loads(item)
-        except ValueError:
-            return None
+        item = _json(item)
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = _json(arguments)
     return (item["name"], arguments) if isinstance(arguments, dict) else None
 
 
-PARSERS: dict[str, Callable[[str], tuple[str, list[tuple[str, dict]]]]] = {
+PARSERS: dict[str, Callable[[str], tuple[str, list[Call]]]] = {
     "hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
 
 
@@ -176,6 +227,7 @@ class ToolCalls:
 
     def __init__(self, tools: list[dict], choice: str, named: str | None, parser: str):
         self.tools, self.choice, self.named, self.parse = tools, choice, named, PARSERS[parser]
+        self.names = {t["function"]["name"] for t in tools}
 
     @property
     def active(self) -> bool:
@@ -183,29 +235,31 @@ class ToolCalls:
         return self.choice != "none"
 
     def split(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content or None, OpenAI's tool_calls) of a whole output."""
-        calls: list[tuple[str, dict]] = []
-        content: str | None = text
+        """(content or None, OpenAI's tool_calls) of a whole output. Calls are only of offered functions, with
+        arguments a JSON object; an output with any other call is content whole. Never raises: a parser's error
+        (a bug) is logged and the output is content."""
+        try:
+            content, calls = self._parsed(text)
+        except Exception:  # noqa: BLE001 - on the path that delivers every stream's output: logged, never raised
+            logger.exception("the %s tool-call parser failed on an output of %d characters; it is sent as content",
+                             self.choice, len(text))
+            content, calls = text, []
+        if any(name not in self.names for name, _ in calls):
+            content, calls = text, []
+        return content or None, [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in calls]
+
+    def _parsed(self, text: str) -> tuple[str, list[Call]]:
         if self.choice == "named":
-            try:
-                arguments = json.loads(text)
-                calls, content = [(self.named, arguments)], None
-            except ValueError:
-                pass
-        elif self.choice == "required":
-            try:
-                items = json.loads(text)
-                parsed = [_call(item) for item in items] if isinstance(items, list) else []
-                if parsed and all(c is not None for c in parsed):
-                    calls, content = parsed, None
-            except ValueError:
-                pass
-        else:
-            content, calls = self.parse(text)
-            content = content or None
-        return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-                         for name, arguments in calls]
+            arguments = _json(text)
+            return ("", [(self.named, arguments)]) if isinstance(arguments, dict) else (text, [])
+        if self.choice == "required":
+            items = _json(text)
+            calls = [_call(item) for item in items] if isinstance(items, list) else []
+            return ("", calls) if calls and None not in calls else (text, [])
+        return self.parse(text)
 
     @staticmethod
     def finish(calls: list[dict], finish_reason: str | None) -> str | None:
