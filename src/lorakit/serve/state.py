@@ -3,8 +3,9 @@ one door to the engine, an ``EngineClient`` (``lorakit.frontend.client``): the e
 in a core process of its own (``lorakit serve``).
 
 From the event loop, ServerState only looks things up (the registered adapters, a tokenizer, the context length);
-tokenizing (prompts, chat templates) runs on a thread of its own, so a long prompt never holds up the event loop and
-the streams it serves; whatever changes the engine (a request, a load, an unload) goes through the client to the
+a long prompt is tokenized on a thread of its own and every chat template, untrusted input, is rendered in a worker
+process within budgets (``lorakit.frontend.chat_templates``), so neither holds up the event loop and the streams it
+serves; whatever changes the engine (a request, a load, an unload) goes through the client to the
 engine's thread or process, which reads and checks an adapter's files while it keeps stepping.
 """
 
@@ -19,11 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead
+from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.streams import RequestStream
@@ -67,7 +67,9 @@ class ServeConfig:
     max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
     chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
     max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
-    the output at every token, on the engine thread).
+    the output at every token, on the engine thread); max_template_seconds and max_template_bytes, the time and the
+    memory one chat template's render may take (the model's or an adapter's: untrusted input, rendered in a worker
+    process that is killed past them), which may render at most twice max_prompt_chars.
 
     Bounds on what a connection may cost (edge.py): max_body_bytes_in_flight, the bytes of request bodies held at
     once by this process, all connections together (503 at once for one that would pass it; None: an eighth of the
@@ -93,6 +95,8 @@ class ServeConfig:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     tool_call_parser: str = "auto"  # serve.tools.PARSERS, or "auto": the one the chat template speaks
+    max_template_seconds: float = 1.0
+    max_template_bytes: int = 2 << 30
     max_body_bytes_in_flight: int | None = None
     header_timeout: float = 10.0
     body_timeout: float = 60.0
@@ -112,7 +116,7 @@ class ServeConfig:
                              f"{self.max_body_bytes_in_flight}) is below max_body_bytes (--max-body-bytes, "
                              f"{self.max_body_bytes}): no body of the largest size could ever be received; raise the "
                              f"first or lower the second")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("header_timeout", "body_timeout", "max_template_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ServeConfig.{name} must be a number of seconds > 0, got {value!r}")
@@ -121,12 +125,19 @@ class ServeConfig:
                              f"{self.tool_call_parser!r}")
         if self.api_key is not None:
             check_key(self.api_key, "ServeConfig.api_key")
+        if isinstance(self.max_template_bytes, bool) or not isinstance(self.max_template_bytes, int) \
+                or self.max_template_bytes < 1 << 24:
+            raise ValueError(f"ServeConfig.max_template_bytes must be an int >= 16 MiB, got {self.max_template_bytes!r}")
         for name, zero in (("health_timeout", False), ("shutdown_grace", True)):  # zero: may it be 0
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or not (value >= 0 if zero else value > 0):
                 raise ValueError(f"ServeConfig.{name} must be a finite number of seconds {'>=' if zero else '>'} 0, "
                                  f"got {value!r}")
+
+    @property
+    def template_budget(self) -> TemplateBudget:
+        return TemplateBudget(self.max_template_seconds, self.max_template_bytes)
 
     @property
     def bytes_in_flight(self) -> int:
@@ -190,6 +201,7 @@ class ServerState:
         self.on_request: Callable[[], Sequence[str]] | None = None
         # One thread: a tokenizer is not safe to call from several threads at once (Rust's "Already borrowed").
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="lorakit-tokenize")
+        self._templates = ChatTemplates(config.template_budget)  # started at the first chat
         self._stopped = False
         self._created: dict[str, int] = {config.model_name: int(time.time())}
 
@@ -208,6 +220,7 @@ class ServerState:
         self._stopped = True
         self.engine.stop()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self._templates.close()
 
     def health(self) -> str | None:
         """Why the engine cannot serve now (gone, or a core not heard from for ``health_timeout`` s); None: it can."""
@@ -269,8 +282,9 @@ class ServerState:
     async def chat_ids(self, messages: list[dict], adapter: Adapter | None, tools: list[dict] | None = None
                        ) -> list[int]:
         """The messages (and ``tools``, for a template that renders them) through the chat template of
-        ``adapter``'s tokenizer (its own may add tokens), tokenized off the event loop and checked as ``prompt_ids``
-        does."""
+        ``adapter``'s tokenizer (its own may add tokens), rendered in the template worker within the server's budgets
+        (a 400 naming the template, the model's or the adapter's, past one), tokenized and checked as
+        ``prompt_ids`` does."""
         template = self.chat_template(adapter)
         tokenizer = self.tokenizer(adapter)
         if tools and "tools" not in template:
@@ -281,15 +295,13 @@ class ServerState:
         if len(messages) >= self.engine.max_seq_len:  # each message takes at least one token of the context
             raise ApiError(400, f"{len(messages)} messages cannot fit in this model's context of "
                                 f"{self.engine.max_seq_len} tokens", "messages")
-
-        def render() -> list[int]:
-            try:
-                text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                     tokenize=False)
-            except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
-                raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from None
-            return self._checked_ids(_encode_rendered(tokenizer, text), adapter)
-        return await self._tokenize(chars + 64 * len(messages), render)
+        whose = "the model's chat template" if adapter is None or adapter.tokenizer is None else \
+            f"the chat template of adapter {adapter.name!r}"
+        try:
+            text = await self._templates.render(tokenizer, messages, tools or None, 2 * self.max_prompt_chars, whose)
+        except TemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+        return await self._tokenize(len(text), lambda: self._checked_ids(_encode_rendered(tokenizer, text), adapter))
 
     def _check_chars(self, count: int, param: str) -> None:
         if count > self.max_prompt_chars:

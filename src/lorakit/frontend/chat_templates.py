@@ -1,0 +1,226 @@
+"""Chat templates are untrusted input (a model's or an adapter's tokenizer files): each render runs transformers' own
+``apply_chat_template`` in a worker process, within a time budget (past it the worker is killed, and the next render
+starts a fresh one), a memory budget (the worker's address space) and an output budget. A process, not a thread:
+Jinja cannot be interrupted, and one C call of a template (``{{ 9**9**9 }}``, folded as it compiles) holds the GIL
+for as long as it runs. The caller's event loop only waits, on the thread of a ``ChatTemplates``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ChatTemplates", "TemplateBudget", "TemplateError"]
+
+logger = logging.getLogger("lorakit.serve")
+
+START_SECONDS = 60.0  # a fresh worker's imports (about 1 s), and a tokenizer's unpickling: not the template's time
+CACHED_TOKENIZERS = 4  # tokenizers a worker keeps (the model's and adapters' own), least recently used dropped
+_HEADER = struct.Struct(">IB")  # a frame: its payload's length, its kind, the payload
+# Kinds: to the worker, a tokenizer (TOKENIZER) or a render (RENDER); back, its answer.
+TOKENIZER, RENDER, READY, MISSING, TEXT, FAILED, TOO_LONG, NO_MEMORY = b"TRYMOFLX"
+
+
+class TemplateError(ValueError):
+    """A render that failed or passed a budget; the message names the template (``whose``) and what happened."""
+
+
+@dataclass(frozen=True)
+class TemplateBudget:
+    """seconds: the longest one render may run; memory_bytes: what the worker may allocate beyond its imports."""
+
+    seconds: float = 1.0
+    memory_bytes: int = 2 << 30
+
+    def __post_init__(self):
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not 0 < self.seconds < 1e6:
+            raise ValueError(f"TemplateBudget.seconds must be a number of seconds > 0, got {self.seconds!r}")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 1 << 24:
+            raise ValueError(f"TemplateBudget.memory_bytes must be an int >= 16 MiB, got {self.memory_bytes!r}")
+
+
+class ChatTemplates:
+    """Renders chat templates in one worker process, one render at a time, from the thread this object owns (await
+    ``render``); ``close`` ends the worker."""
+
+    def __init__(self, budget: TemplateBudget = TemplateBudget()):
+        self.budget = budget
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="lorakit-template")
+        self._worker: subprocess.Popen | None = None
+        self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its key in the worker
+        self._next_key = itertools.count()
+
+    async def render(self, tokenizer, messages: list[dict], tools: list[dict] | None, max_chars: int, whose: str
+                     ) -> str:
+        """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)`` as
+        transformers renders it, within the budgets; TemplateError naming ``whose`` ("the model's chat template")
+        when it fails, runs past ``budget.seconds``, allocates past ``budget.memory_bytes`` or renders more than
+        ``max_chars`` characters."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self._render, tokenizer, messages, tools, max_chars, whose)
+
+    def close(self) -> None:
+        """The worker killed at once (a render in progress fails); a later ``render`` would start a fresh one."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._kill()
+
+    def _render(self, tokenizer, messages, tools, max_chars: int, whose: str) -> str:
+        key = self._keys.setdefault(tokenizer, next(self._next_key))
+        job = pickle.dumps((key, tokenizer.chat_template, messages, tools, max_chars))
+        kind, payload = self._ask(RENDER, job, self.budget.seconds, whose)
+        if kind == MISSING:  # a fresh worker, or one that dropped it: sent once, then asked again
+            self._ask(TOKENIZER, struct.pack(">Q", key) + pickle.dumps(tokenizer), START_SECONDS, whose)
+            kind, payload = self._ask(RENDER, job, self.budget.seconds, whose)
+        if kind == TEXT:
+            return payload.decode("utf-8")
+        if kind == TOO_LONG:
+            raise TemplateError(f"{whose} rendered more than {max_chars} characters (twice --max-prompt-chars) for "
+                                f"these messages; fix the template or shorten the messages")
+        if kind == NO_MEMORY:
+            self._kill()
+            raise TemplateError(f"{whose} needed more than {self.budget.memory_bytes >> 20} MiB of memory to render; "
+                                f"fix the template")
+        raise TemplateError(f"{whose} {payload.decode('utf-8', 'replace')[:500]}")
+
+    def _ask(self, kind: int, payload: bytes, seconds: float, whose: str) -> tuple[int, bytes]:
+        """Sends a frame to the worker (started first if there is none) and reads its answer within ``seconds``;
+        past them the worker is killed and the render is a TemplateError."""
+        worker = self._worker or self._start()
+        deadline = time.monotonic() + seconds
+        try:
+            _write(worker.stdin.fileno(), kind, payload)
+            answer = _read(worker.stdout.fileno(), deadline)
+        except OSError:  # the worker died (a broken pipe): killed by the kernel, say
+            answer = None
+        if answer is None:
+            code = worker.poll()
+            self._kill()
+            if code is None:
+                logger.warning("%s ran past its budget of %s s; its worker was killed", whose, seconds)
+                raise TemplateError(f"{whose} ran past its time budget of {seconds:g} s (a template loop that does "
+                                    f"not end, or too much work); fix the template")
+            raise TemplateError(f"{whose} ended its worker process (exit code {code}); fix the template")
+        return answer
+
+    def _start(self) -> subprocess.Popen:
+        from lorakit.engine.lifeline import parent_death_signal
+
+        package_parent = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_parent,
+                                                                          os.environ.get("PYTHONPATH"))))}
+        # Started from this object's thread, which lives as long as the object: the kernel's signal on that thread's
+        # end is the worker's end with it, or with the process.
+        self._worker = subprocess.Popen([sys.executable, "-m", "lorakit.frontend.chat_templates",
+                                         str(self.budget.memory_bytes)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, preexec_fn=parent_death_signal())
+        ready = _read(self._worker.stdout.fileno(), time.monotonic() + START_SECONDS)
+        if ready is None or ready[0] != READY:
+            self._kill()
+            raise RuntimeError("the chat template worker did not start (its error is in the log above)")
+        return self._worker
+
+    def _kill(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.kill()
+            worker.wait()
+            worker.stdin.close()
+            worker.stdout.close()
+
+
+def _write(fd: int, kind: int, payload: bytes) -> None:
+    data = memoryview(_HEADER.pack(len(payload), kind) + payload)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read(fd: int, deadline: float | None = None) -> tuple[int, bytes] | None:
+    """One frame (kind, payload) from ``fd``; None at its end, or at ``deadline`` (time.monotonic)."""
+    data, need = b"", _HEADER.size
+    while len(data) < need:
+        if deadline is not None and not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
+            return None
+        chunk = os.read(fd, need - len(data))
+        if not chunk:
+            return None
+        data += chunk
+        if need == _HEADER.size and len(data) == need:
+            need += _HEADER.unpack(data)[0]
+    return data[4], data[_HEADER.size:]
+
+
+# The worker.
+
+def _limit_memory(extra: int) -> None:
+    """This process may map at most ``extra`` bytes beyond what it maps now (a MemoryError past them)."""
+    import resource
+
+    size = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
+    """A render's answer: TEXT, or why there is none (FAILED: what follows the template's name in the message)."""
+    import jinja2
+
+    key, template, messages, tools, max_chars = pickle.loads(job)
+    tokenizer = tokenizers.get(key)
+    if tokenizer is None:
+        return MISSING, b""
+    tokenizers.move_to_end(key)
+    tokenizer.chat_template = template
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except MemoryError:
+        return NO_MEMORY, b""
+    except jinja2.TemplateSyntaxError as e:
+        return FAILED, f"cannot be compiled: {e}".encode("utf-8", "replace")
+    except jinja2.TemplateError as e:  # the template's own checks (raise_exception), e.g. roles' order
+        return FAILED, f"refused these messages: {e}".encode("utf-8", "replace")
+    except Exception as e:  # noqa: BLE001 - whatever else it raised (a TypeError, a RecursionError) is its failure
+        return FAILED, f"failed on these messages ({type(e).__name__}: {e})".encode("utf-8", "replace")
+    if len(text) > max_chars:
+        return TOO_LONG, b""
+    return TEXT, text.encode("utf-8", "surrogatepass")
+
+
+def main() -> None:
+    """Frames in on stdin, answers on stdout, until stdin ends (the parent gone)."""
+    import transformers  # noqa: F401 - imported before the memory limit: the budget is the template's
+    import transformers.utils.chat_template_utils  # noqa: F401
+
+    _limit_memory(int(sys.argv[1]))
+    inp, out = sys.stdin.fileno(), sys.stdout.fileno()
+    sys.stdout = sys.stderr  # whatever prints goes to the log, not into the answers
+    tokenizers: OrderedDict = OrderedDict()
+    _write(out, READY, b"")
+    while (frame := _read(inp)) is not None:
+        kind, payload = frame
+        if kind == TOKENIZER:
+            tokenizers[struct.unpack(">Q", payload[:8])[0]] = pickle.loads(payload[8:])
+            while len(tokenizers) > CACHED_TOKENIZERS:
+                tokenizers.popitem(last=False)
+            _write(out, READY, b"")
+        else:
+            answer = _answer(payload, tokenizers)
+            _write(out, *answer)
+            if answer[0] == NO_MEMORY:
+                return  # a fresh worker for the next render
+
+
+if __name__ == "__main__":
+    main()
