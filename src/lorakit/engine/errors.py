@@ -4,12 +4,13 @@
 A request's own failure (a grammar that fails, an adapter that cannot load) ends that request alone; the engine finds
 it by running the failed step's requests one by one (``Engine._isolate``). A ``FatalEngineError`` is never looked at
 that way: it means every request the engine holds is lost, and whatever carries the engine (the core process, the
-in-process thread) stops and says so, so that a supervisor can start it again.
+in-process thread) stops and says so, so that a supervisor can start it again. ``Overloaded`` is work refused for want
+of room now: the same request may pass later.
 """
 
 from __future__ import annotations
 
-__all__ = ["EngineDead", "FatalEngineError", "TensorParallelError"]
+__all__ = ["EngineDead", "FatalEngineError", "Overloaded", "TensorParallelError"]
 
 
 class FatalEngineError(RuntimeError):
@@ -22,3 +23,13 @@ class TensorParallelError(FatalEngineError):
 
 class EngineDead(RuntimeError):
     """The engine is gone (its core process exited, or it failed for good); nothing it held will answer."""
+
+
+class Overloaded(ValueError):
+    """Work refused for want of room now, not for what it asks (a full queue, a budget spent waiting in one): the
+    same request may pass ``retry_after`` seconds later. A ValueError, so that every path that ends or refuses a
+    request for a ValueError (the core's replies among them) does so for this one too."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -1,6 +1,7 @@
 """One grammar, compiled off every loop that serves requests: ``build_grammar`` (on a worker thread of
-``lorakit.engine.structured.Grammars``), ``Pending`` (a compile in flight, and its budget of seconds), ``Grammar``
-(compiled and tried), and ``Constraint`` (one sequence's matcher, a copy of the grammar's).
+``lorakit.engine.structured.Grammars``), ``CompileQueue`` (those workers, fair between clients and bounded),
+``Compile`` (one grammar's compile, shared), ``Pending`` (one request's wait for it, and its budget of seconds),
+``Grammar`` (compiled and tried), and ``Constraint`` (one sequence's matcher, a copy of the grammar's).
 
 llguidance releases the GIL while it compiles a grammar and while it computes a mask, so the loops keep running
 beside a compile; copying a compiled matcher (``deep_copy``) holds it, for well under a millisecond once the
@@ -12,21 +13,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
 
+from lorakit.engine.errors import Overloaded
 from lorakit.ops import cdiv
 
-__all__ = ["Constraint", "Grammar", "GrammarError", "Pending", "build_grammar", "unpack_mask"]
+__all__ = ["Compile", "CompileQueue", "Constraint", "Grammar", "GrammarError", "Pending", "build_grammar",
+           "unpack_mask"]
 
 logger = logging.getLogger("lorakit.structured")
 
 PROBE_TOKENS = 8  # first tokens a compiled grammar is tried on, each on a copy of its matcher
+POLL_SECONDS = 0.05  # how often a request waiting for a worker looks again
 MESSAGE_CHARS = 300  # the most of llguidance's error a message or a log line quotes (it may quote the grammar)
 
 
@@ -113,26 +117,39 @@ def build_grammar(llg, lltok, source: str, kind: str, n_vocab: int, tokenizer) -
     return grammar
 
 
-class Pending:
-    """A grammar being compiled (or compiled, or refused). ``done()`` once it compiled, failed, or has run past its
-    ``max_seconds`` (timed from the start of its compile, not from its wait for a worker); ``result()`` then gives
-    the ``Grammar`` or raises ``GrammarError``. A compile past the budget is refused even if it finishes later
-    (llguidance cannot be stopped: it finishes on its worker, and its refusal is what a cache keeps)."""
+class Compile:
+    """One grammar's compile, shared by every request that asks for it while a cache keeps it: queued (``started``
+    None), running, finished (``future`` done), or ``dropped`` unstarted (``future`` holds ``Overloaded``).
+    ``client``: who asked first, for the queue's fairness (None: nobody known, a client of its own); ``deadline``: when
+    the last request waiting for it stops waiting (``time.monotonic()``); ``forget``: called when it is dropped (a
+    cache lets go of a refusal that was not the grammar's doing)."""
 
-    def __init__(self, max_seconds: float, error: str | None = None):
-        self.max_seconds = max_seconds
+    def __init__(self, max_seconds: float, client: Hashable = None, build: Callable[[], Grammar] | None = None,
+                 forget: Callable[[], None] | None = None):
+        self.max_seconds, self.client, self.build, self.forget = max_seconds, client, build, forget
+        self.deadline = time.monotonic()
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.started: float | None = None  # time.monotonic() when a worker took it, and when it finished
         self.finished: float | None = None
-        if error is not None:
-            self.started = self.finished = time.monotonic()
-            self.future.set_exception(GrammarError(error))
+        self.dropped = False
 
-    def run(self, build: Callable[[], Grammar]) -> None:
+    def refuse(self, error: Exception) -> None:
+        """Refused before any work (too large, no tokenizer)."""
+        self.started = self.finished = time.monotonic()
+        self.future.set_exception(error)
+
+    def drop(self, error: Overloaded) -> None:
+        """Refused unstarted, for want of a worker: its waiters get ``error``."""
+        self.dropped, self.finished = True, time.monotonic()
+        self.future.set_exception(error)
+        if self.forget is not None:
+            self.forget()
+
+    def run(self) -> None:
         """On a worker: ``build()``'s grammar, or its GrammarError (any other exception: logged, and a refusal)."""
         self.started = time.monotonic()
         try:
-            result = build()
+            result = self.build()
         except GrammarError as e:
             result = e
         except Exception as e:  # noqa: BLE001 - llguidance's own failure: this request's, said so, not the engine's
@@ -145,31 +162,80 @@ class Pending:
             self.future.set_result(result)
 
     def late(self) -> bool:
-        """Whether its compile ran (or has run so far) past ``max_seconds``."""
+        """Whether it ran (or has run so far) past ``max_seconds`` on its worker."""
         if self.started is None:
             return False
         end = self.finished if self.finished is not None else time.monotonic()
         return end - self.started > self.max_seconds
 
+
+def waited(max_seconds: float) -> Overloaded:
+    """The refusal of a grammar no worker took within its budget."""
+    return Overloaded(f"the grammar waited {max_seconds:g} s (this server's --max-grammar-seconds) for a grammar "
+                      f"worker, all busy with other requests' grammars, and was not compiled; send it again later",
+                      max_seconds)
+
+
+class Pending:
+    """One request's wait for a grammar (its ``Compile`` shared with the other requests that ask for the same one).
+    Its budget of ``max_seconds`` counts from the request: a compile no worker has taken by then is refused
+    (``Overloaded``: the server was busy, the grammar is not at fault); one a worker took in time gets ``max_seconds``
+    on that worker, past which it is refused (GrammarError) even if it finishes later (llguidance cannot be stopped: it
+    finishes on its worker, and its refusal is what a cache keeps). So a request waits at most twice the budget.
+    ``done()`` once it is decided; ``result()`` then gives the ``Grammar`` or raises."""
+
+    def __init__(self, max_seconds: float, error: str | None = None, compile: Compile | None = None):
+        self.max_seconds = max_seconds
+        self.deadline = time.monotonic() + max_seconds
+        self.compile = compile or Compile(max_seconds)
+        self.compile.deadline = max(self.compile.deadline, self.deadline)  # kept queued while anyone waits for it
+        if error is not None:
+            self.compile.refuse(GrammarError(error))
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        return self.compile.future
+
+    @property
+    def started(self) -> float | None:
+        return self.compile.started
+
+    @property
+    def finished(self) -> float | None:
+        return self.compile.finished
+
+    def late(self) -> bool:
+        """Whether its compile ran (or has run so far) past ``max_seconds`` on its worker."""
+        return self.compile.late()
+
+    def waited_out(self) -> bool:
+        """Whether no worker took its compile within its budget."""
+        started = self.compile.started
+        return (time.monotonic() if started is None else started) > self.deadline
+
     def done(self) -> bool:
-        return self.finished is not None or self.late()
+        return self.future.done() or self.late() or self.waited_out()
 
     def result(self) -> Grammar:
-        """The compiled grammar; GrammarError if it was refused or ran past the budget (call once ``done()``)."""
+        """The compiled grammar; GrammarError if it was refused or ran past the budget, Overloaded if no worker took
+        it in time (call once ``done()``)."""
         if self.late():
             raise GrammarError(f"the grammar did not compile within {self.max_seconds:g} s (this server's "
                                f"--max-grammar-seconds); simplify it (fewer optional properties, alternatives or "
                                f"nested repetitions)")
+        if not self.future.done() and self.waited_out():
+            raise waited(self.max_seconds)
         return self.future.result()  # set right after ``finished``
 
     def _left(self) -> float:
-        """Seconds until it is surely done (a short poll while no worker has taken it yet)."""
-        if self.started is None:
-            return 0.05
-        return max(self.started + self.max_seconds - time.monotonic(), 0.0) + 0.001
+        """Seconds until it is surely done, or until a short poll while no worker has taken it."""
+        now, started = time.monotonic(), self.compile.started
+        if started is None:
+            return min(max(self.deadline - now, 0.0), POLL_SECONDS) + 0.001
+        return max(started + self.max_seconds - now, 0.0) + 0.001
 
     def wait(self) -> Grammar:
-        """Blocks until done (at most the budget once a worker has taken it); its result."""
+        """Blocks until done (at most twice the budget); its result."""
         while not self.done():
             concurrent.futures.wait([self.future], timeout=self._left())
         return self.result()
@@ -188,30 +254,90 @@ class Pending:
         return self.result()
 
 
-class Workers:
-    """Daemon threads that run queued work in turn (daemons: a compile past its budget never holds up an exit)."""
+class CompileQueue:
+    """Compiles waiting for a worker, and the daemon threads that run them (daemons: a compile past its budget never
+    holds up an exit), started as the work comes.
 
-    def __init__(self, count: int, name: str):
-        self._count, self._name = count, name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    Fair between clients: a free worker takes the oldest compile of the next client in turn (round-robin), and one
+    client runs at most ``workers - 1`` compiles at once (at least one), so that a worker is left to the others.
+    Bounded: at most ``max_queued`` compiles wait, all clients together; past that a newcomer takes the place of the
+    newest compile of the client with the most waiting, or is dropped (``Overloaded``) if that client has no more
+    than one more than the newcomer's. A compile still queued at its deadline is dropped, never run."""
+
+    def __init__(self, workers: int, max_queued: int, name: str):
+        self.workers, self.max_queued, self._name = workers, max_queued, name
+        self.per_client = max(workers - 1, 1)
+        self._queues: OrderedDict[Hashable, deque[Compile]] = OrderedDict()  # by client, in turn order
+        self._running: dict[Hashable, int] = {}
+        self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            if len(self._threads) < self._count:  # started as the work comes: an engine without grammars has none
-                thread = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+    def put(self, job: Compile) -> None:
+        """Queue ``job`` for a worker, or drop it (its waiters get ``Overloaded``) when the queue is full."""
+        key = _key(job)
+        with self._cond:
+            self._expire()
+            if sum(map(len, self._queues.values())) >= self.max_queued:
+                longest = max(self._queues, key=lambda k: len(self._queues[k]))
+                if len(self._queues[longest]) < len(self._queues.get(key, ())) + 2:
+                    job.drop(self._full(job.max_seconds))
+                    return
+                self._queues[longest].pop().drop(self._full(job.max_seconds))
+            self._queues.setdefault(key, deque()).append(job)
+            if len(self._threads) < self.workers:
+                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
                 thread.start()
-        self._queue.put(fn)
+            self._cond.notify()
 
-    def _run(self) -> None:
+    def _full(self, retry_after: float) -> Overloaded:
+        """Each compile waiting leaves the queue within its budget: ``retry_after``."""
+        return Overloaded(f"{self.max_queued} grammars are waiting for this server's {self.workers} grammar workers "
+                          f"(its bound, --max-grammar-queue); send it again later", retry_after)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key, jobs in list(self._queues.items()):
+            for job in [job for job in jobs if job.deadline < now]:
+                jobs.remove(job)
+                job.drop(waited(job.max_seconds))
+            if not jobs:
+                del self._queues[key]
+
+    def _take(self) -> Compile:
+        with self._cond:
+            while True:
+                self._expire()
+                for key, jobs in self._queues.items():
+                    if self._running.get(key, 0) < self.per_client:
+                        job = jobs.popleft()
+                        if jobs:
+                            self._queues.move_to_end(key)
+                        else:
+                            del self._queues[key]
+                        self._running[key] = self._running.get(key, 0) + 1
+                        return job
+                self._cond.wait()
+
+    def _work(self) -> None:
         while True:
-            work = self._queue.get()
+            job = self._take()
             try:
-                work()
-            except Exception:  # noqa: BLE001 - a bug in one piece of work must not stop the worker
+                job.run()
+            except Exception:  # noqa: BLE001 - a bug in one compile must not stop the worker
                 logger.exception("a %s worker's work failed", self._name)
+            finally:
+                with self._cond:
+                    key = _key(job)
+                    self._running[key] -= 1
+                    if not self._running[key]:
+                        del self._running[key]
+                    self._cond.notify_all()
+
+
+def _key(job: Compile) -> Hashable:
+    """Whose turn a compile takes: its client's, or (nobody known) its own."""
+    return job if job.client is None else ("client", job.client)
 
 
 def unpack_mask(packed: Tensor, vocab_size: int) -> Tensor:

@@ -16,15 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lorakit.engine.grammar import (Constraint, Grammar, GrammarError, Pending, Workers, bounded, build_grammar,
-                                    unpack_mask)
+from lorakit.engine.grammar import (Compile, CompileQueue, Constraint, Grammar, GrammarError, Pending, bounded,
+                                    build_grammar, unpack_mask)
 from lorakit.ops import cdiv
 
 __all__ = ["Constraint", "Grammar", "GrammarError", "Grammars", "Pending", "StructuredOutput", "unpack_mask"]
@@ -41,6 +43,7 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 MAX_GRAMMAR_BYTES = 128 * 2**10
 MAX_GRAMMAR_SECONDS = 5.0
 COMPILE_WORKERS = 2  # compiles at once: each takes a core (without the GIL), the rest wait their turn
+MAX_GRAMMAR_QUEUE = 16  # compiles waiting for a worker, all clients together: each leaves within MAX_GRAMMAR_SECONDS
 CACHE_SIZE = 64  # grammars kept compiled (and refusals kept), the least recently asked for out first
 
 
@@ -122,62 +125,76 @@ def _llguidance():
 class Grammars:
     """Compiles each constrained request's grammar (``compile``), and makes each step's packed mask for a batch.
 
-    ``max_bytes`` and ``max_seconds``: one grammar's budget (``--max-grammar-bytes``, ``--max-grammar-seconds``).
+    ``max_bytes`` and ``max_seconds``: one grammar's budget (``--max-grammar-bytes``, ``--max-grammar-seconds``, the
+    seconds counted from the request: see ``Pending``); ``max_queued`` and ``workers``: the ``CompileQueue``'s bounds.
     ``compile`` may be called from any thread: it looks up its cache and queues the work for a worker, which also
     builds the llguidance view of a tokenizer the first time one is needed, once per tokenizer object (one per adapter
     version at most). ``compiles`` counts the grammars llguidance compiled.
     """
 
     def __init__(self, eos_token_id: int | list[int] | None, max_bytes: int = MAX_GRAMMAR_BYTES,
-                 max_seconds: float = MAX_GRAMMAR_SECONDS):
+                 max_seconds: float = MAX_GRAMMAR_SECONDS, max_queued: int = MAX_GRAMMAR_QUEUE,
+                 workers: int = COMPILE_WORKERS):
         self._eos, self.max_bytes, self.max_seconds = eos_token_id, max_bytes, max_seconds
         self._tokenizers: dict[int, tuple[Any, Any, int]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer, n_vocab)
         self._building = threading.Lock()  # the tokenizers (held while one is built, on a worker)
-        self._cache: OrderedDict[tuple, Pending] = OrderedDict()
-        self._lock = threading.Lock()  # the cache (held for a lookup only)
-        self._workers = Workers(COMPILE_WORKERS, "lorakit-grammar")
+        self._cache: OrderedDict[tuple, Compile] = OrderedDict()
+        self._lock = threading.Lock()  # the cache (held for a lookup only, never while calling the queue)
+        self.queue = CompileQueue(workers, max_queued, "lorakit-grammar")
         self._executor = None  # llguidance's thread pool for masks, made at the first batch that needs it
         self.compiles = 0
 
-    def compile(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Pending:
+    def compile(self, spec: StructuredOutput, tokenizer, vocab_size: int, client: Hashable = None) -> Pending:
         """``spec``'s grammar for ``tokenizer`` (the request's Hugging Face tokenizer), compiled or on its way: from
         the cache when the same grammar was asked for the same tokenizer before (compiled, compiling, or refused),
-        else queued for a worker. Returns at once and never raises: a grammar past ``max_bytes`` comes back
-        refused already."""
+        else queued for a worker, in ``client``'s turn (whoever sent the request: an API key, an address; None: not
+        known, a turn of its own). Returns at once and never raises: a grammar past ``max_bytes``, or one the full
+        queue has no room for, comes back refused already."""
         if spec.size > self.max_bytes:
             return Pending(self.max_seconds, f"the {spec.kind} is {spec.size} bytes; this server compiles grammars "
                                              f"of at most {self.max_bytes} bytes (--max-grammar-bytes)")
         key = (spec, id(tokenizer), vocab_size)
         with self._lock:
-            pending = self._cache.get(key)
-            if pending is not None:
+            job = self._cache.get(key)
+            if job is not None and not job.dropped:
                 self._cache.move_to_end(key)
-                return pending
-            pending = self._cache[key] = Pending(self.max_seconds)
+                return Pending(self.max_seconds, compile=job)
+            job = self._cache[key] = Compile(self.max_seconds, client, lambda: self._build(spec, tokenizer, vocab_size),
+                                             lambda: self._forget(key, job))
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        self._workers.submit(lambda: self._run(pending, spec, tokenizer, vocab_size))
+        pending = Pending(self.max_seconds, compile=job)  # before it is queued: its wait keeps it there
+        self.queue.put(job)
         return pending
 
     def constraint(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Constraint:
         """A fresh constraint for one sequence, compiled first if need be (this thread waits, within the budget)."""
         return self.compile(spec, tokenizer, vocab_size).wait().constraint()
 
-    def _run(self, pending: Pending, spec: StructuredOutput, tokenizer, vocab_size: int) -> None:
-        def build() -> Grammar:
-            llg = _llguidance()
-            lltok, n_vocab = self._lltokenizer(tokenizer, vocab_size)
-            try:
-                source = spec.grammar()
-            except ValueError as e:  # a schema that is not a JSON object
-                raise GrammarError(f"invalid {spec.kind} for structured output: {bounded(str(e))}") from None
-            with self._lock:
-                self.compiles += 1
+    def _forget(self, key: tuple, job: Compile) -> None:
+        """A compile dropped unstarted (the server was busy): the next request for its grammar compiles it."""
+        with self._lock:
+            if self._cache.get(key) is job:
+                del self._cache[key]
+
+    def _build(self, spec: StructuredOutput, tokenizer, vocab_size: int) -> Grammar:
+        """On a worker."""
+        started = time.monotonic()
+        llg = _llguidance()
+        lltok, n_vocab = self._lltokenizer(tokenizer, vocab_size)
+        try:
+            source = spec.grammar()
+        except ValueError as e:  # a schema that is not a JSON object
+            raise GrammarError(f"invalid {spec.kind} for structured output: {bounded(str(e))}") from None
+        with self._lock:
+            self.compiles += 1
+        try:
             return build_grammar(llg, lltok, source, spec.kind, n_vocab, tokenizer)
-        pending.run(build)
-        if pending.late():
-            logger.warning("a %s grammar of %d bytes took %.1f s to compile, past the budget of %g s: refused",
-                           spec.kind, spec.size, pending.finished - pending.started, self.max_seconds)
+        finally:
+            seconds = time.monotonic() - started
+            if seconds > self.max_seconds:
+                logger.warning("a %s grammar of %d bytes took %.1f s to compile, past the budget of %g s: refused",
+                               spec.kind, spec.size, seconds, self.max_seconds)
 
     def _lltokenizer(self, tokenizer, vocab_size: int) -> tuple[Any, int]:
         with self._building:

@@ -342,12 +342,17 @@ class ServerState:
     async def check_grammar(self, spec: StructuredOutput | None, adapter: Adapter | None, param: str) -> None:
         """Has the engine compile the request's grammar (on its grammar workers, while it steps and this loop serves
         others) and waits for it: a grammar past the engine's budget (--max-grammar-bytes, --max-grammar-seconds)
-        or one llguidance cannot compile or follow is a 400 naming ``param``, before anything is queued. The
+        or one llguidance cannot compile or follow is a 400 naming ``param``, before anything is queued; one the
+        engine had no worker for in time, or no room to queue (``Overloaded``), a 429 with Retry-After. The
         request's sequences then find it compiled: each gets a copy of its matcher."""
+        from lorakit.engine.errors import Overloaded
         if spec is None:
             return
         try:
             await self.engine.compile_grammar(spec, adapter)
+        except Overloaded as e:
+            raise ApiError(429, f"{param}: {e}", param, {"Retry-After": str(max(math.ceil(e.retry_after), 1))}) \
+                from None
         except ValueError as e:  # GrammarError, an AdapterError
             raise ApiError(400, f"{param}: {e}", param) from None
         except EngineDead as e:
