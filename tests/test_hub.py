@@ -194,3 +194,213 @@ def test_llm_takes_hub_ids_too(hub):
     assert proc.returncode == 0, proc.stderr
     (loaded,) = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("LOADED ")]
     assert Path(loaded).name == COMMITS["main"] and Path(loaded).parent.name == "snapshots", loaded
+
+
+# Runtime loading by hub id is a security boundary: a revision names a commit, branch or tag of the repo, and what is
+# read lies inside the repo's own folder of the hub cache. These build that cache on disk as huggingface_hub lays it
+# out and read it offline, in this process (huggingface_hub's constants patched: it reads them at each call).
+
+GOOD = "c" * 40  # org/good's one commit
+ADAPTER = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"adapter weights"}
+_READ: list[str] | None = None  # while recording: the paths opened or listed by this process (an audit hook)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _READ is not None and event in ("open", "os.listdir", "os.scandir") and isinstance(args[0], (str, bytes)):
+        _READ.append(os.path.realpath(os.fsdecode(args[0])))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """org/good in an offline hub cache (snapshot GOOD, its files links into blobs/, named by the refs main, v1.0
+    and feature/x), and outside it a folder an attacker could point at: ``outside/snap`` (an adapter) and
+    ``outside/ref`` (a file whose text is that folder's path). Yields (the repo's cache folder, outside)."""
+    global _READ
+    from huggingface_hub import constants
+
+    if not getattr(_audit, "added", False):
+        sys.addaudithook(_audit)
+        _audit.added = True
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hf" / "hub" / "models--org--good"
+    snapshot = repo / "snapshots" / GOOD
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name, content in ADAPTER.items():
+        blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
+        blob.write_bytes(content)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in ("main", "v1.0", "feature/x"):
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(GOOD)
+    outside = tmp_path / "outside"
+    (outside / "snap").mkdir(parents=True)
+    for name, content in ADAPTER.items():
+        (outside / "snap" / name).write_bytes(content)
+    (outside / "ref").write_text(str(outside / "snap"))
+    _READ = []
+    yield repo, outside
+    _READ = None
+
+
+def read_outside(tmp_path) -> list[str]:
+    """What this process opened or listed under ``tmp_path`` but outside the hub cache, since the fixture began."""
+    return [p for p in _READ if Path(p).is_relative_to(tmp_path) and not Path(p).is_relative_to(tmp_path / "hf")]
+
+
+def load_hub(spec: str) -> tuple[int, str, tuple | None]:
+    """``POST /v1/load_lora_adapter`` with ``lora_path=spec`` to a server started with ``--allow-runtime-lora
+    --allow-lora-repo 'org/*'``, through its handler: (status, message, the (folder, roots) it would register)."""
+    import asyncio
+
+    from lorakit.serve.adapters import load
+    from lorakit.serve.protocol import ApiError, LoadBody
+    from lorakit.serve.state import ServeConfig
+
+    class State:
+        config = ServeConfig(allow_runtime_lora=True, allow_lora_repos=["org/*"])
+        registered = None
+
+        async def register_adapter(self, name, path, roots):
+            self.registered = (path, roots)
+            return 1
+
+    state = State()
+    try:
+        asyncio.run(load(LoadBody(lora_name="hubbed", lora_path=spec), state))
+    except ApiError as e:
+        return e.status, e.message, state.registered
+    return 200, "", state.registered
+
+
+@pytest.mark.parametrize("there, missing, problem", [
+    ("{outside}/ref", "{outside}/nothing", "starts with '/'"),  # the ref file's text is the folder loaded
+    ("{rel}/ref", "{rel}/nothing", "'..'"),
+    ("../snapshots", "../nothing", "'..'"),  # a folder: once a 500 where a missing one was a 400
+    ("{outside}", "{outside}/nothing", "starts with '/'"),
+], ids=["absolute ref", "relative ref", "a folder in the cache", "a folder outside"])
+def test_a_revision_is_checked_before_the_cache_is_read(cache, tmp_path, there, missing, problem):
+    """``org/good@REV`` with a REV that is no git name is one 400 naming the problem: the same message whether what
+    it points at exists or not (no probe), nothing registered and nothing outside the cache read."""
+    repo, outside = cache
+    rel = os.path.relpath(outside, repo / "refs")
+    answers = []
+    for revision in (there.format(outside=outside, rel=rel), missing.format(outside=outside, rel=rel)):
+        status, message, registered = load_hub(f"org/good@{revision}")
+        assert (status, registered) == (400, None), message
+        assert problem in message and "not a commit hash, branch or tag name" in message, message
+        answers.append(message.replace(repr(revision), "REV"))
+    assert answers[0] == answers[1]
+    assert read_outside(tmp_path) == []
+
+
+def _ref_is_a_path(repo, target):
+    (repo / "refs" / "main").write_text(str(target))
+
+
+def _ref_links_out(repo, target):
+    (repo / "refs" / "main").unlink()
+    (repo / "refs" / "main").symlink_to(target)
+
+
+def _snapshot_links_out(repo, target):
+    snapshot = repo / "snapshots" / GOOD
+    for file in snapshot.iterdir():
+        file.unlink()
+    snapshot.rmdir()
+    snapshot.symlink_to(target)
+
+
+def _file_links_out(repo, target):
+    weights = repo / "snapshots" / GOOD / "adapter_model.safetensors"
+    weights.unlink()
+    weights.symlink_to(target / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("damage", [_ref_is_a_path, _ref_links_out, _snapshot_links_out, _file_links_out])
+def test_a_cache_that_leads_outside_the_repo_folder_is_refused(cache, tmp_path, damage):
+    """A ref whose text is a path, or a ref, snapshot or file that links out of the repo's cache folder: one 400,
+    the same whether the place outside exists or not, nothing registered and nothing outside read."""
+    repo, outside = cache
+    answers = []
+    for target in (outside / "ref" if damage is _ref_links_out else outside / "snap", outside / "nothing"):
+        damage(repo, target)
+        status, message, registered = load_hub("org/good@main")
+        assert (status, registered) == (400, None), message
+        answers.append(message)
+        damage(repo, outside / "x") if damage is _ref_is_a_path else None
+        _restore(repo)
+    assert answers[0] == answers[1] and "org/good" in answers[0], answers
+    assert read_outside(tmp_path) == []
+
+
+def _restore(repo):
+    """org/good's cache as the fixture built it (refs/main and the snapshot folder), after a damage."""
+    ref = repo / "refs" / "main"
+    ref.unlink()
+    ref.write_text(GOOD)
+    snapshot = repo / "snapshots" / GOOD
+    if snapshot.is_symlink():
+        snapshot.unlink()
+        snapshot.mkdir()
+    for name, content in ADAPTER.items():
+        (snapshot / name).unlink(missing_ok=True)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", hashlib.sha256(content).hexdigest()))
+
+
+@pytest.mark.parametrize("revision", [None, "main", "v1.0", "feature/x", GOOD])
+def test_good_revisions_load_from_the_repo_folder(cache, revision):
+    """A commit hash, a branch, a tag and a branch with a / inside each load the snapshot, confined to the repo's
+    cache folder (every file the engine reads must lie in it)."""
+    repo, _ = cache
+    status, message, registered = load_hub("org/good" + (f"@{revision}" if revision else ""))
+    assert status == 200, message
+    folder, roots = registered
+    assert Path(folder).resolve() == (repo / "snapshots" / GOOD).resolve() and roots == [repo.resolve()]
+
+
+def test_revisions_are_what_git_names_a_commit_branch_or_tag():
+    from lorakit.adapters.hub import check_revision
+
+    for good in (GOOD, "main", "v1.0", "feature/x", "refs/pr/1", "release-2024.05_rc1", "a@b"):
+        assert check_revision(good) == good
+    for bad, problem in [("/abs", "starts with '/'"), ("x/", "ends with '/'"), ("a//b", "'//'"), ("a/../b", "'..'"),
+                         ("..", "'..'"), ("a\\b", "'\\\\'"), ("a\0b", "control"), ("a\nb", "control"),
+                         ("a b", "space"), ("x" * 256, "longer than 255"), ("a:b", "':'"), ("a~1", "'~'"),
+                         ("a^", "'^'"), ("a?", "'?'"), ("a*", "'*'"), ("a[b", "'['"), ("a@{1}", "'@{'"),
+                         ("@", "'@'"), (".hidden", "'.'"), ("a/.b", "'.'"), ("x.lock", "'.lock'"), ("x.", "'.'"),
+                         ("", "empty")]:
+        with pytest.raises(ValueError, match="not a commit hash, branch or tag name") as e:
+            check_revision(bad)
+        assert problem in str(e.value), (bad, str(e.value))
+
+
+def test_serve_refuses_a_bad_revision_at_startup(cache, tmp_path):
+    """``--model ORG/NAME@REV`` and ``--lora NAME=ORG/ADAPTER@REV``: a REV that is no git name, or a cache that leads
+    outside the repo's folder, stops ``lorakit serve`` with a ValueError naming it (``run`` prints it and exits)
+    before anything outside the cache is read; good ones resolve."""
+    import argparse
+
+    from lorakit.serve import cli
+
+    repo, outside = cache
+    parser = argparse.ArgumentParser().add_subparsers()
+    cli.add_parser(parser)
+
+    def resolve(*argv):
+        args = parser.choices["serve"].parse_args(argv)
+        return cli.resolve_hub_ids(args), args
+
+    for argv in (["--model", f"org/good@{outside}/ref"], ["--lora", f"sql=org/good@{outside}/ref"],
+                 ["--model", "org/good@../../../outside/ref"]):
+        with pytest.raises(ValueError, match=r"not a commit hash, branch or tag name") as e:
+            resolve(*argv)
+        assert argv[1].split("=")[0].split("@")[0] in str(e.value) or "--lora sql" in str(e.value), str(e.value)
+    _ref_is_a_path(repo, outside / "snap")
+    with pytest.raises(ValueError, match="org/good"):
+        resolve("--model", "org/good")
+    _restore(repo)
+    assert read_outside(tmp_path) == []
+    name, args = resolve("--model", "org/good@v1.0", "--lora", "sql=org/good@feature/x")
+    assert name == "org/good" and Path(args.model).name == GOOD and args.lora == [f"sql={args.model}"]

@@ -17,7 +17,7 @@ import fnmatch
 from pathlib import Path
 
 from lorakit.adapters.pool import check_name
-from lorakit.adapters.hub import ADAPTER_FILES, hub_id, local_or_hub
+from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.layers.adapter import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState
@@ -40,8 +40,8 @@ async def load(body: LoadBody, state: ServerState) -> dict:
         raise ApiError(400, f"{body.lora_name!r} is the base model's name; pick another", "lora_name")
     roots = None
     parsed = hub_id(body.lora_path) if len(body.lora_path) <= MAX_PATH_CHARS and "\0" not in body.lora_path else None
-    if parsed is not None and not Path(body.lora_path).expanduser().exists():  # a folder of that spelling wins
-        path, roots = await _from_hub(body.lora_path, parsed[0], config.allow_lora_repos)
+    if parsed is not None and not _in_roots(body.lora_path, parsed[1], config.lora_roots):
+        path, roots = await _from_hub(*parsed, config.allow_lora_repos)
     else:
         path = confined(body.lora_path, config.lora_roots)
     try:
@@ -61,18 +61,33 @@ async def unload(body: UnloadBody, state: ServerState) -> dict:
     return {"status": "ok", "lora_name": body.lora_name}
 
 
-async def _from_hub(spec: str, repo: str, allowed: list[str]) -> tuple[Path, list[Path]]:
-    """The snapshot of hub id ``spec`` (downloaded off the event loop if not cached) and the folder its files may lie
-    in (the repo's cache folder: a snapshot's files are links into its blobs), if ``repo`` matches an
-    ``--allow-lora-repo`` pattern; else a 403."""
+async def _from_hub(repo: str, revision: str | None, allowed: list[str]) -> tuple[Path, list[Path]]:
+    """The snapshot of hub repo ``repo`` at ``revision`` (downloaded off the event loop if not cached) and the one
+    folder its files may lie in, the repo's own in the hub cache (a snapshot's files are links into its blobs), if
+    ``repo`` matches an ``--allow-lora-repo`` pattern (else a 403) and the revision is a git name that keeps to that
+    folder (else a 400, the same whatever lies outside it)."""
+    spec = f"{repo}@{revision}" if revision else repo
     if not any(fnmatch.fnmatchcase(repo, pattern) for pattern in allowed):
         raise ApiError(403, f"lora_path {_shown(spec)} is a hub id that no --allow-lora-repo pattern allows"
                             f"{' (none is given)' if not allowed else ''}", "lora_path")
     try:
-        folder = await asyncio.to_thread(local_or_hub, spec, "lora_path", ADAPTER_FILES)
-    except FileNotFoundError as e:
+        folder = await asyncio.to_thread(from_hub, repo, revision, "lora_path", ADAPTER_FILES)
+    except (FileNotFoundError, ValueError) as e:
         raise ApiError(400, str(e), "lora_path") from None
-    return folder, [folder.parent.parent]
+    return folder, [repo_folder(repo)]
+
+
+def _in_roots(path: str, revision: str | None, roots: list[Path]) -> bool:
+    """Whether ``path``, spelled like a hub id, is a folder inside a --lora-root: there a folder wins over the id, and
+    no folder elsewhere (the server's working directory) does. One whose revision is no git name is not looked up:
+    ``_from_hub`` refuses it by name."""
+    if not roots:
+        return False
+    try:
+        check_revision(revision) if revision is not None else None
+        return confined(path, roots).is_dir()
+    except (ApiError, ValueError):
+        return False
 
 
 def confined(path: str, roots: list[Path]) -> Path:
