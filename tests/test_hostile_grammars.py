@@ -23,6 +23,7 @@ from lorakit.engine import structured
 from lorakit.frontend.core import _Core
 from lorakit.frontend.core_client import CoreClient
 from lorakit.frontend.wire import Add, Call, FromCore, Step
+from lorakit.engine.errors import Overloaded
 from lorakit.engine.structured import GrammarError, StructuredOutput
 from lorakit.serve import ServeConfig, create_app
 from lorakit.serve.model import load_engine, load_tokenizer
@@ -337,3 +338,140 @@ def test_a_waiter_that_leaves_does_not_cancel_the_compile_for_the_others(world):
     assert grammar.constraint().error is None and not pending.future.cancelled() and grammars.compiles == 1
     grammars.constraint(StructuredOutput(regex="[a-z]+"), tokenizer, len(tokenizer))  # the workers still serve
     assert grammars.compiles == 2
+
+
+def _gated_build(monkeypatch, gate: threading.Event, held: set, built: list):
+    """``structured.build_grammar`` made to wait for ``gate`` on the grammars in ``held`` (a worker held at will, no
+    CPU spent); ``built`` lists the grammars it was called for."""
+    build = structured.build_grammar
+
+    def gated(llg, lltok, source, kind, n_vocab, tokenizer):
+        built.append(source)
+        if source in held:
+            assert gate.wait(30), "the gate was never opened"
+        return build(llg, lltok, source, kind, n_vocab, tokenizer)
+    monkeypatch.setattr(structured, "build_grammar", gated)
+
+
+def test_one_client_cannot_hold_up_another_clients_grammar(world, monkeypatch):
+    """Issue 45: 24 schemas of 3,500 optional properties from one client (each refused after holding a worker over a
+    second) made another client's small schema wait 45 s (0.12 s alone): one FIFO for all, and the budget counted
+    only from a worker. Scaled down: 8 of 2,500 (about 0.6-1 s each here), a budget of 1.5 s. Now the attacker runs
+    on one worker at a time and its compiles still queued at their budget are dropped unrun; the bystander's schema
+    compiles on the other worker at once: within 1 s (alone, some 0.02 s; a FIFO would make it wait 2 s or more)."""
+    _, tokenizer, _, _ = world
+    grammars = structured.Grammars(tokenizer.eos_token_id, max_seconds=1.5, max_queued=16, workers=2)
+    attack = [StructuredOutput.json_schema(props(2500, f"s{k}_")) for k in range(8)]
+    small = StructuredOutput.json_schema({"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]})
+    running, most, lock = [0], [0], threading.Lock()
+    build, attackers = structured.build_grammar, {spec.grammar() for spec in attack}
+
+    def counted(llg, lltok, source, kind, n_vocab, tokenizer):  # the attacker's compiles at once, at most
+        attacker = source in attackers
+        with lock:
+            running[0] += attacker
+            most[0] = max(most[0], running[0])
+        try:
+            return build(llg, lltok, source, kind, n_vocab, tokenizer)
+        finally:
+            with lock:
+                running[0] -= attacker
+    monkeypatch.setattr(structured, "build_grammar", counted)
+    grammars.compile(StructuredOutput(regex="[a-z]+"), tokenizer, len(tokenizer), "warm").wait()  # its tokenizer
+    attacks = [grammars.compile(spec, tokenizer, len(tokenizer), client="10.0.0.1") for spec in attack]
+    time.sleep(0.1)  # the attacker's first compile holds a worker
+    start_time = time.monotonic()
+    grammar = grammars.compile(small, tokenizer, len(tokenizer), client="10.0.0.2").wait()
+    waited = time.monotonic() - start_time
+    assert grammar.constraint().error is None
+    assert waited < 1.0, f"the bystander's schema waited {waited:.2f} s beside the attack"
+    refused = []
+    for pending in attacks:
+        with pytest.raises(ValueError) as e:  # past llguidance's parser, or never taken by a worker in time
+            pending.wait()
+        refused.append(type(e.value).__name__)
+    assert most[0] == 1, f"the attacker ran {most[0]} compiles at once"
+    assert "Overloaded" in refused and grammars.compiles < 1 + 8 + 1, (refused, grammars.compiles)
+
+
+def test_a_compile_still_queued_past_its_budget_is_refused_unrun(world, monkeypatch):
+    """A compile no worker has taken within --max-grammar-seconds of its request is refused then (Overloaded: the
+    server was busy, a 429), without a worker ever touching it; the refusal is not cached: the same grammar asked
+    again later compiles. The compile that held the worker past its own budget is refused for that (GrammarError)."""
+    _, tokenizer, _, _ = world
+    gate, held, built = threading.Event(), set(), []
+    _gated_build(monkeypatch, gate, held, built)
+    grammars = structured.Grammars(tokenizer.eos_token_id, max_seconds=0.5, workers=1)
+    holder, queued = StructuredOutput(regex="[a-c]+"), StructuredOutput(regex="[d-f]+")
+    held.add(holder.grammar())
+    first = grammars.compile(holder, tokenizer, len(tokenizer), client="a")
+    second = grammars.compile(queued, tokenizer, len(tokenizer), client="b")
+    start_time = time.monotonic()
+    with pytest.raises(Overloaded, match="--max-grammar-seconds") as refused:
+        second.wait()
+    assert 0.45 < time.monotonic() - start_time < 1.0 and refused.value.retry_after == 0.5
+    gate.set()
+    with pytest.raises(GrammarError, match="did not compile within 0.5 s"):
+        first.wait()
+    assert built == [holder.grammar()], "a worker touched the compile refused in the queue"
+    assert grammars.compile(queued, tokenizer, len(tokenizer), client="b").wait().constraint().error is None
+
+
+def test_a_full_grammar_queue_refuses_the_client_with_the_most_waiting(world, monkeypatch):
+    """Past --max-grammar-queue compiles waiting, a newcomer from another client takes the place of the newest of the
+    client with the most waiting (refused then, Overloaded naming the flag), and one from that client is refused at
+    once; what is dropped is never compiled, and the queue serves the clients in turn."""
+    _, tokenizer, _, _ = world
+    gate, held, built = threading.Event(), set(), []
+    _gated_build(monkeypatch, gate, held, built)
+    grammars = structured.Grammars(tokenizer.eos_token_id, max_seconds=20.0, max_queued=3, workers=2)
+    specs = [StructuredOutput(regex=f"h{k}[a-z]+") for k in range(6)]
+    held.add(specs[0].grammar())
+    hog = [grammars.compile(spec, tokenizer, len(tokenizer), client="hog") for spec in specs[:4]]  # 1 runs, 3 wait
+    while not built:
+        time.sleep(0.01)
+    other = grammars.compile(specs[4], tokenizer, len(tokenizer), client="other")  # runs on the worker left
+    assert other.wait().constraint().error is None
+    late = grammars.compile(specs[5], tokenizer, len(tokenizer), client="late")  # takes the hog's newest place
+    assert hog[3].done() and not late.done() or late.future.done()
+    with pytest.raises(Overloaded, match="--max-grammar-queue"):
+        hog[3].result()
+    refused = grammars.compile(StructuredOutput(regex="x[a-z]+"), tokenizer, len(tokenizer), client="hog")
+    with pytest.raises(Overloaded, match="3 grammars are waiting"):
+        refused.result()
+    gate.set()
+    for pending in (*hog[:3], late):
+        assert pending.wait().constraint().error is None
+    assert specs[3].grammar() not in built and "x[a-z]+" not in " ".join(built)
+    assert built.index(specs[5].grammar()) < built.index(specs[2].grammar())  # "late" had its turn before the hog's
+
+
+def test_a_full_grammar_queue_is_a_429_at_once(world, monkeypatch):
+    """Past --max-grammar-queue grammars waiting for the workers, a request gets a 429 at once, in OpenAI's shape,
+    with Retry-After and the flag in its message; the requests queued before it are answered."""
+    gate, held, built = threading.Event(), set(), []
+    _gated_build(monkeypatch, gate, held, built)
+    live = start(world, adapters=(), engine_options={"max_grammar_seconds": 20.0})
+    try:
+        grammars = live.server.config.app.state.server.engine.engine.grammars
+        grammars.queue.max_queued = 2  # (the engine does not take --max-grammar-queue from its config yet)
+        bodies = [response_format({"type": "object", "properties": {f"h{k}": {"type": "string"}},
+                                   "required": [f"h{k}"]}) for k in range(5)]
+        for body in bodies:
+            held.add(StructuredOutput.json_schema(body["response_format"]["json_schema"]["schema"]).grammar())
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(post, live, body) for body in bodies[:4]]  # 2 on the workers, 2 waiting
+            while len(built) < 2 or sum(map(len, grammars.queue._queues.values())) < 2:
+                time.sleep(0.01)
+            start_time = time.monotonic()
+            r = post(live, bodies[4])
+            assert time.monotonic() - start_time < 1.0 and r.status_code == 429, (r.status_code, r.text[:300])
+            assert int(r.headers["retry-after"]) >= 1
+            error = r.json()["error"]
+            assert error["param"] == "response_format" and "--max-grammar-queue" in error["message"], error
+            gate.set()
+            assert [a.result().status_code for a in answers] == [200] * 4
+    finally:
+        gate.set()
+        live.close()

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from lorakit.adapters.pool import CPU_BUDGET_BYTES
-from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_SECONDS
+from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_QUEUE, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 from lorakit.layers.quant import SCHEMES, check_scheme
 
@@ -78,9 +78,13 @@ class EngineConfig:
     max_grammar_bytes: int = _opt(MAX_GRAMMAR_BYTES, "the largest structured-output grammar (a JSON schema, regex, "
                                   "choices or Lark grammar), in bytes; larger ones are refused (400) before they are "
                                   "compiled", "--max-grammar-bytes", "N")
-    max_grammar_seconds: float = _opt(MAX_GRAMMAR_SECONDS, "the longest a structured-output grammar may take to "
-                                      "compile (on a worker thread, while the engine steps); slower ones are refused "
-                                      "(400)", "--max-grammar-seconds", "S")
+    max_grammar_seconds: float = _opt(MAX_GRAMMAR_SECONDS, "the longest a structured-output grammar may wait for "
+                                      "a worker thread (counted from the request; past it, 429) and then take to "
+                                      "compile there, while the engine steps (past it, 400)", "--max-grammar-seconds",
+                                      "S")
+    max_grammar_queue: int = _opt(MAX_GRAMMAR_QUEUE, "structured-output grammars waiting for a worker thread, all "
+                                  "clients together, each client's turn in a round; past it the client with the "
+                                  "most waiting has its newest refused (429)", "--max-grammar-queue", "N")
     lora_strict: bool = _opt(True, "refuse an adapter whose weights and adapter_config.json targets disagree",
                              "--lora-non-strict", off="load an adapter whose weights and adapter_config.json targets "
                              "disagree as PEFT loads it, with a warning (weights of modules its config does not adapt "
@@ -112,6 +116,7 @@ class EngineConfig:
         _check_int("patience", self.patience, 0)
         _check_int("cpu_budget_bytes", self.cpu_budget_bytes, 0)
         _check_int("max_grammar_bytes", self.max_grammar_bytes, 1)
+        _check_int("max_grammar_queue", self.max_grammar_queue, 1)
         seconds = self.max_grammar_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (math.isfinite(seconds)
                                                                                       and seconds > 0):
