@@ -249,9 +249,10 @@ def read_outside(tmp_path) -> list[str]:
     return [p for p in _READ if Path(p).is_relative_to(tmp_path) and not Path(p).is_relative_to(tmp_path / "hf")]
 
 
-def load_hub(spec: str) -> tuple[int, str, tuple | None]:
+def load_hub(spec: str, lora_roots: tuple[Path, ...] = ()) -> tuple[int, str, tuple | None]:
     """``POST /v1/load_lora_adapter`` with ``lora_path=spec`` to a server started with ``--allow-runtime-lora
-    --allow-lora-repo 'org/*'``, through its handler: (status, message, the (folder, roots) it would register)."""
+    --allow-lora-repo 'org/*'`` (and each of ``lora_roots`` as ``--lora-root``), through its handler: (status,
+    message, the (folder, roots) it would register)."""
     import asyncio
 
     from lorakit.serve.adapters import load
@@ -259,7 +260,7 @@ def load_hub(spec: str) -> tuple[int, str, tuple | None]:
     from lorakit.serve.state import ServeConfig
 
     class State:
-        config = ServeConfig(allow_runtime_lora=True, allow_lora_repos=["org/*"])
+        config = ServeConfig(allow_runtime_lora=True, allow_lora_repos=["org/*"], lora_roots=list(lora_roots))
         registered = None
 
         async def register_adapter(self, name, path, roots):
@@ -329,7 +330,6 @@ def test_a_cache_that_leads_outside_the_repo_folder_is_refused(cache, tmp_path, 
         status, message, registered = load_hub("org/good@main")
         assert (status, registered) == (400, None), message
         answers.append(message)
-        damage(repo, outside / "x") if damage is _ref_is_a_path else None
         _restore(repo)
     assert answers[0] == answers[1] and "org/good" in answers[0], answers
     assert read_outside(tmp_path) == []
@@ -358,6 +358,22 @@ def test_good_revisions_load_from_the_repo_folder(cache, revision):
     assert status == 200, message
     folder, roots = registered
     assert Path(folder).resolve() == (repo / "snapshots" / GOOD).resolve() and roots == [repo.resolve()]
+
+
+def test_at_run_time_a_folder_of_an_ids_spelling_wins_only_inside_a_lora_root(cache, tmp_path, monkeypatch):
+    """``org/good`` is the hub repo unless a --lora-root holds that folder: one in the server's working directory
+    elsewhere is neither loaded nor told apart from a missing one."""
+    repo, outside = cache
+    root = tmp_path / "roots"
+    for base in (tmp_path, root):
+        (base / "org" / "good").mkdir(parents=True)
+        for name, content in ADAPTER.items():
+            (base / "org" / "good" / name).write_bytes(content)
+    for cwd, expected in [(tmp_path, (repo / "snapshots" / GOOD, [repo.resolve()])),  # org/good lies outside
+                          (root, ((root / "org" / "good").resolve(), None))]:
+        monkeypatch.chdir(cwd)
+        status, message, registered = load_hub("org/good", lora_roots=(root,))
+        assert status == 200 and registered == expected, message
 
 
 def test_revisions_are_what_git_names_a_commit_branch_or_tag():
@@ -392,13 +408,14 @@ def test_serve_refuses_a_bad_revision_at_startup(cache, tmp_path):
         args = parser.choices["serve"].parse_args(argv)
         return cli.resolve_hub_ids(args), args
 
-    for argv in (["--model", f"org/good@{outside}/ref"], ["--lora", f"sql=org/good@{outside}/ref"],
-                 ["--model", "org/good@../../../outside/ref"]):
-        with pytest.raises(ValueError, match=r"not a commit hash, branch or tag name") as e:
+    for argv, where in [(["--model", f"org/good@{outside}/ref"], "--model org/good: "),
+                        (["--lora", f"sql=org/good@{outside}/ref"], "--lora sql org/good: "),
+                        (["--model", "org/good@../../../outside/ref"], "--model org/good: ")]:
+        with pytest.raises(ValueError, match="is not a commit hash, branch or tag name") as e:
             resolve(*argv)
-        assert argv[1].split("=")[0].split("@")[0] in str(e.value) or "--lora sql" in str(e.value), str(e.value)
+        assert str(e.value).startswith(where), str(e.value)
     _ref_is_a_path(repo, outside / "snap")
-    with pytest.raises(ValueError, match="org/good"):
+    with pytest.raises(ValueError, match="^--model org/good: the hub cache's refs/main holds no commit hash"):
         resolve("--model", "org/good")
     _restore(repo)
     assert read_outside(tmp_path) == []

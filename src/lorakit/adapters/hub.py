@@ -120,7 +120,7 @@ def from_hub(repo: str, revision: str | None, what: str, files: list[str]) -> Pa
             raise ValueError(f"{what} {repo}: {e}") from None
     root, cache = repo_folder(repo), constants.HF_HUB_CACHE
     try:
-        _check_cached(root, revision or "main", f"{what} {spec}")
+        _check_cached(root, revision or constants.DEFAULT_REVISION, f"{what} {spec}")
         folder = Path(snapshot_download(repo, revision=revision, allow_patterns=files))
     except GatedRepoError:
         raise FileNotFoundError(f"{what} {spec}: the hub repo {repo} is gated; accept its terms on the hub and set "
@@ -151,7 +151,7 @@ def from_hub(repo: str, revision: str | None, what: str, files: list[str]) -> Pa
 def _check_cached(root: Path, revision: str, where: str) -> None:
     """What ``snapshot_download`` would read of repo folder ``root`` for a checked ``revision`` (its ref file, the
     commit hash in it, that commit's snapshot) lies inside ``root``; ValueError otherwise. Reads one ref file of
-    ``root`` at most and follows no link: the answer is the same whatever lies outside."""
+    ``root`` at most and looks at nothing outside it: the answer is the same whatever lies there."""
     commit = revision
     if not _COMMIT.fullmatch(revision):
         ref = root / "refs" / revision
