@@ -392,6 +392,15 @@ def test_revisions_are_what_git_names_a_commit_branch_or_tag():
         assert problem in str(e.value), (bad, str(e.value))
 
 
+def test_from_hub_takes_only_repo_ids(cache, tmp_path):
+    from lorakit.adapters.hub import from_hub
+
+    for repo in ("../outside", "org/../x", "/abs", "org/good/extra", "org--x/y"):
+        with pytest.raises(ValueError, match="not a hub repo id"):
+            from_hub(repo, None, "--model", ADAPTER_FILES)
+    assert read_outside(tmp_path) == []
+
+
 def test_serve_refuses_a_bad_revision_at_startup(cache, tmp_path):
     """``--model ORG/NAME@REV`` and ``--lora NAME=ORG/ADAPTER@REV``: a REV that is no git name, or a cache that leads
     outside the repo's folder, stops ``lorakit serve`` with a ValueError naming it (``run`` prints it and exits)

@@ -104,15 +104,17 @@ def local_or_hub(spec: str, what: str, files: list[str]) -> Path:
 def from_hub(repo: str, revision: str | None, what: str, files: list[str]) -> Path:
     """The snapshot of hub repo ``repo`` at ``revision`` (None: main), ``files`` of it (MODEL_FILES or
     ADAPTER_FILES) downloaded if they are not in the cache. ``what`` names it in the log and in errors (``--model``,
-    ``--lora sql``). ValueError when the revision is no git name or the cache leads outside ``repo_folder(repo)``
-    (said before the cache is read, the same whatever lies outside); FileNotFoundError, in one line naming the id
-    and the cache, when the id cannot be had: not in the cache while offline, no such repo or revision, no
-    network."""
+    ``--lora sql``). ValueError when ``repo`` is no repo id, the revision no git name, or the cache leads outside
+    ``repo_folder(repo)`` (said before the cache is read, the same whatever lies outside); FileNotFoundError, in one
+    line naming the id and the cache, when the id cannot be had: not in the cache while offline, no such repo or
+    revision, no network."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     spec, at = (f"{repo}@{revision}", f" at revision {revision}") if revision else (repo, "")
+    if not _ID.fullmatch(repo):
+        raise ValueError(f"{what} {repo!r}: not a hub repo id (NAME or ORG/NAME of letters, digits, '-', '_' and '.')")
     if revision is not None:
         try:
             check_revision(revision)
