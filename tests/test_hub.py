@@ -246,6 +246,7 @@ def cache(tmp_path, monkeypatch):
 
 def read_outside(tmp_path) -> list[str]:
     """What this process opened or listed under ``tmp_path`` but outside the hub cache, since the fixture began."""
+    tmp_path = tmp_path.resolve()  # the paths recorded are resolved
     return [p for p in _READ if Path(p).is_relative_to(tmp_path) and not Path(p).is_relative_to(tmp_path / "hf")]
 
 
@@ -319,6 +320,20 @@ def _file_links_out(repo, target):
     weights.symlink_to(target / "adapter_model.safetensors")
 
 
+def _restore(repo):
+    """org/good's cache as the fixture built it (refs/main and the snapshot folder), after a damage."""
+    ref = repo / "refs" / "main"
+    ref.unlink()
+    ref.write_text(GOOD)
+    snapshot = repo / "snapshots" / GOOD
+    if snapshot.is_symlink():
+        snapshot.unlink()
+        snapshot.mkdir()
+    for name, content in ADAPTER.items():
+        (snapshot / name).unlink(missing_ok=True)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", hashlib.sha256(content).hexdigest()))
+
+
 @pytest.mark.parametrize("damage", [_ref_is_a_path, _ref_links_out, _snapshot_links_out, _file_links_out])
 def test_a_cache_that_leads_outside_the_repo_folder_is_refused(cache, tmp_path, damage):
     """A ref whose text is a path, or a ref, snapshot or file that links out of the repo's cache folder: one 400,
@@ -333,20 +348,6 @@ def test_a_cache_that_leads_outside_the_repo_folder_is_refused(cache, tmp_path, 
         _restore(repo)
     assert answers[0] == answers[1] and "org/good" in answers[0], answers
     assert read_outside(tmp_path) == []
-
-
-def _restore(repo):
-    """org/good's cache as the fixture built it (refs/main and the snapshot folder), after a damage."""
-    ref = repo / "refs" / "main"
-    ref.unlink()
-    ref.write_text(GOOD)
-    snapshot = repo / "snapshots" / GOOD
-    if snapshot.is_symlink():
-        snapshot.unlink()
-        snapshot.mkdir()
-    for name, content in ADAPTER.items():
-        (snapshot / name).unlink(missing_ok=True)
-        (snapshot / name).symlink_to(Path("..", "..", "blobs", hashlib.sha256(content).hexdigest()))
 
 
 @pytest.mark.parametrize("revision", [None, "main", "v1.0", "feature/x", GOOD])
