@@ -1,8 +1,8 @@
 """Tool calling under hostile outputs (lorakit issue 45): what a model writes, parsed for calls, can neither raise,
 recurse nor run long on the API server's event loop; a call is only a call of an offered function with strict JSON
 arguments, else the text is content; "required" keeps each tool's JSON-pointer refs resolving in its own schema (a
-hypothesis test validates every returned call with jsonschema); a history's arguments nested past the bound are a
-400 naming the field. The live cases force their output with guided_regex on a tokenizer that has long runs of "["
+hypothesis test validates every returned call with jsonschema); a history's arguments or a tool's parameters nested
+past the bound are a 400 naming the field. The live cases force their output with guided_regex on a tokenizer that has long runs of "["
 and " " as single tokens (favoured by logit_bias), beside greedy bystander streams."""
 
 import concurrent.futures
@@ -221,6 +221,15 @@ def test_history_arguments_past_the_bound_are_a_400_naming_the_field(live, argum
     assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
     history[1]["tool_calls"][0]["function"]["arguments"] = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
     assert chat(live, {"messages": history, "tools": [F], "max_tokens": 2})[0] == 200
+
+
+def test_tool_parameters_past_the_bound_are_a_400_naming_the_field(live):
+    nested = '{"type": "object", "properties": {"x": ' * 300 + "{}" + "}}" * 300  # 600 deep: json reads it
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", ' \
+           '"function": {"name": "f", "parameters": %s}}]}' % nested
+    r = httpx.post(f"{live.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
 
 
 class Node(BaseModel):

@@ -162,11 +162,15 @@ RECORDED = {  # (parser, model output) -> (content, [(name, arguments)])
         ("Let me check.", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]),
     ("hermes", "Paris is sunny today."): ("Paris is sunny today.", []),
     ("hermes", "<tool_call>{not json}</tool_call>"): ("<tool_call>{not json}</tool_call>", []),
+    ("hermes", 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}'):  # stopped before the tag
+        ("Checking.", [("get_time", {"zone": "UTC"})]),
     ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}'):
         ("", [("get_time", {"zone": "UTC"})]),
     ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'):
         ("", [("a", {}), ("b", {"x": 1})]),
     ("llama3_json", "The answer is {x}."): ("The answer is {x}.", []),
+    ("llama3_json", '{"name": "q", "parameters": {"sql": "SELECT 1; SELECT 2"}}'):
+        ("", [("q", {"sql": "SELECT 1; SELECT 2"})]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}]'):
         ("", [("get_weather", {"city": "Rome", "days": 1})]),
     ("mistral", "No tools needed."): ("No tools needed.", []),

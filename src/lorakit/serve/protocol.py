@@ -19,7 +19,7 @@ from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ERROR_CODES", "MAX_JSON_DEPTH", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody",
-           "check_extras", "chat_messages", "error_status", "json_value", "nth_sample", "parse_body", "read_json",
+           "check_extras", "chat_messages", "deeper_than", "error_status", "json_value", "nth_sample", "parse_body", "read_json",
            "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -146,7 +146,7 @@ def _double(text: str) -> float:
 _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_double)
 
 
-def _deeper(value: Any, limit: int) -> bool:
+def deeper_than(value: Any, limit: int) -> bool:
     """Whether ``value`` nests lists and objects more than ``limit`` deep (level by level, not a recursion)."""
     level = [value]
     for _ in range(limit):
@@ -171,7 +171,7 @@ def read_json(text: str, at: int = 0) -> tuple[Any, int]:
     except RecursionError:
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep") from None
     if isinstance(value, (dict, list)) and text.count("[", at, end) + text.count("{", at, end) > MAX_JSON_DEPTH \
-            and _deeper(value, MAX_JSON_DEPTH):
+            and deeper_than(value, MAX_JSON_DEPTH):
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep")
     if "\\u" in text[at:end] and _lone_surrogate(text[at:end].encode()):
         raise ValueError("a lone UTF-16 surrogate (\\ud800-\\udfff) is not Unicode text")

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lorakit.engine.structured import StructuredOutput
-from lorakit.serve.protocol import MAX_JSON_DEPTH, ApiError, NamedToolChoice, Tool, json_value, read_json, shown
+from lorakit.serve.protocol import (MAX_JSON_DEPTH, ApiError, NamedToolChoice, Tool, deeper_than, json_value, read_json,
+                                    shown)
 
 __all__ = ["PARSERS", "NamedToolChoice", "Tool", "ToolCalls", "checked_tools", "parser_for", "stream_deltas",
            "tool_grammar"]
@@ -62,6 +63,9 @@ def checked_tools(tools: list[Tool] | None, tool_choice) -> tuple[list[dict], st
         if parameters is not None and parameters.get("type", "object") != "object":
             raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema of an object",
                            f"tools[{i}].function.parameters")
+        if parameters is not None and deeper_than(parameters, MAX_JSON_DEPTH):
+            raise ApiError(400, f"tools[{i}].function.parameters nests objects and lists more than {MAX_JSON_DEPTH} "
+                                f"deep; flatten it, or name its parts in $defs", f"tools[{i}].function.parameters")
         names.append(name)
     named = None
     if isinstance(tool_choice, NamedToolChoice):
@@ -112,7 +116,7 @@ def _moved(schema: dict, base: str) -> dict:
     """A copy of ``schema`` for a place under another document's ``base`` ("#/$defs/NAME"): each local JSON-pointer
     ref ("#", "#/$defs/node") prefixed with it, so that each resolves as in the schema's own document. A schema (or
     subschema) with an ``$id`` is a resource of its own, whose refs resolve against it: it is left as it is."""
-    moved = json.loads(json.dumps(schema))  # a copy (checked_tools bounds its depth)
+    moved = json.loads(json.dumps(schema))  # a copy (checked_tools bounded its depth)
     stack = [moved]
     while stack:
         node = stack.pop()
