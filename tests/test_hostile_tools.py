@@ -2,8 +2,8 @@
 recurse nor run long on the API server's event loop; a call is only a call of an offered function with strict JSON
 arguments, else the text is content; "required" keeps each tool's JSON-pointer refs resolving in its own schema (a
 hypothesis test validates every returned call with jsonschema); a history's arguments or a tool's parameters nested
-past the bound are a 400 naming the field. The live cases force their output with guided_regex on a tokenizer that has long runs of "["
-and " " as single tokens (favoured by logit_bias), beside greedy bystander streams."""
+past the bound are a 400 naming the field. The live cases force their output with guided_regex, on a tokenizer that
+has long runs of "[" and " " as single tokens (favoured by logit_bias), beside greedy bystander streams."""
 
 import concurrent.futures
 import json

@@ -19,8 +19,8 @@ from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ERROR_CODES", "MAX_JSON_DEPTH", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody",
-           "check_extras", "chat_messages", "deeper_than", "error_status", "json_value", "nth_sample", "parse_body", "read_json",
-           "samples", "sampling_params", "shown", "structured_param", "token_id"]
+           "check_extras", "chat_messages", "deeper_than", "error_status", "json_value", "nth_sample", "parse_body",
+           "read_json", "samples", "sampling_params", "shown", "structured_param", "token_id"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
@@ -173,7 +173,7 @@ def read_json(text: str, at: int = 0) -> tuple[Any, int]:
     if isinstance(value, (dict, list)) and text.count("[", at, end) + text.count("{", at, end) > MAX_JSON_DEPTH \
             and deeper_than(value, MAX_JSON_DEPTH):
         raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep")
-    if "\\u" in text[at:end] and _lone_surrogate(text[at:end].encode()):
+    if _lone_surrogate(text[at:end].encode("utf-8", "surrogatepass")):
         raise ValueError("a lone UTF-16 surrogate (\\ud800-\\udfff) is not Unicode text")
     return value, end
 

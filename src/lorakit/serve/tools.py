@@ -11,6 +11,10 @@ does not mention them cannot render them, and a request with tools is refused by
   (``PARSERS``, chosen from the chat template, or ``--tool-call-parser``); text that is not a call stays content.
 - ``"none"``: the tools are rendered, the output is content.
 
+Whatever the choice, a call is one of an offered function whose arguments are a JSON object in strict JSON (no NaN
+or Infinity, nested at most ``MAX_JSON_DEPTH``); an output where anything else stands for a call is content whole.
+Parsing is linear in the output and never raises: it runs on the path that delivers every stream's output.
+
 A call comes back as OpenAI gives it: ``message.tool_calls`` (``id``, ``type: "function"``, ``function.name`` and
 ``function.arguments`` as a JSON string), ``finish_reason: "tool_calls"``; streamed, a choice's output is held until
 it ends and then sent as ``delta.tool_calls`` (each call's index, id and name first, then its arguments) after any
