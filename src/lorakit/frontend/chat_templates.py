@@ -89,8 +89,8 @@ class ChatTemplates:
         if kind == TOO_LONG:
             raise TemplateError(f"{whose} rendered more than {max_chars} characters (twice --max-prompt-chars) for "
                                 f"these messages; fix the template or shorten the messages")
-        if kind == NO_MEMORY:
-            self._kill()
+        if kind == NO_MEMORY:  # the worker ends itself
+            self._replace()
             raise TemplateError(f"{whose} needed more than {self.budget.memory_bytes >> 20} MiB of memory to render; "
                                 f"fix the template")
         raise TemplateError(f"{whose} {payload.decode('utf-8', 'replace')[:500]}")
@@ -107,7 +107,7 @@ class ChatTemplates:
             answer = None
         if answer is None:
             code = worker.poll()
-            self._kill()
+            self._replace()
             if code is None:
                 logger.warning("%s ran past its budget of %s s; its worker was killed", whose, seconds)
                 raise TemplateError(f"{whose} ran past its time budget of {seconds:g} s (a template loop that does "
@@ -116,21 +116,27 @@ class ChatTemplates:
         return answer
 
     def _start(self) -> subprocess.Popen:
-        from lorakit.engine.lifeline import parent_death_signal
-
         package_parent = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_parent,
                                                                           os.environ.get("PYTHONPATH"))))}
-        # Started from this object's thread, which lives as long as the object: the kernel's signal on that thread's
-        # end is the worker's end with it, or with the process.
+        # No preexec_fn (lifeline.parent_death_signal): it makes Python fork the whole server (tens of milliseconds a
+        # GB, the GIL held) where it otherwise vforks; the worker asks for its signal itself (``_die_with_parent``).
         self._worker = subprocess.Popen([sys.executable, "-m", "lorakit.frontend.chat_templates",
-                                         str(self.budget.memory_bytes)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env, preexec_fn=parent_death_signal())
+                                         str(self.budget.memory_bytes), str(os.getpid())], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env)
         ready = _read(self._worker.stdout.fileno(), time.monotonic() + START_SECONDS)
         if ready is None or ready[0] != READY:
             self._kill()
             raise RuntimeError("the chat template worker did not start (its error is in the log above)")
         return self._worker
+
+    def _replace(self) -> None:
+        """The worker killed, and a fresh one started as soon as this thread is free (not at the next render)."""
+        self._kill()
+        try:
+            self._thread.submit(lambda: self._worker or self._start())
+        except RuntimeError:  # closed
+            pass
 
     def _kill(self) -> None:
         worker, self._worker = self._worker, None
@@ -163,6 +169,22 @@ def _read(fd: int, deadline: float | None = None) -> tuple[int, bytes] | None:
 
 
 # The worker.
+
+def _die_with_parent(parent: int) -> None:
+    """The kernel's SIGKILL for this process when the parent's thread that started it ends (this object's thread,
+    which lives as long as the server): ``lorakit.engine.lifeline``'s signal, asked for here without importing the
+    engine (and torch). Where there is no such signal, stdin's end at the parent's death ends the loop in ``main``."""
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # gone before the signal was asked for
+        os._exit(1)
+
 
 def _limit_memory(extra: int) -> None:
     """This process may map at most ``extra`` bytes beyond what it maps now (a MemoryError past them)."""
@@ -200,6 +222,7 @@ def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
 
 def main() -> None:
     """Frames in on stdin, answers on stdout, until stdin ends (the parent gone)."""
+    _die_with_parent(int(sys.argv[2]))
     import transformers  # noqa: F401 - imported before the memory limit: the budget is the template's
     import transformers.utils.chat_template_utils  # noqa: F401
 

@@ -6,7 +6,8 @@ engine compile its grammar, if any, off every loop (once for all its prompts and
 a coroutine that gives the response, or with ``stream`` an async iterator of chunks, the number of sequences it
 runs and the tokens they can occupy in the KV cache (``streaming.respond`` sends either, within the limits on both).
 A request's choices, ``n`` per prompt and prompt by prompt, run together. The usage and logprobs blocks are built
-here, once.
+here, once; a large answer (thousands of logprob entries: a long prompt's prompt_logprobs) is built on the tokenizing
+thread and encoded a slice at a time, so that the event loop is never held for more than a few milliseconds.
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgspec
+from starlette.responses import Response
+
 from lorakit import __version__
 from lorakit.engine.outputs import RequestOutput, TokenLogprob
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import (ApiError, ChatBody, CompletionBody, chat_messages, nth_sample, samples, shown,
                                    structured_param)
-from lorakit.serve.state import Result, ServerState
+from lorakit.serve.state import INLINE_SIZE, Result, ServerState
 from lorakit.serve.streaming import Push, Reply, pulled
 from lorakit.serve.tools import ToolCalls, checked_tools, parser_for, stream_deltas, tool_grammar
 
 __all__ = ["SYSTEM_FINGERPRINT", "chat", "completions", "model", "models"]
 
 SYSTEM_FINGERPRINT = f"lorakit-{__version__}"  # what OpenAI's answers carry to name the backend's configuration
+SLICE = 256  # tokens' logprobs encoded by one call (of a block built off the event loop): a millisecond or so
+_encode = msgspec.json.Encoder().encode
 
 
 def models(state: ServerState) -> dict:
@@ -84,9 +90,11 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
 
     echo = [{"index": i, "text": echoed[i // n], "logprobs": None, "finish_reason": None}
             for i in range(len(jobs))] if body.echo else []
+    width = 1 + max(body.logprobs or 0, body.prompt_logprobs or 0)
     return _reply(body, state, _head("cmpl", "text_completion", body), jobs, prompts, echo,
                   lambda i, out: choice(i, "" if none else out.text, out),
-                  lambda i, r: choice(i, echoed[i // n] + ("" if none else r.text), r), hide_tokens=none)
+                  lambda i, r: choice(i, echoed[i // n] + ("" if none else r.text), r), logprobs, width,
+                  hide_tokens=none)
 
 
 async def chat(body: ChatBody, state: ServerState) -> Reply:
@@ -144,7 +152,8 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for k in range(n)]
     head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body)
-    return _reply(body, state, head, jobs, [prompt], roles, chunk, whole)
+    return _reply(body, state, head, jobs, [prompt], roles, chunk, whole, logprobs,
+                  1 + max(body.top_logprobs or 0, body.prompt_logprobs or 0))
 
 
 def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
@@ -165,16 +174,25 @@ def _usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) 
 
 def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs: list, prompts: list[list[int]],
            first: list[dict], chunk: Callable[[int, RequestOutput], dict], whole: Callable[[int, Result], dict],
-           hide_tokens: bool = False) -> Reply:
+           logprobs: _Logprobs, width: int, hide_tokens: bool = False) -> Reply:
     """The reply, a choice per job (``whole``); or with ``stream`` its chunks: the ``first`` choices, a choice per
     output (``chunk``), and last the usage chunk when the client asked for it with stream_options.include_usage
-    (every chunk then carries "usage": null). ``hide_tokens``: the generated tokens are not shown, nor counted."""
+    (every chunk then carries "usage": null). ``width``: the logprob entries each token's logprobs make (itself and
+    its top alternatives): an answer (then a JSON Response) or a chunk of more than INLINE_SIZE entries is made on
+    the tokenizing thread, its ``logprobs`` blocks encoded there (``_Logprobs.encoding``). ``hide_tokens``: the
+    generated tokens are not shown, nor counted."""
     count = (lambda ids: 0) if hide_tokens else len
 
-    async def complete() -> dict:
-        results = await state.results(jobs)
+    def answer(results: list[Result]) -> dict:
         return {**head, "choices": [whole(i, r) for i, r in enumerate(results)],
                 "usage": _usage(prompts, sum(count(r.token_ids) for r in results), [r.cached_tokens for r in results])}
+
+    async def complete() -> dict | Response:
+        results = await state.results(jobs)
+        if sum(_entries(r, width) for r in results) <= INLINE_SIZE:
+            return answer(results)
+        return await state.off_loop(lambda: Response(_encode(logprobs.encoding(answer, results)),
+                                                     media_type="application/json"))
 
     with_usage = body.stream_options is not None and body.stream_options.include_usage
     extra = {"usage": None} if with_usage else {}
@@ -192,9 +210,35 @@ def _reply(body: CompletionBody | ChatBody, state: ServerState, head: dict, jobs
 
     if not body.stream:
         return Reply(complete(), sequences=len(jobs), tokens=state.tokens(jobs))
+    if any(params.prompt_logprobs is not None for _, params, _ in jobs):  # a first output of thousands of entries
+        return Reply(_pulled_off_loop(state, [{**head, "choices": [c], **extra} for c in first], jobs, width, output,
+                                      last, logprobs), sequences=len(jobs), tokens=state.tokens(jobs))
     push = Push([{**head, "choices": [c], **extra} for c in first], lambda listener: state.submit(jobs, listener),
                 len(jobs), output, last)
     return Reply(pulled(push), sequences=len(jobs), tokens=state.tokens(jobs), push=push)
+
+
+async def _pulled_off_loop(state: ServerState, first: list[dict], jobs: list, width: int,
+                           output: Callable[[int, RequestOutput], list[dict]], last: Callable[[], list[dict]],
+                           logprobs: _Logprobs):
+    """A stream's chunks as ``streaming.pulled`` gives them; an output of more than INLINE_SIZE logprob entries has
+    its chunks made on the tokenizing thread, their logprobs encoded there (``_Logprobs.encoding``)."""
+    for c in first:
+        yield c
+    async for i, out in state.stream(jobs):
+        if _entries(out, width) <= INLINE_SIZE:
+            made = output(i, out)
+        else:
+            made = await state.off_loop(logprobs.encoding, output, i, out)
+        for c in made:
+            yield c
+    for c in last():
+        yield c
+
+
+def _entries(out: RequestOutput | Result, width: int) -> int:
+    """The logprob entries an output's choice can hold: ``width`` per token of its logprobs and prompt logprobs."""
+    return width * (len(out.logprobs or ()) + len(out.prompt_logprobs or ()))
 
 
 def _finite(logprob: float) -> float:
@@ -203,53 +247,72 @@ def _finite(logprob: float) -> float:
 
 
 class _Logprobs:
-    """OpenAI's logprobs blocks for one request's choices, each token as text by the request's tokenizer."""
+    """OpenAI's logprobs blocks for one request's choices, each token as text by the request's tokenizer (decoded
+    once a request). Built within ``encoding``, a block's long lists come encoded (msgspec.Raw), a SLICE of tokens
+    at a time: no more than a slice's objects live at once, and no call holds the GIL for more than about a
+    millisecond."""
 
     def __init__(self, state: ServerState, adapter: Adapter | None, choices: int):
-        self._text = lambda token_id: state.text([token_id], adapter)
+        self._decode = lambda token_id: state.text([token_id], adapter)
+        self._texts: dict[int, str] = {}  # token id -> its text
         self._offsets = [0] * choices  # characters of each choice's text so far (completions' text_offset)
+        self._encoded = False
+
+    def encoding(self, make: Callable, *args):
+        """make(*args), the blocks it builds encoded a slice at a time; for the tokenizing thread (see the class)."""
+        self._encoded = True
+        try:
+            return make(*args)
+        finally:
+            self._encoded = False
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode(token_id)
+        return text
+
+    def _list(self, items: list, make: Callable) -> list | msgspec.Raw:
+        """[make(x) for x in items], encoded a SLICE at a time within ``encoding``."""
+        if not self._encoded or len(items) <= SLICE:
+            return [make(x) for x in items]
+        parts = (_encode([make(x) for x in items[i:i + SLICE]])[1:-1] for i in range(0, len(items), SLICE))
+        return msgspec.Raw(b"[" + b",".join(parts) + b"]")
 
     def completion(self, index: int, lps: list[TokenLogprob] | None,
                    prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict | None:
         """Completions' block for choice ``index``'s new tokens ``lps``, led by the echoed prompt's (``prompt``:
         its ids and their logprobs, the first None, as OpenAI gives it) when given."""
-        ids, values, tops = [], [], []
-        if prompt is not None:
-            for token_id, lp in zip(*prompt):
-                ids.append(token_id)
-                values.append(None if lp is None else _finite(lp.logprob))
-                tops.append(None if lp is None else {self._text(i): _finite(v) for i, v in lp.top.items()})
-        for t in lps or []:
-            ids.append(t.token_id)
-            values.append(_finite(t.logprob))
-            tops.append({self._text(i): _finite(v) for i, v in t.top.items()})
-        if not ids:
+        pairs = list(zip(*prompt)) if prompt is not None else []
+        pairs += [(t.token_id, t) for t in lps or []]
+        if not pairs:
             return None
-        tokens = [self._text(i) for i in ids]
+        tokens = [self._text(i) for i, _ in pairs]
         starts = []
         for token in tokens:
             starts.append(self._offsets[index])
             self._offsets[index] += len(token)
-        return {"tokens": tokens, "token_logprobs": values, "text_offset": starts, "top_logprobs": tops}
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _finite(lp.logprob) for _, lp in pairs],
+                "text_offset": starts, "top_logprobs": self._list(pairs, lambda pair: None if pair[1] is None else
+                                                                  {self._text(i): _finite(v)
+                                                                   for i, v in pair[1].top.items()})}
 
-    def vllm(self, lps: list[TokenLogprob | None], k: int) -> list[dict | None]:
+    def vllm(self, lps: list[TokenLogprob | None], k: int) -> list[dict | None] | msgspec.Raw:
         """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
         decoded_token}} for the prompt's token and the top ``k``."""
-        shown = []
-        for lp in lps:
+        def entry(lp: TokenLogprob | None) -> dict | None:
             if lp is None:
-                shown.append(None)
-                continue
-            entry = {lp.token_id: {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                return None
+            shown = {lp.token_id: {"logprob": _finite(lp.logprob), "rank": lp.rank,
                                    "decoded_token": self._text(lp.token_id)}}
             for rank, (i, v) in enumerate(list(lp.top.items())[:k], 1):
-                entry.setdefault(i, {"logprob": _finite(v), "rank": rank, "decoded_token": self._text(i)})
-            shown.append(entry)
-        return shown
+                shown.setdefault(i, {"logprob": _finite(v), "rank": rank, "decoded_token": self._text(i)})
+            return shown
+        return self._list(lps, entry)
 
     def chat(self, lps: list[TokenLogprob]) -> dict:
-        return {"content": [{**self._token(t.token_id, t.logprob),
-                             "top_logprobs": [self._token(i, v) for i, v in t.top.items()]} for t in lps]}
+        return {"content": self._list(lps, lambda t: {**self._token(t.token_id, t.logprob),
+                                                      "top_logprobs": [self._token(i, v) for i, v in t.top.items()]})}
 
     def _token(self, token_id: int, logprob: float) -> dict:
         """A chat logprobs entry: the token's text, its logprob and the UTF-8 bytes of that text (as vLLM gives

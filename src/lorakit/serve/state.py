@@ -316,11 +316,17 @@ class ServerState:
 
     async def _tokenize(self, size: int, fn: Callable, *args):
         """fn(*args): on the event loop for a short input (``size``, characters or token ids, at most INLINE_SIZE:
-        well under a millisecond), else on the tokenizing thread. A thread that needs the GIL back from a busy event
-        loop waits up to its switch interval (5 ms) each time the tokenizer releases it, and the one thread serves
-        every request in turn: under load that queue, not the work, would set the time to first token."""
+        well under a millisecond), else on the tokenizing thread (``off_loop``). A thread that needs the GIL back
+        from a busy event loop waits up to its switch interval (5 ms) each time the tokenizer releases it, and the
+        one thread serves every request in turn: under load that queue, not the work, would set the time to first
+        token."""
         if size <= INLINE_SIZE:
             return fn(*args)
+        return await self.off_loop(fn, *args)
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizing thread, the one thread that calls the tokenizers off the event loop (a long
+        prompt's tokens, a large answer's logprobs): one such work at a time, whatever request it serves."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def sampling_params(self, body: CompletionBody | ChatBody, prompts: list[list[int]],
