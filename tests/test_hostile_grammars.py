@@ -462,7 +462,10 @@ def test_a_full_grammar_queue_is_a_429_at_once(world, monkeypatch):
             held.add(StructuredOutput.json_schema(body["response_format"]["json_schema"]["schema"]).grammar())
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = [pool.submit(post, live, body) for body in bodies[:4]]  # 2 on the workers, 2 waiting
+            deadline = time.monotonic() + 30
             while len(built) < 2 or sum(map(len, grammars.queue._queues.values())) < 2:
+                assert time.monotonic() < deadline and not any(a.done() for a in answers), \
+                    ([a.result().text[:200] for a in answers if a.done()], built)
                 time.sleep(0.01)
             start_time = time.monotonic()
             r = post(live, bodies[4])
