@@ -27,9 +27,10 @@ class EngineDead(RuntimeError):
 
 class Overloaded(ValueError):
     """Work refused for want of room now, not for what it asks (a full queue, a budget spent waiting in one): the
-    same request may pass ``retry_after`` seconds later. A ValueError, so that every path that ends or refuses a
-    request for a ValueError (the core's replies among them) does so for this one too."""
+    same request may pass ``retry_after`` seconds later (a guess where it was not known: carried by name and message
+    only, as the core's replies carry errors). A ValueError, so that every path that ends or refuses a request for a
+    ValueError (the core's replies among them) does so for this one too."""
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after
