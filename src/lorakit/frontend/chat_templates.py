@@ -1,6 +1,7 @@
 """Chat templates are untrusted input (a model's or an adapter's tokenizer files): each render runs transformers' own
 ``apply_chat_template`` in a worker process, within a time budget (past it the worker is killed, and the next render
-starts a fresh one), a memory budget (the worker's address space) and an output budget. A process, not a thread:
+starts a fresh one), a memory budget (the worker's address space) and an output budget; a template that passed the
+time or memory budget once is refused at once after that (no worker killed again and again). A process, not a thread:
 Jinja cannot be interrupted, and one C call of a template (``{{ 9**9**9 }}``, folded as it compiles) holds the GIL
 for as long as it runs. The caller's event loop only waits, on the thread of a ``ChatTemplates``.
 """
@@ -8,6 +9,7 @@ for as long as it runs. The caller's event loop only waits, on the thread of a `
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import os
@@ -32,6 +34,8 @@ CACHED_TOKENIZERS = 4  # tokenizers a worker keeps (the model's and adapters' ow
 _HEADER = struct.Struct(">IB")  # a frame: its payload's length, its kind, the payload
 # Kinds: to the worker, a tokenizer (TOKENIZER) or a render (RENDER); back, its answer.
 TOKENIZER, RENDER, READY, MISSING, TEXT, FAILED, TOO_LONG, NO_MEMORY = b"TRYMOFLX"
+TIMED_OUT, DIED = b"td"  # what _ask makes of no answer
+SPENT_TEMPLATES = 1024  # templates remembered as past a budget (refused at once), least recent forgotten
 
 
 class TemplateError(ValueError):
@@ -62,6 +66,7 @@ class ChatTemplates:
         self._worker: subprocess.Popen | None = None
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its key in the worker
         self._next_key = itertools.count()
+        self._spent: OrderedDict[str, str] = OrderedDict()  # sha256 of a template past a budget -> which
 
     async def render(self, tokenizer, messages: list[dict], tools: list[dict] | None, max_chars: int, whose: str
                      ) -> str:
@@ -78,26 +83,38 @@ class ChatTemplates:
         self._kill()
 
     def _render(self, tokenizer, messages, tools, max_chars: int, whose: str) -> str:
+        template = tokenizer.chat_template
+        digest = hashlib.sha256(repr(template).encode("utf-8", "surrogatepass")).hexdigest()
+        if digest in self._spent:
+            raise TemplateError(f"{whose} {self._spent[digest]} at an earlier request, and is not run again; fix the "
+                                f"template (an adapter's: then load it again)")
         key = self._keys.setdefault(tokenizer, next(self._next_key))
-        job = pickle.dumps((key, tokenizer.chat_template, messages, tools, max_chars))
-        kind, payload = self._ask(RENDER, job, self.budget.seconds, whose)
+        job = pickle.dumps((key, template, messages, tools, max_chars))
+        kind, payload = self._ask(RENDER, job, self.budget.seconds)
         if kind == MISSING:  # a fresh worker, or one that dropped it: sent once, then asked again
-            self._ask(TOKENIZER, struct.pack(">Q", key) + pickle.dumps(tokenizer), START_SECONDS, whose)
-            kind, payload = self._ask(RENDER, job, self.budget.seconds, whose)
+            self._ask(TOKENIZER, struct.pack(">Q", key) + pickle.dumps(tokenizer), START_SECONDS)
+            kind, payload = self._ask(RENDER, job, self.budget.seconds)
         if kind == TEXT:
             return payload.decode("utf-8")
         if kind == TOO_LONG:
             raise TemplateError(f"{whose} rendered more than {max_chars} characters (twice --max-prompt-chars) for "
                                 f"these messages; fix the template or shorten the messages")
-        if kind == NO_MEMORY:  # the worker ends itself
-            self._replace()
-            raise TemplateError(f"{whose} needed more than {self.budget.memory_bytes >> 20} MiB of memory to render; "
-                                f"fix the template")
-        raise TemplateError(f"{whose} {payload.decode('utf-8', 'replace')[:500]}")
+        if kind == FAILED:
+            raise TemplateError(f"{whose} {payload.decode('utf-8', 'replace')[:500]}")
+        why = {TIMED_OUT: f"ran past its time budget of {self.budget.seconds:g} s (a loop that does not end, or too "
+                          f"much work)",
+               NO_MEMORY: f"needed more than {self.budget.memory_bytes >> 20} MiB of memory to render",
+               }.get(kind, f"ended its worker process (exit code {payload.decode()})")
+        logger.warning("%s %s; its worker was replaced, and the template is not run again", whose, why)
+        self._spent[digest] = why
+        while len(self._spent) > SPENT_TEMPLATES:
+            self._spent.popitem(last=False)
+        raise TemplateError(f"{whose} {why}; fix the template")
 
-    def _ask(self, kind: int, payload: bytes, seconds: float, whose: str) -> tuple[int, bytes]:
+    def _ask(self, kind: int, payload: bytes, seconds: float) -> tuple[int, bytes]:
         """Sends a frame to the worker (started first if there is none) and reads its answer within ``seconds``;
-        past them the worker is killed and the render is a TemplateError."""
+        past them, or when the worker died, it is replaced and the answer is (TIMED_OUT, b"") or (DIED, its exit
+        code)."""
         worker = self._worker or self._start()
         deadline = time.monotonic() + seconds
         try:
@@ -105,14 +122,11 @@ class ChatTemplates:
             answer = _read(worker.stdout.fileno(), deadline)
         except OSError:  # the worker died (a broken pipe): killed by the kernel, say
             answer = None
-        if answer is None:
+        if answer is None or answer[0] == NO_MEMORY:  # (a worker out of memory ends itself)
             code = worker.poll()
             self._replace()
-            if code is None:
-                logger.warning("%s ran past its budget of %s s; its worker was killed", whose, seconds)
-                raise TemplateError(f"{whose} ran past its time budget of {seconds:g} s (a template loop that does "
-                                    f"not end, or too much work); fix the template")
-            raise TemplateError(f"{whose} ended its worker process (exit code {code}); fix the template")
+            if answer is None:
+                answer = (TIMED_OUT, b"") if code is None else (DIED, str(code).encode())
         return answer
 
     def _start(self) -> subprocess.Popen:
