@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -18,7 +19,7 @@ import torch
 import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from _serve_helpers import LiveServer
 from _tokenizers import bpe_tokenizer
@@ -233,13 +234,15 @@ def test_tool_parameters_past_the_bound_are_a_400_naming_the_field(live):
 
 
 class Node(BaseModel):
-    value: int
+    model_config = ConfigDict(extra="forbid")  # additionalProperties false: else random keys until max_tokens
+    value: int = Field(ge=-9, le=9)
     next: "Node | None" = None
 
 
 class Chain(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     head: Node
-    tags: list[str]
+    tags: list[Literal["x", "y"]] = Field(max_length=2)
 
 
 LEAVES = st.sampled_from([{"type": "integer", "minimum": -5, "maximum": 5}, {"type": "number", "minimum": 0,
@@ -250,7 +253,8 @@ LEAVES = st.sampled_from([{"type": "integer", "minimum": -5, "maximum": 5}, {"ty
 @st.composite
 def tool_schemas(draw) -> dict[str, dict]:
     """Tools' parameters by name, in a drawn order, whose refs resolve only in their own document: "#" (a tree),
-    pydantic's "$defs" (a linked list), a pointer into its own properties in an anyOf variant, and plain leaves."""
+    pydantic's "$defs" (a linked list), a pointer into its own properties in an anyOf variant (its document named by
+    an "$id" or not), and plain leaves."""
     leaves = [draw(LEAVES) for _ in range(3)]
     schemas = {
         "tree": {"type": "object", "properties": {"v": leaves[0], "kids": {"type": "array", "items": {"$ref": "#"},
@@ -259,7 +263,7 @@ def tool_schemas(draw) -> dict[str, dict]:
         "pydantic": Chain.model_json_schema(),
         "pointer": {"type": "object", "properties": {"x": {"anyOf": [leaves[1], {"$ref": "#/properties/y"}]},
                                                      "y": leaves[2]}, "required": ["x", "y"],
-                    "additionalProperties": False},
+                    "additionalProperties": False} | draw(st.sampled_from([{}, {"$id": "https://example.com/p"}])),
         "flat": {"type": "object", "properties": {"a": leaves[0], "b": leaves[1]}, "required": ["a"],
                  "additionalProperties": False}}
     return {name: schemas[name] for name in draw(st.permutations(list(schemas)))}

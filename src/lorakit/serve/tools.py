@@ -117,24 +117,35 @@ _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "depe
 
 
 def _moved(schema: dict, base: str) -> dict:
-    """A copy of ``schema`` for a place under another document's ``base`` ("#/$defs/NAME"): each local JSON-pointer
-    ref ("#", "#/$defs/node") prefixed with it, so that each resolves as in the schema's own document. A schema (or
-    subschema) with an ``$id`` is a resource of its own, whose refs resolve against it: it is left as it is."""
-    moved = json.loads(json.dumps(schema))  # a copy (checked_tools bounded its depth)
+    """``schema`` for a place under another document's ``base`` ("#/$defs/NAME"): each local JSON-pointer ref ("#",
+    "#/$defs/node") prefixed with it, so that each resolves as in the schema's own document. Its subschemas are
+    copied (the tool's own schema is left as it was); one with an ``$id`` is a resource of its own, whose refs
+    resolve against it: it is kept as it is."""
+    if "$id" in schema:
+        return schema
+    moved = dict(schema)
     stack = [moved]
     while stack:
         node = stack.pop()
-        if not isinstance(node, dict) or "$id" in node:
-            continue
         ref = node.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             node["$ref"] = base + ref[1:]
-        for key, value in node.items():
-            if key in _SUBSCHEMAS:
-                stack.extend(value if isinstance(value, list) else [value])
-            elif key in _SCHEMA_MAPS and isinstance(value, dict):
-                stack.extend(value.values())
+        for key in node.keys() & _SUBSCHEMAS:
+            value = node[key]
+            node[key] = [_queued(v, stack) for v in value] if isinstance(value, list) else _queued(value, stack)
+        for key in node.keys() & _SCHEMA_MAPS:
+            if isinstance(node[key], dict):
+                node[key] = {name: _queued(v, stack) for name, v in node[key].items()}
     return moved
+
+
+def _queued(subschema: Any, stack: list[dict]) -> Any:
+    """A copy of a subschema, pushed on ``stack`` to be moved; a boolean schema or a resource of its own as it is."""
+    if not isinstance(subschema, dict) or "$id" in subschema:
+        return subschema
+    copy = dict(subschema)
+    stack.append(copy)
+    return copy
 
 
 # The parsers of "auto": text -> (content, [(name, arguments dict)]). Each finds its family's calls and leaves the
