@@ -92,10 +92,13 @@ class ChatTemplates:
         job = pickle.dumps((key, template, messages, tools, max_chars))
         kind, payload = self._ask(RENDER, job, self.budget.seconds)
         if kind == MISSING:  # a fresh worker, or one that dropped it: sent once, then asked again
-            self._ask(TOKENIZER, struct.pack(">Q", key) + pickle.dumps(tokenizer), START_SECONDS)
+            sent = self._ask(TOKENIZER, struct.pack(">Q", key) + pickle.dumps(tokenizer), START_SECONDS)
+            if sent[0] != READY:  # not the template's doing: a bug
+                raise RuntimeError(f"the chat template worker could not take the tokenizer of {whose} "
+                                   f"({sent[1].decode('utf-8', 'replace')[:500] or chr(sent[0])})")
             kind, payload = self._ask(RENDER, job, self.budget.seconds)
         if kind == TEXT:
-            return payload.decode("utf-8")
+            return payload.decode("utf-8", "surrogatepass")
         if kind == TOO_LONG:
             raise TemplateError(f"{whose} rendered more than {max_chars} characters (twice --max-prompt-chars) for "
                                 f"these messages; fix the template or shorten the messages")
@@ -123,7 +126,10 @@ class ChatTemplates:
         except OSError:  # the worker died (a broken pipe): killed by the kernel, say
             answer = None
         if answer is None or answer[0] == NO_MEMORY:  # (a worker out of memory ends itself)
-            code = worker.poll()
+            try:  # a worker that closed its end before the deadline is ending: its exit code
+                code = worker.wait(max(min(deadline - time.monotonic(), 1.0), 0.0))
+            except subprocess.TimeoutExpired:
+                code = None
             self._replace()
             if answer is None:
                 answer = (TIMED_OUT, b"") if code is None else (DIED, str(code).encode())
@@ -237,18 +243,23 @@ def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
 def main() -> None:
     """Frames in on stdin, answers on stdout, until stdin ends (the parent gone)."""
     _die_with_parent(int(sys.argv[2]))
+    out = os.dup(1)
+    os.dup2(2, 1)  # whatever else writes to stdout (an import, a template's print) goes to the log, not the answers
     import transformers  # noqa: F401 - imported before the memory limit: the budget is the template's
     import transformers.utils.chat_template_utils  # noqa: F401
 
     _limit_memory(int(sys.argv[1]))
-    inp, out = sys.stdin.fileno(), sys.stdout.fileno()
-    sys.stdout = sys.stderr  # whatever prints goes to the log, not into the answers
+    inp = sys.stdin.fileno()
     tokenizers: OrderedDict = OrderedDict()
     _write(out, READY, b"")
     while (frame := _read(inp)) is not None:
         kind, payload = frame
         if kind == TOKENIZER:
-            tokenizers[struct.unpack(">Q", payload[:8])[0]] = pickle.loads(payload[8:])
+            try:
+                tokenizers[struct.unpack(">Q", payload[:8])[0]] = pickle.loads(payload[8:])
+            except Exception as e:  # noqa: BLE001 - told to the parent, which raises it
+                _write(out, FAILED, f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
+                continue
             while len(tokenizers) > CACHED_TOKENIZERS:
                 tokenizers.popitem(last=False)
             _write(out, READY, b"")
