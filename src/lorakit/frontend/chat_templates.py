@@ -243,6 +243,9 @@ def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
 def main() -> None:
     """Frames in on stdin, answers on stdout, until stdin ends (the parent gone)."""
     _die_with_parent(int(sys.argv[2]))
+    import setproctitle
+
+    setproctitle.setproctitle("lorakit chat-templates")  # as lifeline.name_process names lorakit's other processes
     out = os.dup(1)
     os.dup2(2, 1)  # whatever else writes to stdout (an import, a template's print) goes to the log, not the answers
     import transformers  # noqa: F401 - imported before the memory limit: the budget is the template's
