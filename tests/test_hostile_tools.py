@@ -187,6 +187,13 @@ def test_no_parser_raises_recurses_or_runs_long(parser):
             assert ToolCalls([F], choice, "f", parser).split(text) == (text, [])
 
 
+def test_a_parser_that_raises_leaves_the_output_content_and_says_so(monkeypatch, caplog):
+    calling = ToolCalls([F], "auto", None, "hermes")
+    monkeypatch.setattr(calling, "parse", lambda text: 1 / 0)  # a bug: never the stream's end
+    assert calling.split("Sure.") == ("Sure.", [])
+    assert "parser failed on an output of 5 characters" in caplog.text
+
+
 def test_only_offered_functions_with_strict_json_arguments_are_calls():
     calling = ToolCalls([F], "auto", None, "hermes")
     for arguments in ('{"query": NaN}', '{"query": -Infinity}', '{"query": 1e999}', '{"query": "\\udfff"}',
