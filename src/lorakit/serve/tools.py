@@ -119,9 +119,9 @@ _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "depe
 def _moved(schema: dict, base: str) -> dict:
     """``schema`` for a place under another document's ``base`` ("#/$defs/NAME"): each local JSON-pointer ref ("#",
     "#/$defs/node") prefixed with it, so that each resolves as in the schema's own document. Its subschemas are
-    copied (the tool's own schema is left as it was); one with an ``$id`` is a resource of its own, whose refs
-    resolve against it: it is kept as it is."""
-    if "$id" in schema:
+    copied (the tool's own schema is left as it was); one with an ``$id`` (other than draft 7's "#anchor") is a
+    resource of its own, whose refs resolve against it: it is kept as it is."""
+    if _resource(schema):
         return schema
     moved = dict(schema)
     stack = [moved]
@@ -141,11 +141,15 @@ def _moved(schema: dict, base: str) -> dict:
 
 def _queued(subschema: Any, stack: list[dict]) -> Any:
     """A copy of a subschema, pushed on ``stack`` to be moved; a boolean schema or a resource of its own as it is."""
-    if not isinstance(subschema, dict) or "$id" in subschema:
+    if not isinstance(subschema, dict) or _resource(subschema):
         return subschema
     copy = dict(subschema)
     stack.append(copy)
     return copy
+
+
+def _resource(schema: dict) -> bool:
+    return isinstance(schema.get("$id"), str) and not schema["$id"].startswith("#")
 
 
 # The parsers of "auto": text -> (content, [(name, arguments dict)]). Each finds its family's calls and leaves the
