@@ -176,8 +176,12 @@ def test_concurrent_big_schemas_compile_beside_the_bystander(core, solo):
             httpx.get(f"{core.url}/health", timeout=30).raise_for_status()
             assert time.perf_counter() - start_time < MAX_GAP
             time.sleep(0.1)
-    for answer in answers:  # refused when tried on its first token, or (on a loaded machine) at the budget
-        message = error_of(answer.result(), "response_format")
+    for answer in answers:  # refused when tried on its first token, or at the budget (a 429 if never compiled)
+        r = answer.result()
+        if r.status_code == 429:  # one client's compiles run one at a time: the last may find no worker in time
+            assert "--max-grammar-seconds" in r.json()["error"]["message"] and "retry-after" in r.headers, r.text
+            continue
+        message = error_of(r, "response_format")
         assert "past what llguidance's parser can follow" in message or "--max-grammar-seconds" in message, message
 
 
