@@ -73,21 +73,21 @@ class ChatTemplates:
         """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)`` as
         transformers renders it, within the budgets; TemplateError naming ``whose`` ("the model's chat template")
         when it fails, runs past ``budget.seconds``, allocates past ``budget.memory_bytes`` or renders more than
-        ``max_chars`` characters."""
+        ``max_chars`` characters. A template that passed a budget before is refused here, at once."""
+        template = tokenizer.chat_template
+        digest = hashlib.sha256(repr(template).encode("utf-8", "surrogatepass")).hexdigest()
+        if digest in self._spent:
+            raise TemplateError(f"{whose} {self._spent[digest]} at an earlier request, and is not run again; fix the "
+                                f"template (an adapter's: then load it again)")
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread, self._render, tokenizer, messages, tools, max_chars, whose)
+            self._thread, self._render, tokenizer, template, digest, messages, tools, max_chars, whose)
 
     def close(self) -> None:
         """The worker killed at once (a render in progress fails); a later ``render`` would start a fresh one."""
         self._thread.shutdown(wait=False, cancel_futures=True)
         self._kill()
 
-    def _render(self, tokenizer, messages, tools, max_chars: int, whose: str) -> str:
-        template = tokenizer.chat_template
-        digest = hashlib.sha256(repr(template).encode("utf-8", "surrogatepass")).hexdigest()
-        if digest in self._spent:
-            raise TemplateError(f"{whose} {self._spent[digest]} at an earlier request, and is not run again; fix the "
-                                f"template (an adapter's: then load it again)")
+    def _render(self, tokenizer, template, digest: str, messages, tools, max_chars: int, whose: str) -> str:
         key = self._keys.setdefault(tokenizer, next(self._next_key))
         job = pickle.dumps((key, template, messages, tools, max_chars))
         kind, payload = self._ask(RENDER, job, self.budget.seconds)
@@ -109,7 +109,7 @@ class ChatTemplates:
                NO_MEMORY: f"needed more than {self.budget.memory_bytes >> 20} MiB of memory to render",
                }.get(kind, f"ended its worker process (exit code {payload.decode()})")
         logger.warning("%s %s; its worker was replaced, and the template is not run again", whose, why)
-        self._spent[digest] = why
+        self._spent[digest] = why  # (read on the event loop: one dict operation at a time, under the GIL)
         while len(self._spent) > SPENT_TEMPLATES:
             self._spent.popitem(last=False)
         raise TemplateError(f"{whose} {why}; fix the template")
