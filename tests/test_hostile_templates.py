@@ -234,3 +234,43 @@ def test_a_megabytes_prompt_logprobs_answer_is_made_off_the_event_loop(long_worl
         assert block["tokens"][:len(ids)] == [tokenizer.decode([i]) for i in ids]
         assert block["token_logprobs"][0] is None and len(block["top_logprobs"][1]) <= 20
     assert choice["logprobs"]["tokens"] == first["logprobs"]["tokens"][:len(choice["logprobs"]["tokens"])]
+
+
+WORKER_PARENT = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from _serve_helpers import make_tokenizer
+from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget
+
+async def main():
+    templates, tokenizer = ChatTemplates(TemplateBudget(seconds=1000)), make_tokenizer()
+    await templates.render(tokenizer, [{{"role": "user", "content": "hi"}}], None, 1000, "the model's chat template")
+    print(templates._worker.pid, flush=True)
+    tokenizer.chat_template = {loop!r}
+    await templates.render(tokenizer, [{{"role": "user", "content": "hi"}}], None, 1000, "the model's chat template")
+
+asyncio.run(main())
+"""
+
+
+def test_a_busy_template_worker_dies_with_its_server():
+    """The server SIGKILLed (no ``finally`` runs) while its template worker is inside a loop that would run for
+    minutes: the worker is gone within 2 s (the kernel's parent-death signal), not left eating a CPU."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _serve_helpers import wait_gone
+
+    code = WORKER_PARENT.format(tests=str(Path(__file__).parent), loop=LOOP.replace("10000", "100000"))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(0.3)  # inside the loop by now
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        wait_gone([worker], within=2.0)
+    finally:
+        parent.kill()
