@@ -29,9 +29,11 @@ logger = logging.getLogger("lorakit.engine")
 
 
 class AsyncEngine:
-    """See the module docstring. A ``FatalEngineError`` from a step (a tensor-parallel worker gone) ends the thread:
-    every waiting stream and call gets ``EngineDead``, so does everything asked afterwards, ``dead`` says why, and
-    ``on_death`` is called once, from the engine thread."""
+    """See the module docstring. A ``FatalEngineError`` from a step (a tensor-parallel worker gone) ends the thread,
+    and so does any other exception that reaches it (a bug, logged): every waiting stream and call gets
+    ``EngineDead``, so does everything asked afterwards, ``dead`` says why, and ``on_death`` is called once, from the
+    engine thread. No request's delivery can end it: each request's failure is its own (``RequestStream.put``), and a
+    closed event loop's requests are aborted."""
 
     def __init__(self, engine: Engine, on_death: Callable[[], None] | None = None):
         self.engine = engine
@@ -141,7 +143,11 @@ class AsyncEngine:
                 if out.finished:
                     del self._queues[out.request_id]
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # its event loop is closed: nobody reads these requests any more
+                for _, out in items:
+                    self.abort(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         queues, self._queues = self._queues, {}
@@ -153,8 +159,11 @@ class AsyncEngine:
             self._loop.run()
         except FatalEngineError as e:
             self._die(e)
+        except Exception as e:  # noqa: BLE001 - a bug ended the loop: the engine is as dead as after a fatal error
+            logger.error("the engine thread failed", exc_info=e)
+            self._die(e)
 
-    def _die(self, error: FatalEngineError) -> None:
+    def _die(self, error: Exception) -> None:
         """The engine cannot step any more: everything waiting fails with ``EngineDead``, and so will everything
         asked from now on."""
         logger.error("the engine cannot step any more (%s: %s); failing %d requests in flight", type(error).__name__,

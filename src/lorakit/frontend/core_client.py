@@ -6,6 +6,11 @@ answered here, never by a round trip), sends requests and calls, and streams eac
 ``Step`` messages through its ``OutputProcessor`` (text, stop strings; ``frontend.streams``). It watches the core:
 a core that exits is seen at once through its process sentinel (or, for a server that did not start it, its pid),
 and every waiting request gets ``EngineDead``; ``health`` reads the core's beats.
+
+One task reads the core's messages (``_read``), and no request can end it: a failure while one request's output is
+delivered ends that request alone (``RequestStream.put``). Should the reader end anyway (a bug), this server is as
+good as dead and says so as for a dead core: it logs why, fails every request in flight, answers 503, and
+``on_death`` makes it exit non-zero.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import RequestStream
 from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, \
     Step, ToCore
-from lorakit.layers.adapter import AdapterError
 
 __all__ = ["CoreClient"]
 
@@ -73,7 +77,8 @@ class CoreClient:
         self.companions: list = []  # the other API server processes of this core (stopped before it)
         self.on_death: Callable[[], None] | None = None  # called once if the core exits on its own
         self.dead: str | None = None  # why the core is gone, once it is
-        self.crashed = False  # it exited on its own (not stopped)
+        self.crashed = False  # it exited on its own (not stopped), or this server stopped reading it
+        self._core_ends = False  # the core exits on its own (gone, or it said it cannot step): not stopped from here
         self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
         self.kv_tokens, self.max_num_seqs = 0, 0  # from the core's Ready
         self._adapters: dict[str, Adapter] = {}
@@ -163,6 +168,7 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         self._from_core = zmq.asyncio.Socket.from_socket(self._from_core)
         self._reader = loop.create_task(self._read())
+        self._reader.add_done_callback(self._read_ended)
         if self.process is not None:
             loop.add_reader(self.process.sentinel, self._exited)
         else:  # another server started the core (and reaps it when it dies): watch both
@@ -176,15 +182,14 @@ class CoreClient:
             try:
                 os.kill(self.core_pid, 0)
             except ProcessLookupError:
-                self._died(f"the engine core (pid {self.core_pid}) exited")
+                self._died(f"the engine core (pid {self.core_pid}) exited", core_ends=True)
                 return
-        self._died("the server process that started the engine core is gone")
+        self._died("the server process that started the engine core is gone", core_ends=True)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the core: running requests get ``timeout`` seconds, then end (abort); waits for the process."""
         if self.process is None:  # another server's core: it stops it
-            if self._reader is not None:
-                self._reader.cancel()
+            self._stop_reading()
             self._fail_all(EngineDead("the server shut down before this request finished"))
             self._cleanup()
             return
@@ -192,8 +197,8 @@ class CoreClient:
             process.terminate()
         for process in self.companions:
             process.join(40)
-        if self.process.is_alive() and self.dead is None:
-            self.dead = "the server is shutting down"
+        if self.process.is_alive() and not self._core_ends:
+            self.dead = self.dead or "the server is shutting down"
             try:
                 asyncio.get_running_loop().remove_reader(self.process.sentinel)
             except RuntimeError:
@@ -205,10 +210,14 @@ class CoreClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        if self._reader is not None:
-            self._reader.cancel()
+        self._stop_reading()
         self._fail_all(EngineDead("the server shut down before this request finished"))
         self._cleanup()
+
+    def _stop_reading(self) -> None:
+        reader, self._reader = self._reader, None  # None first: ``_read_ended`` then knows it was stopped on purpose
+        if reader is not None:
+            reader.cancel()
 
     def _cleanup(self) -> None:
         for socket in (self._to_core, self._from_core):
@@ -222,15 +231,29 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.process.sentinel)
         self.process.join(1)
-        self._died(f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}")
+        self._died(f"the engine core (pid {self.process.pid}) exited with code {self.process.exitcode}",
+                   core_ends=True)
 
-    def _died(self, reason: str) -> None:
-        """The core is gone, or going (it said so: ``Failed``): everything waiting fails with ``reason``, so does
+    def _read_ended(self, reader: asyncio.Task) -> None:
+        """The reader of the core's messages ended: unless ``stop`` ended it, this server cannot serve any more."""
+        if reader is not self._reader:
+            return
+        error = None if reader.cancelled() else reader.exception()
+        how = "cancelled" if reader.cancelled() else "returned" if error is None else type(error).__name__
+        logger.error("the reader of the engine core's messages ended (%s); this API server cannot serve any more",
+                     how, exc_info=error)
+        self._died("this API server stopped reading the engine core's messages (a bug: its log has the traceback)")
+
+    def _died(self, reason: str, core_ends: bool = False) -> None:
+        """This server cannot serve any more: the core is gone or going (``core_ends``: it exited, or said it cannot
+        step with ``Failed``), or this server stopped reading it. Everything waiting fails with ``reason``, so does
         everything asked from now on, and the server is told, once."""
         if self.crashed:
             return
-        self.dead, self.crashed = reason, True
+        self.dead, self.crashed, self._core_ends = reason, True, core_ends
         logger.error("%s; failing %d requests in flight", reason, len(self._queues))
+        if not core_ends and self._queues:  # the core runs on: it drops them
+            self._send_quietly(Abort(list(self._queues)))
         self._fail_all(EngineDead(f"{reason}; the server restarts, send the request again"))
         if self.on_death is not None:
             self.on_death()
@@ -351,6 +374,12 @@ class CoreClient:
         except zmq.Again:
             raise EngineDead("the engine core is not reading its messages") from None
 
+    def _send_quietly(self, message: ToCore) -> None:
+        try:
+            self._send(message)
+        except (EngineDead, zmq.ZMQError) as e:
+            logger.error("could not tell the engine core (%s)", e)
+
     # The core's messages.
 
     async def _read(self) -> None:
@@ -397,12 +426,13 @@ class CoreClient:
                 roots = [Path(r) for r in message.roots] if message.roots else None
                 try:
                     tokenizer = await asyncio.to_thread(read_tokenizer, facts.ref.name, facts.path, roots)
-                except AdapterError as e:  # read by the core already: only a file changed since
-                    logger.error("adapter %r: its tokenizer could not be read here (%s)", facts.ref.name, e)
+                except Exception as e:  # noqa: BLE001 - the core read it: a file changed since; the reader goes on
+                    logger.error("adapter %r: its tokenizer could not be read here (%s: %s)", facts.ref.name,
+                                 type(e).__name__, e)
                     return
                 self._adapters[facts.ref.name] = Adapter.of(facts, tokenizer)
         elif isinstance(message, Failed):  # its engine cannot step any more: it exits
-            self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}")
+            self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}", core_ends=True)
         elif isinstance(message, Reply):
             future = self._calls.pop(message.call_id, None)
             if future is None or future.done():

@@ -10,17 +10,25 @@ end (a client gone).
 
 Or it is not read at all: ``listen`` hands each processed output (and a failure) to a callable at once, on the pass
 that delivers it, with no wake-up and no task: how the server streams (``serve.state.ServerState.submit``).
+
+A failure while one request's output is delivered (its detokenizing, its listener: a tool parser, a writer) is that
+request's alone: ``put`` never raises. The request ends there with a last output of finish_reason "error" (a 400 for
+its client: ``undeliverable``), is aborted in the engine, and the failure is logged with its id; the pass that
+delivers the other requests' outputs goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Union
 
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
 
-__all__ = ["Listener", "RequestStream"]
+__all__ = ["Listener", "RequestStream", "undeliverable"]
+
+logger = logging.getLogger("lorakit.frontend")
 
 Listener = Callable[[Union[RequestOutput, BaseException]], None]  # an output, or the error that ends the request
 
@@ -41,9 +49,16 @@ class RequestStream:
         self._listener: Listener | None = None
 
     def put(self, out: RequestOutput) -> None:
-        """The engine's next output for this request (on the event loop)."""
+        """The engine's next output for this request (on the event loop). Never raises: a failure here ends this
+        request alone (see the module docstring)."""
         if self._done:
             return
+        try:
+            self._put(out)
+        except Exception as e:  # noqa: BLE001 - any failure: this request's, never the pass that delivers the others'
+            self._broke(e)
+
+    def _put(self, out: RequestOutput) -> None:
         processed = self.processor.process(out)
         if processed.abort:  # a stop string: the engine does not know yet
             self._abort()
@@ -51,11 +66,25 @@ class RequestStream:
         if out is None:
             return
         self._done = out.finished
+        self._give(out)
+
+    def _give(self, out: RequestOutput) -> None:
         if self._listener is not None:
             self._listener(out)
             return
         self._pending = out if self._pending is None else self._pending.merged(out)
         self._wake()
+
+    def _broke(self, error: Exception) -> None:
+        """Delivering an output failed with ``error``: the request gets a last output, finish_reason "error" (given
+        as it is, not processed), is aborted in the engine if it still runs there, and the failure is logged."""
+        request_id = self.processor.request_id
+        logger.error("request %s: delivering its output failed (%s); it ends with an error, the other requests go on",
+                     request_id, type(error).__name__, exc_info=error)
+        self._done = True
+        self._quietly(self._give, RequestOutput(request_id, "", [], True, "error",
+                                                error=undeliverable(request_id, error)))
+        self._quietly(self._abort)  # nothing when the engine had finished it already
 
     def fail(self, error: BaseException) -> None:
         """The request cannot go on (its engine is gone): the reader gets ``error`` after what is pending."""
@@ -63,9 +92,16 @@ class RequestStream:
             self._done, self._error = True, error
             if self._listener is not None:
                 self._error = None
-                self._listener(error)
+                self._quietly(self._listener, error)
                 return
             self._wake()
+
+    def _quietly(self, fn: Callable, *args) -> None:
+        """``fn(*args)`` as this request's end, whose failure can only be logged: its listener or abort is broken."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - nothing more can reach this request; the others go on
+            logger.exception("request %s: ending it failed too", self.processor.request_id)
 
     def listen(self, listener: Listener) -> None:
         """From now on every processed output, and the error of ``fail``, goes to ``listener`` as it comes instead of
@@ -102,3 +138,10 @@ class RequestStream:
             await self._waiter
         out, self._pending = self._pending, None
         return out
+
+
+def undeliverable(request_id: str, error: BaseException) -> str:
+    """What the client of a request whose output could not be delivered is told (with a 400, as vLLM answers a
+    stream that fails): what failed, and the id the server's log names it by."""
+    return (f"the server could not turn this request's output into its response ({type(error).__name__}); its log "
+            f"has it as request {request_id}")

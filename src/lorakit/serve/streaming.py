@@ -14,6 +14,10 @@ protocol), with no task woken and no async generator per event; only a client th
 fed by the stream's own task, its outputs merged meanwhile (one event for all it missed, as ``RequestStream``
 merges them for a reader that falls behind). ``outputs`` reads submitted jobs with ``async for`` instead (a test, a
 server without WRITE_BODY, the non-streamed answers).
+
+An output whose events cannot be made or written (``Push.chunk`` raised: a tool parser on what the model wrote) ends
+its stream alone, on either path: an error event, a 400 as vLLM sends for a stream that fails, then ``[DONE]``; the
+failure is logged with the engine's request id, which the message names.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from lorakit.frontend.streams import undeliverable
 from lorakit.serve.protocol import ApiError
 
 __all__ = ["ConcurrencyLimit", "Push", "Reply", "outputs", "pulled", "respond"]
@@ -76,7 +81,7 @@ async def pulled(push: Push) -> AsyncIterator[dict]:
     for c in push.first:
         yield c
     async for i, out in outputs(push.start, push.jobs):
-        for c in push.chunk(i, out):
+        for c in _chunks(push, i, out):
             yield c
     for c in push.last():
         yield c
@@ -85,7 +90,8 @@ async def pulled(push: Push) -> AsyncIterator[dict]:
 class _Gathered:
     """A listener for submitted jobs (``ServerState.submit``) that keeps their outputs, merged per job, and the first
     error, until ``items`` reads them. ``direct(i, out)``, when given, is offered each output first: True when it
-    took it (written at once), False to keep it."""
+    took it (written at once), False to keep it; what it raises is that output's failure (``_failed``), kept as the
+    error."""
 
     def __init__(self, jobs: int, direct: Callable[[int, Any], bool] | None = None):
         self.pending: dict[int, Any] = {}
@@ -97,10 +103,15 @@ class _Gathered:
             self.errors.append(item)
         else:
             self.left -= item.finished
-            if self.direct is None or not self.direct(i, item):
-                self.pending[i] = item if i not in self.pending else self.pending[i].merged(item)
-            elif self.left > 0:
-                return  # taken, and more to come: nothing for the reader
+            try:
+                taken = self.direct is not None and self.direct(i, item)
+            except Exception as e:  # noqa: BLE001 - this stream's failure, on the pass that delivers the others
+                self.errors.append(_failed(item, e))
+            else:
+                if not taken:
+                    self.pending[i] = item if i not in self.pending else self.pending[i].merged(item)
+                elif self.left > 0:
+                    return  # taken, and more to come: nothing for the reader
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -312,7 +323,7 @@ async def _pushed(reply: Reply, limit: ConcurrencyLimit, writer) -> AsyncIterato
     push, sending = reply.push, True  # sending: an event of this iterator is on its way (nothing may overtake it)
 
     def direct(i: int, item) -> bool:
-        if gathered.pending or sending or not writer.ready():
+        if gathered.pending or gathered.errors or sending or not writer.ready():
             return False
         data = b"".join(event(c) for c in push.chunk(i, item))
         if data:
@@ -328,13 +339,31 @@ async def _pushed(reply: Reply, limit: ConcurrencyLimit, writer) -> AsyncIterato
         try:
             async for i, out in gathered.items():
                 sending = True
-                for c in push.chunk(i, out):
+                for c in _chunks(push, i, out):
                     yield event(c)
                 sending = False
         finally:
             submitted.close()
         for c in push.last():
             yield event(c)
+
+
+def _chunks(push: Push, i: int, out) -> list[dict]:
+    """``push.chunk(i, out)``; its failure raised as the stream's ApiError (``_failed``)."""
+    try:
+        return push.chunk(i, out)
+    except Exception as e:  # noqa: BLE001 - see _failed
+        raise _failed(out, e) from None
+
+
+def _failed(out, error: Exception) -> ApiError:
+    """What ends a stream whose output ``out`` could not be made into events or written: ``error`` itself when it is
+    an ApiError, else a 400 naming the request (``undeliverable``), its traceback logged."""
+    if isinstance(error, ApiError):
+        return error
+    logger.error("request %s: its stream's events could not be made or written (%s); it ends with an error event",
+                 out.request_id, type(error).__name__, exc_info=error)
+    return ApiError(400, undeliverable(out.request_id, error))
 
 
 _encode = msgspec.json.Encoder().encode
