@@ -30,6 +30,7 @@ from lorakit.engine import Engine, EngineConfig
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
 from lorakit.engine.sampling import SamplingParams
+from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.frontend.core_client import CoreClient
 from lorakit.frontend.streams import RequestStream
 from lorakit.frontend.wire import Abort
@@ -259,6 +260,33 @@ def test_a_request_stream_survives_its_own_failures(caplog):
     broken.listen(deaf)
     broken.put(RequestOutput("r-deaf", "", [5], False, None))
     assert heard[-1].finish_reason == "error"  # it was told, and its second failure did not escape either
+
+
+def test_an_event_loop_that_closes_mid_request_does_not_end_the_engine_thread(world):
+    """Embedding code whose event loop ends with a request still running (a stream never read nor closed): its
+    outputs find the loop closed, and the request is aborted; the engine thread serves the next loop (it used to
+    die there, and every later request hung)."""
+    base, tokenizer, _, _ = world
+    engine = AsyncEngine(Engine(copy.deepcopy(base), tokenizer, block_size=4))
+    try:
+        async def leave():
+            await engine.submit("hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        asyncio.run(leave())
+
+        async def again():
+            outs = engine.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True))
+            return await asyncio.wait_for(_last(outs), 30)
+        assert asyncio.run(again()).num_output_tokens == 4
+        wait_for(lambda: not engine.engine._requests, timeout=10)  # the abandoned one was aborted
+        assert engine.dead is None
+    finally:
+        engine.shutdown(5)
+
+
+async def _last(outs):
+    async for out in outs:
+        last = out
+    return last
 
 
 # Should the reader die anyway.
