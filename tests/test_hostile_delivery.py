@@ -189,7 +189,7 @@ def serves_on(live):
 def test_a_tool_parser_that_raises_ends_only_its_own_stream(live, world, monkeypatch, caplog):
     """The tool parser raises RecursionError on a finished output (what 1,500 "[" in a <tool_call> did): the stream
     gets an error event and [DONE] (it used to end the reader of the core's messages: every stream and request on
-    that server hung for good, /health turned 503, nothing was logged)."""
+    that server hung for good, /health turned 503, nothing was logged); not streamed, a 400 (it was a 500)."""
     def raising(self, text):
         raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
     monkeypatch.setattr(ToolCalls, "split", raising)
@@ -200,6 +200,8 @@ def test_a_tool_parser_that_raises_ends_only_its_own_stream(live, world, monkeyp
             got = events(r)
             assert "RecursionError" in got[-1]["error"]["message"] and "choices" in got[0], got
             undelivered(got[-1]["error"], caplog)
+        r = chat(live, stream=False)  # the same failure in a JSON answer: the same 400
+        assert r.status_code == 400 and "RecursionError" in r.json()["error"]["message"], r.text
         assert httpx.get(live.url + "/health").status_code == 200
     monkeypatch.undo()
     serves_on(live)

@@ -140,8 +140,9 @@ class RequestStream:
         return out
 
 
-def undeliverable(request_id: str, error: BaseException) -> str:
+def undeliverable(request_id: str | None, error: BaseException) -> str:
     """What the client of a request whose output could not be delivered is told (with a 400, as vLLM answers a
-    stream that fails): what failed, and the id the server's log names it by."""
-    return (f"the server could not turn this request's output into its response ({type(error).__name__}); its log "
-            f"has it as request {request_id}")
+    stream that fails): what failed, and the id the server's log names it by, when there is one."""
+    where = f"as request {request_id}" if request_id is not None else "with its traceback"
+    return f"the server could not turn this request's output into its response ({type(error).__name__}); its log has " \
+           f"it {where}"

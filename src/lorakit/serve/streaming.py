@@ -17,7 +17,8 @@ server without WRITE_BODY, the non-streamed answers).
 
 An output whose events cannot be made or written (``Push.chunk`` raised: a tool parser on what the model wrote) ends
 its stream alone, on either path: an error event, a 400 as vLLM sends for a stream that fails, then ``[DONE]``; the
-failure is logged with the engine's request id, which the message names.
+failure is logged with the engine's request id, which the message names. A JSON answer that cannot be made from its
+outputs is the same 400.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class _Gathered:
             try:
                 taken = self.direct is not None and self.direct(i, item)
             except Exception as e:  # noqa: BLE001 - this stream's failure, on the pass that delivers the others
-                self.errors.append(_failed(item, e))
+                self.errors.append(_failed(item.request_id, e))
             else:
                 if not taken:
                     self.pending[i] = item if i not in self.pending else self.pending[i].merged(item)
@@ -289,6 +290,9 @@ async def _answer(request: Request, reply: Reply, limit: ConcurrencyLimit):
                 if not done and await request.is_disconnected():
                     task.cancel()
                     return JSONResponse({}, 499)
+            error = task.exception()
+            if error is not None:
+                raise _failed(None, error)
             return task.result()
     finally:
         if task is None:
@@ -353,17 +357,18 @@ def _chunks(push: Push, i: int, out) -> list[dict]:
     try:
         return push.chunk(i, out)
     except Exception as e:  # noqa: BLE001 - see _failed
-        raise _failed(out, e) from None
+        raise _failed(out.request_id, e) from None
 
 
-def _failed(out, error: Exception) -> ApiError:
-    """What ends a stream whose output ``out`` could not be made into events or written: ``error`` itself when it is
-    an ApiError, else a 400 naming the request (``undeliverable``), its traceback logged."""
+def _failed(request_id: str | None, error: BaseException) -> ApiError:
+    """What ends a request whose response could not be made from its outputs (a stream's events made or written;
+    None: a JSON answer, of one or more engine requests): ``error`` itself when it is an ApiError, else a 400
+    (``undeliverable``), its traceback logged."""
     if isinstance(error, ApiError):
         return error
-    logger.error("request %s: its stream's events could not be made or written (%s); it ends with an error event",
-                 out.request_id, type(error).__name__, exc_info=error)
-    return ApiError(400, undeliverable(out.request_id, error))
+    logger.error("request %s: its response could not be made from its outputs (%s); it ends with an error",
+                 request_id or "(a JSON answer)", type(error).__name__, exc_info=error)
+    return ApiError(400, undeliverable(request_id, error))
 
 
 _encode = msgspec.json.Encoder().encode
