@@ -12,9 +12,10 @@ or process. ``compile_grammar`` has a request's structured-output grammar compil
 (never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400.
 ``stats()`` is what the metrics read: plain numbers, as of the last step.
 
-Failure: an engine that cannot step any more (its core process exited, a tensor-parallel worker died) fails every
-request in flight with ``EngineDead`` and every later one too; ``health`` says why, ``crashed`` turns true and
-``on_death`` (the server's: it exits non-zero) is called once.
+Failure: an engine that cannot step any more (its core process exited, a tensor-parallel worker died), or a client
+that can no longer read its outputs (a bug ended its reader), fails every request in flight with ``EngineDead`` and
+every later one too; ``health`` says why, ``crashed`` turns true and ``on_death`` (the server's: it exits non-zero)
+is called once. One request's failure while its outputs are delivered is that request's alone (``RequestStream``).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class EngineClient(Protocol):
 
     def stop(self) -> None: ...
 
-    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None: ...  # ValueError: refused
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None, client: str | None = None
+                              ) -> None: ...  # ValueError: refused (Overloaded: no room now)
 
     def health(self, timeout: float) -> str | None: ...  # why it cannot serve now (None: it can)
 
@@ -178,9 +180,10 @@ class InProcessClient:
         if self.async_engine is not None:
             self.async_engine.shutdown()
 
-    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None, client: str | None = None
+                              ) -> None:
         # on the engine's grammar workers, not its thread
-        await self.engine.grammar(spec, None if adapter is None else adapter.ref).wait_async()
+        await self.engine.grammar(spec, None if adapter is None else adapter.ref, client).wait_async()
 
     def health(self, timeout: float) -> str | None:
         """Why the engine cannot serve now (it failed for good), or None. ``timeout`` is for an engine in another

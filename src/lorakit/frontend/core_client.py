@@ -75,7 +75,7 @@ class CoreClient:
         self.core_pid: int | None = None
         self.process: multiprocessing.process.BaseProcess | None = None  # the core, when this process started it
         self.companions: list = []  # the other API server processes of this core (stopped before it)
-        self.on_death: Callable[[], None] | None = None  # called once if the core exits on its own
+        self.on_death: Callable[[], None] | None = None  # called once when this server cannot serve any more
         self.dead: str | None = None  # why the core is gone, once it is
         self.crashed = False  # it exited on its own (not stopped), or this server stopped reading it
         self._core_ends = False  # the core exits on its own (gone, or it said it cannot step): not stopped from here
@@ -342,11 +342,13 @@ class CoreClient:
         finally:  # closed (and aborted, if unfinished) as soon as this generator is
             outs.close()
 
-    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None) -> None:
+    async def compile_grammar(self, spec: StructuredOutput, adapter: Adapter | None, client: str | None = None
+                              ) -> None:
         """Have the core compile ``spec``'s grammar for ``adapter`` (on a worker there, while it steps): returns
-        once it is compiled, and the requests that use it then find it so; ValueError naming why it is refused."""
+        once it is compiled, and the requests that use it then find it so, in ``client``'s turn; ValueError naming why
+        it is refused (Overloaded: no room now)."""
         await self._call("grammar", {"json": spec.json, "regex": spec.regex, "choice": spec.choice, "lark": spec.lark},
-                         None if adapter is None else adapter.ref)
+                         None if adapter is None else adapter.ref, client)
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""
