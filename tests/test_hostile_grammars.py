@@ -485,3 +485,36 @@ def test_a_full_grammar_queue_is_a_429_at_once(world, monkeypatch):
     finally:
         gate.set()
         live.close()
+
+
+def test_over_http_one_address_cannot_hold_up_anothers_grammar(world, monkeypatch):
+    """The client is the request's peer address: one address's schemas (each holding a worker until released) take
+    one worker at a time, and another address's small schema is answered meanwhile, within a second."""
+    gate, held, built = threading.Event(), set(), []
+    _gated_build(monkeypatch, gate, held, built)
+    live = start(world, adapters=(), engine_options={"max_grammar_seconds": 20.0})
+    try:
+        bodies = [response_format({"type": "object", "properties": {f"h{k}": {"type": "string"}},
+                                   "required": [f"h{k}"]}) for k in range(4)]
+        for body in bodies:
+            held.add(StructuredOutput.json_schema(body["response_format"]["json_schema"]["schema"]).grammar())
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(post, live, body) for body in bodies]  # from 127.0.0.1
+            deadline = time.monotonic() + 30
+            while not built:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.2)
+            start_time = time.monotonic()
+            with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
+                r = other.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+                               | response_format({"type": "object", "properties": {"city": {"type": "string"}},
+                                                  "required": ["city"]}))
+            waited = time.monotonic() - start_time
+            assert r.status_code == 200 and waited < 1.0, (r.status_code, f"{waited:.2f} s", r.text[:200])
+            assert len(built) == 2  # the held address's first compile, and the other's
+            gate.set()
+            assert [a.result().status_code for a in answers] == [200] * 4
+    finally:
+        gate.set()
+        live.close()

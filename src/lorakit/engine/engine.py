@@ -158,7 +158,8 @@ class Engine:
         self.runner = ModelRunner(model, self.handle, **settings, mirror=mirror)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
-        self.grammars = Grammars(self.eos_token_id, config.max_grammar_bytes, config.max_grammar_seconds)
+        self.grammars = Grammars(self.eos_token_id, config.max_grammar_bytes, config.max_grammar_seconds,
+                                 config.max_grammar_queue)
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._flight: _Flight | None = None  # the step queued on the device, not yet resolved (async scheduling)
@@ -247,13 +248,14 @@ class Engine:
             grammar = self.grammar(params.structured_output, adapter).wait()
         return grammar.constraint()
 
-    def grammar(self, spec: StructuredOutput, adapter: AdapterRef | str | None = None) -> Pending:
+    def grammar(self, spec: StructuredOutput, adapter: AdapterRef | str | None = None, client: str | None = None
+                ) -> Pending:
         """``spec`` compiled for ``adapter``'s tokenizer, on a worker thread (see ``Grammars.compile``): returns at
-        once, safe from any thread; ValueError if the engine has no tokenizer."""
+        once, safe from any thread, in ``client``'s turn; ValueError if the engine has no tokenizer."""
         tokenizer = self.tokenizer_for(adapter)
         if tokenizer is None:
             raise ValueError("structured output needs a tokenizer; give the engine one")
-        return self.grammars.compile(spec, tokenizer, self.vocab_size)
+        return self.grammars.compile(spec, tokenizer, self.vocab_size, client)
 
     def tokenizer_for(self, adapter: AdapterRef | str | None):
         """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,

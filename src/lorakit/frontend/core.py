@@ -55,7 +55,7 @@ import msgspec
 import zmq
 
 from lorakit.engine.engine import Engine
-from lorakit.engine.errors import FatalEngineError
+from lorakit.engine.errors import FatalEngineError, Overloaded
 from lorakit.engine.lifeline import die_with_parent, name_process
 from lorakit.engine.loop import EngineLoop
 from lorakit.engine.outputs import RequestOutput
@@ -239,10 +239,11 @@ class _Core:
             try:
                 spec = msgspec.convert(message.args[0], StructuredOutput)
                 adapter = msgspec.convert(message.args[1], AdapterRef | None)
+                client = msgspec.convert(message.args[2], str | None) if len(message.args) > 2 else None
             except (msgspec.ValidationError, ValueError) as e:
                 self.send(Reply(message.call_id, error=("ValueError", str(e))), message.server)
             else:
-                self.compile(message, spec, adapter)
+                self.compile(message, spec, adapter, client)
         elif message.method == "register":
             name, path, roots = message.args
             loop.after(self.reader.submit(engine.read_adapter, name, path, roots),
@@ -264,13 +265,13 @@ class _Core:
             self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
                                         error=str(e)))
 
-    def compile(self, message: Add | Call, spec: StructuredOutput, adapter=None) -> None:
+    def compile(self, message: Add | Call, spec: StructuredOutput, adapter=None, client: str | None = None) -> None:
         """Have ``spec`` compiled on a worker; ``message`` waits for it outside the scheduler."""
         if isinstance(message, Add):
             adapter = message.adapter
             self.compiling.add(message.request_id)
         try:
-            pending = self.engine.grammar(spec, adapter)
+            pending = self.engine.grammar(spec, adapter, client)
         except ValueError as e:  # AdapterError too
             pending = Pending(0.0, str(e))
         if pending.done():  # cached, or refused before any work
@@ -283,15 +284,15 @@ class _Core:
         call answered."""
         try:
             grammar, error = pending.result(), None
-        except ValueError as e:  # GrammarError
-            grammar, error = None, str(e)
+        except ValueError as e:  # GrammarError, Overloaded
+            grammar, error = None, (type(e).__name__ if isinstance(e, Overloaded) else "ValueError", str(e))
         if isinstance(message, Call):
-            self.send(Reply(message.call_id, error=None if error is None else ("ValueError", error)), message.server)
+            self.send(Reply(message.call_id, error=error), message.server)
         elif message.request_id not in self.compiling:  # aborted while it compiled
             return
         elif error is not None:
             self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
-                                        error=error))
+                                        error=error[1]))
         else:
             self.add(message, grammar)
         if isinstance(message, Add):

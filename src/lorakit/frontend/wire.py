@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from lorakit.engine.errors import Overloaded
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
@@ -108,6 +109,7 @@ class Beat(msgspec.Struct, tag=True, array_like=True):
 
 ToCore = Add | Abort | Call
 FromCore = Step | Reply | Adapters | Ready | Failed | Beat
-ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError}  # raised again by kind
+ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError,  # raised again by kind
+          "Overloaded": Overloaded}
 
 

@@ -31,7 +31,7 @@ from lorakit.serve.auth import BearerAuth
 from lorakit.serve.edge import BodyGate
 from lorakit.serve.metrics import CountResponses
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, parse_body
-from lorakit.serve.state import ServeConfig, ServerState
+from lorakit.serve.state import CLIENT, ServeConfig, ServerState
 from lorakit.serve.streaming import respond
 
 __all__ = ["ServeConfig", "create_app"]
@@ -67,6 +67,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
 # Routes: each binds a path to its handler.
 
 async def _state(request: Request) -> ServerState:  # async: FastAPI runs a plain function on a worker thread
+    CLIENT.set(request.client.host if request.client else None)  # (the handler runs in this task: it sees it)
     return request.app.state.server
 
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import time
+from contextvars import ContextVar
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
-from lorakit.engine.errors import EngineDead
+from lorakit.engine.errors import EngineDead, Overloaded
 from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
@@ -36,6 +37,8 @@ from lorakit.serve.streaming import ConcurrencyLimit, outputs
 
 __all__ = ["JobListener", "Result", "ServeConfig", "ServerState", "Submitted"]
 
+CLIENT: ContextVar[str | None] = ContextVar("lorakit_client", default=None)  # who sent the request being handled (its
+# peer address: an API key is the server's one, shared by every client); set by the app for each request
 JobListener = Callable[[int, "RequestOutput | BaseException"], None]  # (job index, an output or the job's error)
 
 INLINE_SIZE = 2048  # prompts up to this many characters (or token ids) are tokenized on the event loop
@@ -351,11 +354,10 @@ class ServerState:
         or one llguidance cannot compile or follow is a 400 naming ``param``, before anything is queued; one the
         engine had no worker for in time, or no room to queue (``Overloaded``), a 429 with Retry-After. The
         request's sequences then find it compiled: each gets a copy of its matcher."""
-        from lorakit.engine.errors import Overloaded
         if spec is None:
             return
         try:
-            await self.engine.compile_grammar(spec, adapter)
+            await self.engine.compile_grammar(spec, adapter, CLIENT.get())
         except Overloaded as e:
             raise ApiError(429, f"{param}: {e}", param, {"Retry-After": str(max(math.ceil(e.retry_after), 1))}) \
                 from None
