@@ -26,6 +26,7 @@ import pytest
 
 import _serve_helpers
 from _serve_helpers import Bystander, LiveServer, build_world
+from test_hostile_requests import wait_for
 from lorakit.engine import Engine, EngineConfig
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
@@ -138,13 +139,6 @@ def bystander(live, world):
         yield b
         assert b.thread.is_alive(), "the Bystander finished before the attack did; the test needs a longer one"
     b.check()
-
-
-def wait_for(condition, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 def post(live, path: str, body: dict, timeout: float = 60) -> httpx.Response:
