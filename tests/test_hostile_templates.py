@@ -15,6 +15,7 @@ import pytest
 import transformers
 
 from _serve_helpers import Bystander, build_world, start
+from test_hostile_requests import slow_steps
 from lorakit.engine.outputs import TokenLogprob
 from lorakit.serve.openai import SLICE, _Logprobs
 from lorakit.serve.protocol import error_status
@@ -42,18 +43,11 @@ def server(world):
 def bystander(live, world, seconds: float = 0.05):
     """A Bystander streaming through the block (steps slowed by ``seconds``: 100 tokens last about 100 * seconds s),
     checked at its end."""
-    engine = live.server.config.app.state.engine
-    step = engine.step
-    engine.step = lambda: (time.sleep(seconds), step())[1]
-    b = Bystander(live, world, max_tokens=100, max_gap=BYSTANDER_GAP)
-    try:
-        with b:
-            while len(b.gaps) < 2 and b.error is None and b.thread.is_alive():
-                time.sleep(0.01)
-            yield b
-            assert b.thread.is_alive(), "the bystander finished before the hostile part did: it overlapped nothing"
-    finally:
-        engine.step = step
+    with slow_steps(live, seconds), Bystander(live, world, max_tokens=100, max_gap=BYSTANDER_GAP) as b:
+        while len(b.gaps) < 2 and b.error is None and b.thread.is_alive():
+            time.sleep(0.01)
+        yield b
+        assert b.thread.is_alive(), "the bystander finished before the hostile part did: it overlapped nothing"
     b.check()
 
 
