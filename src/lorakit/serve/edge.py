@@ -1,6 +1,8 @@
 """The HTTP edge: what a connection may cost the server before a handler sees its request, and what a client sees.
 
-- A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``): it still reads the answer.
+- A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``): it still reads the answer; one
+  that closed its socket altogether is told apart by the reset its system answers to an interim 100, and its request
+  ends.
 - Headers: a connection must deliver a request's headers within ``header_timeout`` seconds of opening (or of its
   previous response) and in at most ``MAX_HEADER_BYTES``, else it gets a 408 / 431 and is closed (an idle one is
   closed without a word). ``guarded_protocol`` subclasses uvicorn's HTTP protocol for this: before a request exists,
@@ -24,6 +26,7 @@ import asyncio
 import json
 import mmap
 import os
+import select
 from pathlib import Path
 
 from fastapi.responses import JSONResponse
@@ -225,6 +228,15 @@ class _Lingering:
         self._loop.call_later(LINGER, transport.close)
 
 
+def _was_reset(sock) -> bool:
+    """Whether the peer reset this connection (poll's hang-up or error; an end of its input alone is neither)."""
+    if sock is None or not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+
 def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (``base``: its h11 or httptools one; default, the one it picks) with the bounds on
     headers of the module docstring.
@@ -268,15 +280,39 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
                                f"{MAX_HEADER_BYTES} bytes; send fewer or shorter headers")
 
         _half_closed = False  # the client ended its side once its request was in: answer it, then close
+        _watch = None  # while half-closed: the timer that looks for the client having gone altogether
 
         def eof_received(self):
             """A client that half-closes (``shutdown(SHUT_WR)``) once its request is in still reads its answer: the
-            connection stays open for the response, then closes. An end anywhere else closes it, as before."""
+            connection stays open for the response, then closes. An end anywhere else closes it, as before.
+
+            A client that closed its socket altogether (one that gave up) ends its side the same way; what tells
+            them apart is what its system does with bytes sent to it: a closed socket answers with a reset. So a
+            request whose answer has not begun is sent an interim ``100 Continue`` (HTTP/1.1 clients skip it), and
+            the socket is watched for the reset (``_watch_gone``): then the connection is lost, as if the client
+            had closed first, and its request ends (499)."""
             cycle = self.cycle
             if cycle is not None and cycle.more_body is False and not cycle.response_complete:
                 self._half_closed = True
+                if not cycle.response_started and cycle.scope.get("http_version") == "1.1":
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    cycle.waiting_for_100_continue = False  # one interim answer, not two
+                self._watch_gone(0.02)
                 return True
             return super().eof_received()
+
+        def _watch_gone(self, delay: float) -> None:
+            """Look again in ``delay`` seconds (then less often, up to each second) whether the half-closed client's
+            socket was reset; if so, drop the connection."""
+            def look():
+                self._watch = None
+                if self.transport.is_closing():
+                    return
+                if _was_reset(self.transport.get_extra_info("socket")):
+                    self.transport.abort()
+                else:
+                    self._watch_gone(min(2 * delay, 1.0))
+            self._watch = self.loop.call_later(delay, look)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -286,9 +322,10 @@ def guarded_protocol(header_timeout: float, base: type[asyncio.Protocol] | None 
             self._await_headers()
 
         def connection_lost(self, exc):
-            if self._clock is not None:
-                self._clock.cancel()
-                self._clock = None
+            for timer in (self._clock, self._watch):
+                if timer is not None:
+                    timer.cancel()
+            self._clock = self._watch = None
             super().connection_lost(exc)
 
         def _await_headers(self) -> None:
