@@ -183,6 +183,53 @@ def test_each_parser_on_recorded_outputs(case):
     assert PARSERS[parser](text) == RECORDED[case]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_an_enforced_call_cut_by_max_tokens_stays_a_call(world, tool_choice):
+    """max_tokens cuts the call: it comes back as the call begun (its name, the arguments generated so far: a prefix
+    of the whole call's), finish_reason "length" and no content, streamed and not."""
+    def bodies(max_tokens):
+        return [ChatBody(model="sql", messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0,
+                         max_tokens=max_tokens, parallel_tool_calls=False, stream=stream) for stream in (False, True)]
+
+    async def run(state, batch):
+        replies = await asyncio.gather(*(openai.chat(b, state) for b in batch))
+        return [[c async for c in r.body] if b.stream else await r.body for r, b in zip(replies, batch)]
+
+    async def body_of(state):
+        whole = (await run(state, bodies(200)))[0]
+        used = whole["usage"]["completion_tokens"]
+        # into the arguments, after the name: "required" ends '}]', the arguments take more than 6 tokens
+        return whole, await run(state, bodies(used // 2 if isinstance(tool_choice, dict) else used - 6))
+
+    whole, (cut, chunks) = run_state(state_of(world), body_of)
+    call = whole["choices"][0]["message"]["tool_calls"][0]["function"]
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == call["name"]
+    arguments = calls[0]["function"]["arguments"]
+    assert call["arguments"].startswith(arguments) and 0 < len(arguments) < len(call["arguments"]), (arguments, call)
+    content, streamed, finish = reassembled(chunks)
+    assert (content, finish) == (None, "length")
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+
+
+def test_a_cut_required_array_keeps_the_calls_whose_name_is_read():
+    from lorakit.serve.tools import ToolCalls
+
+    calling = ToolCalls([WEATHER, TIME], "required", None, "hermes")
+    named = [(c["function"]["name"], c["function"]["arguments"]) for c in calling.begun(
+        '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Pa')]
+    assert named == [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Pa')]
+    assert calling.answer('[{"name": "get_time"', "length")[1][0]["function"] == {"name": "get_time",
+                                                                                 "arguments": ""}
+    for text in ('[{"name": "get_ti', "[", '[{"name": "other", "arguments": {', '["x", {"name": "get_time"',
+                 "[" * 100_000):
+        assert calling.answer(text, "length") == (text, [], "length"), text
+    assert calling.answer('[{"name": "get_time", "arguments": {"zone"', "stop")[1] == []  # only a cut keeps it
+
+
 def test_the_parser_follows_the_chat_template():
     assert parser_for("{{ '<tool_call>' }}") == "hermes" and parser_for("[TOOL_CALLS] {{ x }}") == "mistral"
     assert parser_for("<|python_tag|>{{ y }}") == "llama3_json" and parser_for("{{ tools }}") == "hermes"

@@ -131,16 +131,15 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
         held[k] += out.text
         if not out.finished:
             return []
-        content, calls = calling.split(held[k])
+        content, calls, finish = calling.answer(held[k], out.finish_reason)
         deltas = stream_deltas(content, calls) or [{}]
         return [{"index": k, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas[:-1]] + [
-            {"index": k, "delta": deltas[-1], "logprobs": None, "finish_reason": calling.finish(calls, out.finish_reason)}]
+            {"index": k, "delta": deltas[-1], "logprobs": None, "finish_reason": finish}]
 
     def whole(k: int, r: Result) -> dict:
         message, finish = {"role": "assistant", "content": r.text}, r.finish_reason
         if calling is not None and calling.active:
-            content, calls = calling.split(r.text)
-            message["content"], finish = content, calling.finish(calls, r.finish_reason)
+            message["content"], calls, finish = calling.answer(r.text, r.finish_reason)
             if calls:
                 message["tool_calls"] = calls
         entry = {"index": k, "message": message, "logprobs": block(r), "finish_reason": finish}

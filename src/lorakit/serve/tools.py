@@ -18,7 +18,8 @@ Parsing is linear in the output and never raises: it runs on the path that deliv
 A call comes back as OpenAI gives it: ``message.tool_calls`` (``id``, ``type: "function"``, ``function.name`` and
 ``function.arguments`` as a JSON string), ``finish_reason: "tool_calls"``; streamed, a choice's output is held until
 it ends and then sent as ``delta.tool_calls`` (each call's index, id and name first, then its arguments) after any
-content.
+content. An enforced output cut by ``max_tokens`` keeps the calls begun whose name is known, the last one's arguments
+as generated (partial JSON), with ``finish_reason: "length"`` and no content.
 """
 
 from __future__ import annotations
@@ -269,10 +270,30 @@ class ToolCalls:
             content, calls = text, []
         if any(name not in self.names for name, _ in calls):
             content, calls = text, []
-        return content or None, [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-            for name, arguments in calls]
+        return content or None, _openai_calls(calls)
+
+    def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+        """(content or None, tool_calls, finish_reason) of a finished output: ``split``'s, but an output that
+        "required" or a named function held to calls and ``max_tokens`` cut ("length") keeps the calls begun so far
+        whose name is known (``begun``): content None, finish_reason "length"."""
+        content, calls = self.split(text)
+        if calls or finish_reason != "length" or self.choice not in ("named", "required"):
+            return content, calls, self.finish(calls, finish_reason)
+        begun = self.begun(text)
+        return (None, begun, "length") if begun else (content, calls, finish_reason)
+
+    def begun(self, text: str) -> list[dict]:
+        """OpenAI's tool_calls of an enforced output cut short: for a named function, the call with the text as its
+        arguments; for "required", each whole call of the array and then the cut one once its name is read, with
+        the rest as its arguments (partial JSON, as generated). [] when there is none, or for a function not
+        offered. Linear in the text; never raises (a bug is logged and gives [])."""
+        try:
+            calls = [(self.named, text)] if self.choice == "named" else _begun_array(text)
+        except Exception:  # noqa: BLE001 - on the path that delivers every stream's output: logged, never raised
+            logger.exception("reading the calls of a cut output of %d characters failed; it is sent as content",
+                             len(text))
+            return []
+        return _openai_calls(calls) if all(name in self.names for name, _ in calls) else []
 
     def _parsed(self, text: str) -> tuple[str, list[Call]]:
         if self.choice == "named":
@@ -288,6 +309,48 @@ class ToolCalls:
     def finish(calls: list[dict], finish_reason: str | None) -> str | None:
         """OpenAI's finish_reason: "tool_calls" for a finished answer that holds calls."""
         return "tool_calls" if calls and finish_reason in ("stop", "length") else finish_reason
+
+
+def _openai_calls(calls: list[tuple[str, dict | str]]) -> list[dict]:
+    """OpenAI's tool_calls of (name, arguments): an object as JSON text, a string (a cut call's) as it is."""
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else
+                          json.dumps(arguments, ensure_ascii=False)}} for name, arguments in calls]
+
+
+_ARRAY_OPEN = re.compile(r"[ \t\n\r]*\[")
+_ITEM_GAP = re.compile(r"[ \t\n\r]*,?")
+_NAME_KEY = re.compile(r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:')
+_ARGUMENTS_KEY = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"arguments"[ \t\n\r]*:[ \t\n\r]*')
+
+
+def _begun_array(text: str) -> list[tuple[str, dict | str]]:
+    """The calls of a "required" array cut short: its whole items (name, arguments), then the cut item's (name, the
+    text after its "arguments" key, if any) once its name is whole; [] if a whole item is not a call."""
+    head = _ARRAY_OPEN.match(text)
+    if head is None:
+        return []
+    calls, at = [], head.end()
+    while True:
+        try:
+            item, end = read_json(text, at)
+        except ValueError:
+            break
+        call = _call(item)
+        if call is None:
+            return []
+        calls.append(call)
+        at = _ITEM_GAP.match(text, end).end()
+    key = _NAME_KEY.match(text, at)
+    if key is not None:
+        try:
+            name, end = read_json(text, key.end())
+        except ValueError:
+            return calls
+        arguments = _ARGUMENTS_KEY.match(text, end)
+        if isinstance(name, str):
+            calls.append((name, "" if arguments is None else text[arguments.end():]))
+    return calls
 
 
 def stream_deltas(content: str | None, calls: list[dict]) -> list[dict]:
