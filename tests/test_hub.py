@@ -362,19 +362,40 @@ def test_good_revisions_load_from_the_repo_folder(cache, revision):
 
 
 def test_at_run_time_a_folder_of_an_ids_spelling_wins_only_inside_a_lora_root(cache, tmp_path, monkeypatch):
-    """``org/good`` is the hub repo unless a --lora-root holds that folder: one in the server's working directory
-    elsewhere is neither loaded nor told apart from a missing one."""
+    """``org/good`` is the hub repo unless a --lora-root holds that folder, whatever the server's working directory:
+    one there (outside the roots) is neither loaded nor told apart from a missing one."""
     repo, outside = cache
-    root = tmp_path / "roots"
-    for base in (tmp_path, root):
+    holds, empty = tmp_path / "roots", tmp_path / "empty"
+    empty.mkdir()
+    for base in (tmp_path, holds):
         (base / "org" / "good").mkdir(parents=True)
         for name, content in ADAPTER.items():
             (base / "org" / "good" / name).write_bytes(content)
-    for cwd, expected in [(tmp_path, (repo / "snapshots" / GOOD, [repo.resolve()])),  # org/good lies outside
-                          (root, ((root / "org" / "good").resolve(), None))]:
+    for cwd in (tmp_path, holds):
         monkeypatch.chdir(cwd)
-        status, message, registered = load_hub("org/good", lora_roots=(root,))
-        assert status == 200 and registered == expected, message
+        for roots, expected in [((empty,), (repo / "snapshots" / GOOD, [repo.resolve()])),  # org/good lies outside
+                                ((empty, holds), ((holds / "org" / "good").resolve(), None))]:
+            status, message, registered = load_hub("org/good", lora_roots=roots)
+            assert status == 200 and registered == expected, (cwd, roots, message)
+
+
+def test_a_relative_lora_path_is_taken_inside_the_lora_roots(cache, tmp_path, monkeypatch):
+    """``lora_path`` relative: the first --lora-root where it exists, never the working directory; ``..`` or a link
+    out of a root is outside, as an absolute path there is."""
+    _, outside = cache
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root in (first, second):
+        (root / "mine").mkdir(parents=True)
+        for name, content in ADAPTER.items():
+            (root / "mine" / name).write_bytes(content)
+    (first / "link").symlink_to(outside / "snap")
+    monkeypatch.chdir(outside)  # its "snap" is not looked at: the first root's, missing, is what would load
+    assert load_hub("mine", (first, second))[2] == ((first / "mine").resolve(), None)
+    assert load_hub("./mine", (outside / "snap", second))[2] == ((second / "mine").resolve(), None)
+    assert load_hub("snap", (first, second))[2] == ((first / "snap").resolve(), None)
+    for escape in ("../outside/snap", "mine/../../outside/snap", "link", str(outside / "snap")):
+        status, message, registered = load_hub(escape, (first, second))
+        assert (status, registered) == (403, None) and "outside the allowed --lora-root folders" in message, escape
 
 
 def test_revisions_are_what_git_names_a_commit_branch_or_tag():

@@ -2,8 +2,8 @@
 has them.
 
 Loading from paths is a security boundary: off unless ``allow_runtime_lora``, and then only folders inside
-``lora_roots`` (``confined``: symbolic links resolved, so neither ``..`` nor a link escapes; every file is checked
-again when it is read) or Hugging Face hub ids that an ``allow_lora_repos`` pattern matches (at a revision git could
+``lora_roots`` (``confined``: a relative path is taken inside them; symbolic links resolved, so neither ``..`` nor
+a link escapes; every file is checked again when it is read) or Hugging Face hub ids that an ``allow_lora_repos`` pattern matches (at a revision git could
 name, downloaded into the hub cache and read only from the repo's own folder there: ``lorakit.adapters.hub``), only
 safetensors (the loader never unpickles), only names the pool accepts (``check_name``). The files are read once and
 checked in full off the engine thread; what is served is that snapshot (``lorakit.adapters.snapshot``). A load under
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import os
 from pathlib import Path
 
 from lorakit.adapters.pool import check_name
@@ -93,16 +94,21 @@ def _in_roots(path: str, revision: str | None, roots: list[Path]) -> bool:
 
 def confined(path: str, roots: list[Path]) -> Path:
     """``path`` resolved (links followed) if it and every file in it lie inside one of ``roots``; else ApiError
-    (400 for what is not a path: NUL bytes, more than ``MAX_PATH_CHARS``, a name the system refuses)."""
+    (400 for what is not a path: NUL bytes, more than ``MAX_PATH_CHARS``, a name the system refuses). A relative
+    ``path`` is taken inside the roots, not the server's working directory: under the first root where it exists, else
+    the first root; ``..`` or a link out of it is outside, as for an absolute path."""
     if not roots:
         raise ApiError(403, "runtime loading has no --lora-root to load from", "lora_path")
     if "\0" in path or len(path) > MAX_PATH_CHARS:
         raise ApiError(400, f"lora_path must be a folder path of at most {MAX_PATH_CHARS} characters without NUL "
                             f"bytes, got {len(path)} characters", "lora_path")
     try:
-        resolved = Path(path).expanduser().resolve()
+        roots = [Path(root).expanduser().resolve() for root in roots]
+        given = Path(path).expanduser()
+        if not given.is_absolute():  # under the first root where it exists (a link counts), else the first root
+            given = next((root / given for root in roots if os.path.lexists(root / given)), roots[0] / given)
+        resolved = given.resolve()
         for root in roots:
-            root = Path(root).expanduser().resolve()
             if resolved.is_relative_to(root):
                 if resolved.is_dir() and any(not f.resolve().is_relative_to(root) for f in resolved.iterdir()):
                     break  # a link inside the folder points outside the root
