@@ -206,3 +206,19 @@ def test_an_adapter_the_model_cannot_serve_exits_with_its_message(tmp_path):
 def test_api_servers_auto_is_one_per_four_cores_up_to_four():
     assert [cli.auto_api_servers(cores) for cores in (1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 2, 3, 4, 4]
     assert 1 <= cli.auto_api_servers() <= cli.MAX_API_SERVERS  # this machine's
+
+
+def test_the_log_tells_the_cpus_available_memory_and_sizing_stays_bounded(monkeypatch):
+    """The CPU's free memory was logged as a fixed 4.0 GiB: now MemAvailable, beside the figure sizing reads (at most
+    CPU_MEMORY, so a big machine does not grow the KV cache of a small model)."""
+    from lorakit.engine import engine as engine_module
+
+    cpu = torch.device("cpu")
+    if sys.platform.startswith("linux"):
+        assert engine_module._available_cpu_memory() > 0
+    cap = engine_module.CPU_MEMORY
+    for available, sized in ((512 << 30, cap), (1 << 30, 1 << 30), (None, cap)):
+        monkeypatch.setattr(engine_module, "_available_cpu_memory", lambda: available)
+        assert engine_module._free_memory(cpu) == sized
+        shown = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
+        assert engine_module._free_text(sized, cpu) == f"{shown} available on the CPU, sized from {sized / 2**30:.1f} GiB"

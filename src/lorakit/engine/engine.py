@@ -668,7 +668,23 @@ AUTO_MAX_LORAS = 64  # the most slots "auto" gives: past it an adapter's slot wo
 
 
 def _free_memory(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else CPU_MEMORY
+    """The free memory sizing reads: the GPU's; on the CPU, CPU_MEMORY (or less where less is available), so that
+    the KV cache and slots stay the size one model needs, not a share of the machine's memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return min(CPU_MEMORY, _available_cpu_memory() or CPU_MEMORY)
+
+
+def _available_cpu_memory() -> int | None:
+    """The machine's available memory (Linux's MemAvailable), in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _slot_count(model: nn.Module, config: EngineConfig) -> EngineConfig:
@@ -682,9 +698,18 @@ def _slot_count(model: nn.Module, config: EngineConfig) -> EngineConfig:
     per_slot = max(slot_bytes(model, config.max_rank), 1)
     free = _free_memory(next(model.parameters()).device)
     count = max(1, min(AUTO_MAX_LORAS, int(ADAPTER_SHARE * free) // per_slot))
-    logger.info("max_loras auto: %d slots of %.1f MiB at max_rank=%d (%.1f GiB free)", count, per_slot / 2**20,
-                config.max_rank, free / 2**30)
+    logger.info("max_loras auto: %d slots of %.1f MiB at max_rank=%d (%s)", count, per_slot / 2**20,
+                config.max_rank, _free_text(free, next(model.parameters()).device))
     return dataclasses.replace(config, max_loras=count)
+
+
+def _free_text(free: int, device: torch.device) -> str:
+    """The log's words for ``free`` (what sizing read): on the CPU, the machine's available memory beside it."""
+    if device.type == "cuda":
+        return f"{free / 2**30:.1f} GiB free"
+    available = _available_cpu_memory()
+    shown = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
+    return f"{shown} available on the CPU, sized from {free / 2**30:.1f} GiB"
 
 
 def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.device) -> EngineConfig:
