@@ -221,4 +221,5 @@ def test_the_log_tells_the_cpus_available_memory_and_sizing_stays_bounded(monkey
         monkeypatch.setattr(engine_module, "_available_cpu_memory", lambda: available)
         assert engine_module._free_memory(cpu) == sized
         shown = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
-        assert engine_module._free_text(sized, cpu) == f"{shown} available on the CPU, sized from {sized / 2**30:.1f} GiB"
+        said = engine_module._free_text(sized, cpu)
+        assert said == f"{shown} available on the CPU, sized from {sized / 2**30:.1f} GiB"

@@ -2,13 +2,13 @@
 has them.
 
 Loading from paths is a security boundary: off unless ``allow_runtime_lora``, and then only folders inside
-``lora_roots`` (``confined``: a relative path is taken inside them; symbolic links resolved, so neither ``..`` nor
-a link escapes; every file is checked again when it is read) or Hugging Face hub ids that an ``allow_lora_repos`` pattern matches (at a revision git could
-name, downloaded into the hub cache and read only from the repo's own folder there: ``lorakit.adapters.hub``), only
-safetensors (the loader never unpickles), only names the pool accepts (``check_name``). The files are read once and
-checked in full off the engine thread; what is served is that snapshot (``lorakit.adapters.snapshot``). A load under
-a registered name is a hot-swap: running requests keep their version, and a load that fails leaves the old version
-serving.
+``lora_roots`` (``confined``: a relative path is taken inside them; symbolic links resolved, so neither ``..`` nor a
+link escapes; every file is checked again when it is read) or Hugging Face hub ids that an ``allow_lora_repos``
+pattern matches (at a revision git could name, downloaded into the hub cache and read only from the repo's own
+folder there: ``lorakit.adapters.hub``), only safetensors (the loader never unpickles), only names the pool accepts
+(``check_name``). The files are read once and checked in full off the engine thread; what is served is that snapshot
+(``lorakit.adapters.snapshot``). A load under a registered name is a hot-swap: running requests keep their version,
+and a load that fails leaves the old version serving.
 """
 
 from __future__ import annotations
