@@ -19,6 +19,7 @@ from _tokenizers import bpe_tokenizer
 from lorakit.__main__ import main
 from lorakit.serve import cli
 from lorakit.serve.model import bundled_adapters
+from lorakit.serve.vllm_flags import VLLM_ONLY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,9 +33,11 @@ def lorakit_command(*args, cache):
 
 
 def serve_options() -> list[argparse.Action]:
+    """lorakit serve's own options (vLLM's spellings are docs/vllm-flags.md's: tests/test_vllm_cli.py)."""
     sub = argparse.ArgumentParser().add_subparsers()
     cli.add_parser(sub)
-    return [a for a in sub.choices["serve"]._actions if not isinstance(a, argparse._HelpAction)]
+    return [a for a in sub.choices["serve"]._actions if not isinstance(a, argparse._HelpAction) and a.option_strings
+            and a.option_strings[0] not in VLLM_ONLY]
 
 
 @pytest.fixture(autouse=True)

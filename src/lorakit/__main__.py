@@ -60,22 +60,29 @@ def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     return parser, parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not any(arg in COMMANDS for arg in argv):
-        # --version, --help, or no command (argparse's usage error): answered without importing torch or the server
-        parser, sub = _top_parser()
-        for name, help_ in COMMANDS.items():
-            sub.add_parser(name, help=help_, add_help=False)
-        parser.parse_args(argv)
+def parser() -> argparse.ArgumentParser:
+    """The ``lorakit`` command's parser, with every command's options."""
     from lorakit.serve import cli as serve_cli
 
-    parser, sub = _top_parser()
+    top, sub = _top_parser()
     run = sub.add_parser("demo", help=COMMANDS["demo"])
     run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     serve_cli.add_parser(sub, COMMANDS["serve"])
     serve_cli.add_ray_parser(sub, COMMANDS["serve-ray"])
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not any(arg in COMMANDS for arg in argv):
+        # --version, --help, or no command (argparse's usage error): answered without importing torch or the server
+        top, sub = _top_parser()
+        for name, help_ in COMMANDS.items():
+            sub.add_parser(name, help=help_, add_help=False)
+        top.parse_args(argv)
+    from lorakit.serve import cli as serve_cli
+
+    args = parser().parse_args(argv)
     if args.command == "serve":
         return serve_cli.run(args)
     if args.command == "serve-ray":

@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from lorakit.layers.adapter import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
 from lorakit.serve.model import (bundled_adapters, check_model, load_engine, load_tokenizer, model_folder,
                                  served_name)
+from lorakit.serve.vllm_flags import VLLM_ALIASES, add_vllm_flags
+from lorakit.serve import vllm_flags
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CORES_PER_API_SERVER = 4  # --api-servers auto (docs/serve.md, "Two processes", says why)
@@ -123,6 +125,9 @@ def add_parser(sub, help: str | None = None) -> None:
                    help="API server processes in front of the engine core, sharing --port: HTTP, tokenizing and "
                         f"streaming spread over N cores (default: auto: one per {CORES_PER_API_SERVER} CPU cores this "
                         f"process may use, 1 to {MAX_API_SERVERS}; 1 with --engine-in-process or --port 0)")
+    p.add_argument("--chat-template", metavar="FILE|TEXT",
+                   help="the chat template of the base model and of every adapter without one of its own: a .jinja "
+                        "file, or the template's text (as vLLM takes it) (default: the model's tokenizer's)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="allow POST /v1/load_lora_adapter, for paths inside a --lora-root (default: off)")
     p.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
@@ -172,6 +177,7 @@ def add_ray_parser(sub, help: str | None = None) -> None:
 
 def add_shared_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``lorakit serve`` and ``lorakit serve-ray`` share: model, adapters, engine, address, limits."""
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model takes it (vLLM's spelling)")
     p.add_argument("--model", metavar="PATH|ORG/NAME[@REV]",
                    help="a local transformers model folder (config.json, safetensors weights, tokenizer) or a Hugging "
                         "Face hub id, downloaded once into the hub cache (HF_HOME; HF_HUB_OFFLINE: the cache only); "
@@ -186,11 +192,12 @@ def add_shared_flags(p: argparse.ArgumentParser) -> None:
                         "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json "
                         "and french)")
     add_engine_flags(p)
+    add_vllm_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N (default: %(default)s: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
+    p.add_argument("--dtype", default="auto", choices=DTYPES, type=vllm_flags.dtype,
                    help="the model's dtype (default: %(default)s: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (any case of 'Bearer') on every endpoint but /health and "
@@ -259,21 +266,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     from lorakit.engine.config import EngineConfig
 
     for f in EngineConfig.cli_fields():
-        meta, default = f.metadata, f.default
+        meta, default, aliases = f.metadata, f.default, VLLM_ALIASES.get(f.name, ())
         if isinstance(default, bool):  # a switch that turns on what is off (--compile) or off what is on
             if not default:
                 dest, what = f.name, f"{meta['help']} (default: off)"
             else:
                 dest, what = f"no_{f.name}", meta.get("off") or f"turn off: {meta['help']} (default: on)"
-            p.add_argument(meta["flag"], dest=dest, action="store_true", help=what)
+            p.add_argument(meta["flag"], *aliases, dest=dest, action="store_true", help=what)
         elif meta.get("choices"):
-            p.add_argument(meta["flag"], dest=f.name, choices=meta["choices"], default=default,
+            p.add_argument(meta["flag"], *aliases, dest=f.name, choices=meta["choices"], default=default,
                            metavar=meta["metavar"], help=meta["help"])
         else:
             kind = _positive_float if isinstance(default, float) else _int_at_least(meta.get("min", 1))
             if meta["metavar"].endswith("|auto"):  # "auto" is None: the engine chooses
                 kind = _or_auto(kind)
-            p.add_argument(meta["flag"], dest=f.name, type=kind, default=default,
+            p.add_argument(meta["flag"], *aliases, dest=f.name, type=kind, default=default,
                            metavar=meta["metavar"],
                            help=meta["help"] if default is None else f"{meta['help']} (default: %(default)s)")
 
@@ -289,7 +296,9 @@ def engine_config(args):
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        vllm_flags.model(args)
         config = engine_config(args)
+        template = chat_template(args.chat_template)
         if (args.api_servers or 1) > 1 and args.port == 0:
             raise ValueError("--api-servers N > 1 needs a fixed --port: the servers share it")
         args.api_servers = api_servers(args)
@@ -310,20 +319,57 @@ def run(args) -> int:
     folder, _ = model_folder(args.model)
     build = functools.partial(load_engine, str(folder), device, dtype, config, adapters,
                               cpu_threads=engine_cpu_threads(args.api_servers))
+    tokenizer = functools.partial(templated_tokenizer, folder, template)
     try:
         if args.engine_in_process:
             if args.api_servers > 1:
                 raise ValueError("--api-servers needs the engine core process; drop --engine-in-process")
             engine = build()
+            if template is not None:
+                engine.tokenizer.chat_template = template
         else:
             logging.getLogger("lorakit.serve").info("%d API server process%s (--api-servers)", args.api_servers,
                         "" if args.api_servers == 1 else "es")
-            engine = CoreClient(build, load_tokenizer(folder), servers=args.api_servers)
+            engine = CoreClient(build, tokenizer(), servers=args.api_servers)
             engine.launch()  # the model loads and the graphs are captured in the core before the server listens
     except (ValueError, EngineDead) as e:  # an adapter this model cannot serve (modules, shapes, rank), a limit out
         raise SystemExit(f"lorakit serve: {e}") from None  # of range, or a core that died starting
-    return run_server(engine, served, args.host, args.port, api_servers=args.api_servers,
-                      tokenizer=functools.partial(load_tokenizer, folder))
+    return run_server(engine, served, args.host, args.port, api_servers=args.api_servers, tokenizer=tokenizer)
+
+
+def chat_template(given: str | None) -> str | None:
+    """--chat-template's template (None: not given): a file's text, else the text itself (with backslash escapes read
+    as vLLM reads them), checked to be Jinja; ValueError naming the flag when it is neither."""
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {given}: the file cannot be read as text ({e}); give a readable .jinja "
+                             f"file or the template itself") from None
+    elif not any(c in given for c in "{}\n"):  # vLLM's test: no Jinja in it, so a path was meant
+        raise ValueError(f"--chat-template {given!r}: no such file; give a .jinja file or the template's text")
+    else:
+        text = given.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {e.message} (line {e.lineno}); fix the "
+                         f"template") from None
+    return text
+
+
+def templated_tokenizer(folder, template: str | None):
+    """The model folder's tokenizer, with ``template`` (--chat-template) as its chat template when given. A
+    module-level function, so that each API server process can be given it (pickled)."""
+    tokenizer = load_tokenizer(folder)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def engine_cpu_threads(api_servers: int, cores: int | None = None) -> int:
@@ -376,6 +422,7 @@ def run_ray(args) -> int:
     """``lorakit serve-ray``: every option checked here, then Ray, the proxy on --host:--port and the replicas."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        vllm_flags.model(args)
         config = engine_config(args)
         name = resolve_hub_ids(args)
         adapters = check_options(args)
