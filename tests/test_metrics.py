@@ -274,8 +274,11 @@ def test_an_engines_stale_stats_name_no_adapter_that_is_gone():
         pid=1, running=0, waiting=0, steps=5, step_seconds=0.1, gpu_seconds=0.0,
         loads_by_adapter={"sql": 1, "gone": 1}, evictions_by_adapter={"gone": 1},
         residency={"sql": "gpu", "gone": "disk"}, prefix_prompt_tokens={"": 8, "sql": 4, "gone": 4},
-        prefix_cached_tokens={"gone": 2}, prefix_cached_blocks=0, prefix_evictions=0)
+        prefix_cached_tokens={"gone": 2}, prefix_cached_blocks=0, prefix_evictions=0,
+        running_by_adapter={"": 1, "sql": 1, "gone": 1}, waiting_by_adapter={"gone": 2}, kv_usage=0.5, max_loras=2)
     engine = SimpleNamespace(adapters={"sql": object()}, stats=lambda: stats)
     text = Metrics(engine, "tiny").render().decode()
     assert 'adapter="sql"' in text and 'adapter="tiny"' in text
     assert 'adapter="gone"' not in text
+    lora = next(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{"))
+    assert lora.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""}')

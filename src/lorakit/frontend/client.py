@@ -57,6 +57,12 @@ class EngineStats:
     prefix_cached_tokens: dict[str, int] = field(default_factory=dict)
     prefix_cached_blocks: int = 0  # KV blocks registered in the prefix cache (held or not)
     prefix_evictions: int = 0  # cached blocks evicted to make room
+    # the requests running and waiting, by adapter ("" for the base model); the share of KV blocks requests hold; the
+    # GPU adapter slots (max_loras): what routers that read vLLM's metrics ask of a server
+    running_by_adapter: dict[str, int] = field(default_factory=dict)
+    waiting_by_adapter: dict[str, int] = field(default_factory=dict)
+    kv_usage: float = 0.0
+    max_loras: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,7 +238,21 @@ def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps:
               if name is None or name in residency}
     loads, evictions = ({k: v for k, v in counts.copy().items() if k in residency}
                         for counts in (pool.stats.loads_by_adapter, pool.stats.evictions_by_adapter))
-    return EngineStats(os.getpid(), len(engine.scheduler.running), len(engine.scheduler.waiting), steps,
+    running, waiting = list(engine.scheduler.running), list(engine.scheduler.waiting)  # copies: the engine's change
+    blocks = engine.blocks
+    return EngineStats(os.getpid(), len(running), len(waiting), steps,
                        step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)), loads, evictions, residency,
                        {k: v[0] for k, v in prefix.items()}, {k: v[1] for k, v in prefix.items()},
-                       engine.blocks.num_cached, engine.blocks.evictions)
+                       blocks.num_cached, blocks.evictions, _by_adapter(running, residency),
+                       _by_adapter(waiting, residency), 1.0 - blocks.num_free / blocks.num_blocks,
+                       engine.config.max_loras or 0)
+
+
+def _by_adapter(requests, registered) -> dict[str, int]:
+    """How many of ``requests`` use each adapter registered now ("": the base model)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        name = request.adapter or ""
+        if not name or name in registered:
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -5,6 +5,9 @@ FastAPI's validation, the API-key check, the router's 404 and 405), under the ro
 "unmatched". Generation is counted per adapter (the base model under its served name) by ``Metrics.request``.
 Adapter loads, evictions and residency, and the engine's gauges, are read when scraped, without a lock.
 
+The engine's load is also exported under vLLM's names (``vllm:num_requests_running``, ``vllm:lora_requests_info``, ...),
+as the routers that pick a server by them read them (the Gateway API Inference Extension, llm-d): see docs/metrics.md.
+
 The series are bounded by the adapters registered now: an adapter's series go when it is unregistered
 (``Metrics.prune``, at each unregister and each scrape), and a scrape shows no series of an adapter that is gone
 (with several API server processes, whose values live in files, they are left out of the answer).
@@ -184,7 +187,45 @@ class _EngineCollector:
             for t in TIERS:
                 resident.add_metric([adapter, t], float(t == tier))
         yield resident
+        yield from self._load(stats)
+        yield from self._vllm(stats)
 
+    def _load(self, stats):
+        """Requests running and waiting by adapter, the KV cache's usage, the GPU adapter slots."""
+        for name, counts, help_ in (
+            ("lorakit_adapter_requests_running", stats.running_by_adapter, "Requests being generated, by adapter"),
+            ("lorakit_adapter_requests_waiting", stats.waiting_by_adapter, "Requests waiting for a batch, by adapter"),
+        ):
+            family = GaugeMetricFamily(name, help_, labels=["adapter"])
+            for key, n in sorted(counts.items()):
+                family.add_metric([key or self.base_label], n)
+            yield family
+        yield GaugeMetricFamily("lorakit_kv_cache_usage", "Share of the KV cache's blocks held by requests (0..1)",
+                                value=stats.kv_usage)
+        yield GaugeMetricFamily("lorakit_max_loras", "GPU adapter slots: adapters that can run in one batch",
+                                value=stats.max_loras)
+
+    def _vllm(self, stats):
+        """vLLM's series that LoRA-aware routers read, with vLLM's labels: the load gauges by ``model_name`` (the
+        served name) and ``engine``, and ``vllm:lora_requests_info``, one sample whose value is the time of the
+        scrape (a router takes the sample with the largest) and whose labels list the adapters of the running and
+        the waiting requests (comma-separated, registered ones only) and the GPU slots."""
+        for name, help_, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches", stats.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed", stats.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", stats.kv_usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name). 1 means 100 percent usage",
+             stats.kv_usage),
+        ):
+            family = GaugeMetricFamily(name, help_, labels=["model_name", "engine"])
+            family.add_metric([self.base_label, "0"], value)
+            yield family
+        registered = self.engine.adapters
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(stats.max_loras), _names(stats.running_by_adapter, registered),
+                         _names(stats.waiting_by_adapter, registered)], time.time())
+        yield info
 
     def _prefix(self, stats):
         """The prefix cache: prompt tokens and those served from the cache, by adapter; hit rates; blocks; evictions."""
@@ -211,6 +252,11 @@ class _EngineCollector:
                                 value=stats.prefix_cached_blocks)
         yield CounterMetricFamily("lorakit_prefix_cache_evictions", "Cached KV blocks evicted to make room",
                                   value=stats.prefix_evictions)
+
+def _names(counts: dict[str, int], registered) -> str:
+    """The adapters of ``counts`` registered now, comma-separated as vLLM lists them (the base model, "", left out)."""
+    return ",".join(sorted(name for name in counts if name and name in registered))
+
 
 def observe(histogram, value: float, times: int) -> None:
     """``histogram.observe(value)`` ``times`` times, in one update of its bucket and sum (an output that carries
