@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP server over the engine: the adapter is the request's ``model`` field.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (as vLLM has them), ``POST /generate`` (as SGLang has
-it), ``GET /health``, ``GET /metrics`` (Prometheus). This file only assembles them: a route binds a path to its
-handler (openai.py, sglang.py, adapters.py: plain functions of the validated body and the ServerState), and
+``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, ``POST /tokenize`` / ``/detokenize`` and
+``GET /tokenizer_info`` (as vLLM has them), ``POST /generate`` (as SGLang has it), ``GET /health``, ``GET /metrics``
+(Prometheus). This file only assembles them: a route binds a path to its handler (openai.py, sglang.py, adapters.py,
+tokenize.py: plain functions of the validated body and the ServerState), and
 ``streaming.respond`` sends the handler's reply. Whatever fails, the client gets an error in OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}`` (``ApiError.body``), and other requests are not disturbed. What
 a request may cost before its handler runs (its headers, its body, all bodies in flight, the API key) is edge.py's
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lorakit
 from lorakit.engine import Engine
-from lorakit.serve import adapters, openai, sglang
+from lorakit.serve import adapters, openai, sglang, tokenize
 from lorakit.serve.auth import BearerAuth
 from lorakit.serve.edge import BodyGate
 from lorakit.serve.metrics import CountResponses
@@ -123,7 +124,9 @@ ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/ve
           ("GET", "/v1/models", models), ("GET", "/v1/models/{model_id:path}", model),
           ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat),
           ("POST", "/generate", generate), ("POST", "/v1/load_lora_adapter", load_lora_adapter),
-          ("POST", "/v1/unload_lora_adapter", unload_lora_adapter)]
+          ("POST", "/v1/unload_lora_adapter", unload_lora_adapter),
+          ("POST", "/tokenize", tokenize.tokenize_route), ("POST", "/detokenize", tokenize.detokenize_route),
+          ("GET", "/tokenizer_info", tokenize.tokenizer_info_route)]
 
 
 # Errors: every one is an ApiError, in OpenAI's shape.
