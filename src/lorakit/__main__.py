@@ -72,8 +72,51 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+HELP_COLUMNS = 100  # the width the saved help is written at (lorakit/_help.py)
+
+
+def command_help(command: str) -> str:
+    """``lorakit COMMAND --help`` as the full parser writes it, at HELP_COLUMNS (imports the server: slow)."""
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"COLUMNS": str(HELP_COLUMNS)}):
+        top = parser()
+        sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+        return sub.choices[command].format_help()
+
+
+def write_saved_help() -> None:
+    """Rewrite lorakit/_help.py from the parser: ``python -m lorakit --write-help`` after changing an option."""
+    from pathlib import Path
+
+    saved = {name: command_help(name) for name in ("serve", "serve-ray")}
+    body = "".join(f"    {name!r}: {text!r},\n" for name, text in saved.items())
+    Path(__file__).with_name("_help.py").write_text(
+        '"""``lorakit serve --help`` and ``lorakit serve-ray --help``, saved so that they answer without importing '
+        'torch.\nWritten by ``python -m lorakit --write-help``; tests/test_cli.py checks it against the parser."""\n\n'
+        f"PYTHON = {tuple(sys.version_info[:2])!r}  # argparse's layout differs between Python versions\n"
+        "HELP = {\n" + body + "}\n")
+
+
+def saved_help(argv: list[str]) -> str | None:
+    """The saved help of ``lorakit serve`` or ``serve-ray`` when ``argv`` asks for it and this Python lays it out as
+    the one that saved it, else None (the parser answers)."""
+    if argv and argv[0] in ("serve", "serve-ray") and ("-h" in argv or "--help" in argv):
+        from lorakit._help import HELP, PYTHON
+
+        return HELP[argv[0]] if PYTHON == sys.version_info[:2] else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--write-help"]:
+        write_saved_help()
+        return 0
+    if (text := saved_help(argv)) is not None:  # answered without importing torch or the server, as argparse would
+        print(text, end="")
+        raise SystemExit(0)
     if not any(arg in COMMANDS for arg in argv):
         # --version, --help, or no command (argparse's usage error): answered without importing torch or the server
         top, sub = _top_parser()
