@@ -91,7 +91,8 @@ def write_saved_help() -> None:
     from pathlib import Path
 
     saved = {name: command_help(name) for name in ("serve", "serve-ray")}
-    body = "".join(f"    {name!r}: {text!r},\n" for name, text in saved.items())
+    body = "".join(f"    {name!r}: (\n" + "".join(f"        {line!r}\n" for line in text.splitlines(keepends=True))
+                   + "    ),\n" for name, text in saved.items())  # a line of source per line of help: readable diffs
     Path(__file__).with_name("_help.py").write_text(
         '"""``lorakit serve --help`` and ``lorakit serve-ray --help``, saved so that they answer without importing '
         'torch.\nWritten by ``python -m lorakit --write-help``; tests/test_cli.py checks it against the parser."""\n\n'
