@@ -47,7 +47,7 @@ HELP = {
         '                        register a PEFT adapter folder (adapter_config.json +\n'
         '                        adapter_model.safetensors) or hub id (downloaded once, as --model);\n'
         '                        repeatable (default: none; with neither --model nor --lora, the bundled\n'
-        '                        demo adapters pirate, json and french)\n'
+        '                        demo adapters pirate, json, french and tools)\n'
         '  --max-loras N|auto    adapters resident on the device at once; any number can be registered\n'
         "                        (default: auto, as many as a tenth of the device's free memory holds at\n"
         '                        max_rank, 1 to 64; see docs/engine.md)\n'
@@ -238,7 +238,7 @@ HELP = {
         '                        register a PEFT adapter folder (adapter_config.json +\n'
         '                        adapter_model.safetensors) or hub id (downloaded once, as --model);\n'
         '                        repeatable (default: none; with neither --model nor --lora, the bundled\n'
-        '                        demo adapters pirate, json and french)\n'
+        '                        demo adapters pirate, json, french and tools)\n'
         '  --max-loras N|auto    adapters resident on the device at once; any number can be registered\n'
         "                        (default: auto, as many as a tenth of the device's free memory holds at\n"
         '                        max_rank, 1 to 64; see docs/engine.md)\n'

@@ -189,8 +189,8 @@ def add_shared_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH|ORG/NAME[@REV]",
                    help="register a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or hub id "
                         "(downloaded once, as --model); repeatable "
-                        "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json "
-                        "and french)")
+                        "(default: none; with neither --model nor --lora, the bundled demo adapters pirate, json, "
+                        "french and tools)")
     add_engine_flags(p)
     add_vllm_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")

@@ -55,7 +55,11 @@ def default_model_folder() -> Path:
     """The bundled model as a safetensors folder, converted on first use."""
     folder = _converted()
     if (folder / "config.json").is_file():
-        _write_template(folder)  # a folder converted before lorakit shipped its template gets it too
+        try:
+            _write_template(folder)  # a folder converted before lorakit shipped its template gets it too
+        except OSError as e:  # a read-only cache still serves, with the template it has
+            logger.warning("could not write the bundled chat template (tool calling) into %s: %s; make the folder "
+                           "writable, or pass --chat-template %s", folder, e, TOOLS_TEMPLATE)
         return folder
     check_model(None)
     gguf = bundled_gguf()
