@@ -382,4 +382,8 @@ def run_fleet(config: FleetConfig, host: str = "127.0.0.1", port: int = 8000, *,
     if not ray.is_initialized():
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     serve.start(http_options={"host": host, "port": port})
-    return serve.run(build_app(config), name="lorakit", route_prefix="/", blocking=blocking)
+    try:
+        return serve.run(build_app(config), name="lorakit", route_prefix="/", blocking=blocking)
+    except KeyboardInterrupt:  # Ctrl-C, once the fleet runs or while it still starts: stopped, without a traceback
+        serve.shutdown()
+        return None
