@@ -23,13 +23,14 @@ from lorakit.ops._checks import (
 
 @triton.jit
 def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-            SPLIT_K: tl.constexpr):
-    """Columns r0 .. r0 + BLOCK_R of h for a tile of rows: the sum of the split-K partials, zero past rank."""
+            SPLIT_K: tl.constexpr, H_CACHE: tl.constexpr):
+    """Columns r0 .. r0 + BLOCK_R of h for a tile of rows: the sum of the split-K partials, zero past rank. H_CACHE:
+    the loads' cache modifier (".cg", past L1, where h was written by other programs of the same launch)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     hv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for kk in tl.static_range(SPLIT_K):
         hv += tl.load(h_rows + kk * stride_hk + offs_r[None, :],
-                      mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+                      mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0, cache_modifier=H_CACHE)
     return hv
 
 
@@ -37,7 +38,8 @@ def _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M: tl.constexpr, BLOCK_R:
 def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                     stride_hk, stride_bn, stride_br, stride_yn, stride_dk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr, DORA: tl.constexpr):
+                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HOIST: tl.constexpr, DORA: tl.constexpr,
+                    H_CACHE: tl.constexpr):
     """y[rows, n_lo:n_hi] += scale * h[rows, :rank] @ B[n_lo:n_hi, :rank].T, BLOCK_N columns a step.
 
     HOIST (rank <= BLOCK_R): h is loaded once and only B and y stream through the pipelined loop.
@@ -45,7 +47,7 @@ def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_m
     DORA (1: a gain, 2: a gain and a shift, at d_base and d_base + stride_dk): the sum v becomes
     v + gain * v + shift, column by column."""
     if HOIST:
-        hv = _load_h(h_rows, 0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K)
+        hv = _load_h(h_rows, 0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K, H_CACHE)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
@@ -69,7 +71,7 @@ def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_m
         else:
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
-                hc = _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K)
+                hc = _load_h(h_rows, r0, rank, stride_hk, m_mask, BLOCK_M, BLOCK_R, SPLIT_K, H_CACHE)
                 bv = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
                              mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)
                 acc = dot(hc, bv, acc, IEEE)
@@ -82,26 +84,16 @@ def _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_m
 
 
 @triton.jit
-def _expand_kernel(
+def _expand_program(
     Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr,
-    R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS,
-    stride_hk, stride_hi, stride_ht,
-    stride_bs, stride_bn, stride_br,
-    stride_rs, stride_ri,
-    stride_ss, stride_si,
-    stride_tiles,
-    stride_ds, stride_dk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, DORA: tl.constexpr,
+    R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS, pid_g, pid_tile, slice_id,
+    stride_hk, stride_hi, stride_ht, stride_hs, stride_bs, stride_bn, stride_br, stride_rs, stride_ri,
+    stride_ss, stride_si, stride_tiles, stride_ds, stride_dk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, DORA: tl.constexpr,
+    H_CACHE: tl.constexpr,
 ):
-    # Launched while the kernel before (the shrink) may still run: wait for it before the first load. No early
-    # trigger for the kernel after: a PDL shrink that started beside this kernel would take its SMs.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice.
-    pid_g = tl.program_id(0)
-    pid_tile = tl.program_id(1)
-    slice_id = tl.program_id(2)
+    """One program's share of the expand: the delta of tile ``pid_tile`` added to columns pid_g*COLS ..
+    (pid_g+1)*COLS of slice ``slice_id``."""
     # Slice i writes its own output Y_i (row stride SYT_i, N_i columns) from columns lo.. of B.
     y_ptr, stride_yt, lo, size = slice_output(slice_id, Y0, Y1, Y2, Y3, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3)
     n_lo = pid_g * COLS
@@ -119,7 +111,7 @@ def _expand_kernel(
         m_mask = offs_m < end
         tok = tl.load(order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         y_rows = y_ptr + tok[:, None] * stride_yt
-        h_rows = h_ptr + slice_id * stride_hi + tok[:, None] * stride_ht
+        h_rows = h_ptr + slot.to(tl.int64) * stride_hs + slice_id * stride_hi + tok[:, None] * stride_ht
         b_base = b_ptr + slot.to(tl.int64) * stride_bs + lo * stride_bn
         d_base = d_ptr + slot.to(tl.int64) * stride_ds + lo
         # The rank block follows this slot's rank: bytes stop at the rank, FLOPs at the next of 16, 32,
@@ -127,23 +119,49 @@ def _expand_kernel(
         if rank <= 16:
             _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1, stride_dk,
-                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True, DORA)
+                            BLOCK_M, BLOCK_N, 16, SPLIT_K, IEEE, True, DORA, H_CACHE)
         elif rank <= 32:
             _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1, stride_dk,
-                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True, DORA)
+                            BLOCK_M, BLOCK_N, 32, SPLIT_K, IEEE, True, DORA, H_CACHE)
         elif rank <= 64:
             _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1, stride_dk,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True, DORA)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, True, DORA, H_CACHE)
         elif rank <= 128:
             _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1, stride_dk,
-                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True, DORA)
+                            BLOCK_M, BLOCK_N, 128, SPLIT_K, IEEE, True, DORA, H_CACHE)
         else:
             _expand_columns(y_rows, h_rows, b_base, d_base, n_lo, n_hi, rank, scale, m_mask,
                             stride_hk, stride_bn, stride_br, 1, stride_dk,
-                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False, DORA)
+                            BLOCK_M, BLOCK_N, 64, SPLIT_K, IEEE, False, DORA, H_CACHE)
+
+
+@triton.jit
+def _expand_kernel(
+    Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr,
+    R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS,
+    stride_hk, stride_hi, stride_ht, stride_hs,
+    stride_bs, stride_bn, stride_br,
+    stride_rs, stride_ri,
+    stride_ss, stride_si,
+    stride_tiles,
+    stride_ds, stride_dk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, DORA: tl.constexpr,
+):
+    # Launched while the kernel before (the shrink) may still run: wait for it before the first load. No early
+    # trigger for the kernel after: a PDL shrink that started beside this kernel would take its SMs.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # Program (g, tile, slice) adds the delta of one tile of tokens to columns g*COLS .. (g+1)*COLS of one slice.
+    _expand_program(Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr,
+                    R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS,
+                    tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    stride_hk, stride_hi, stride_ht, stride_hs, stride_bs, stride_bn, stride_br, stride_rs, stride_ri,
+                    stride_ss, stride_si, stride_tiles, stride_ds, stride_dk,
+                    BLOCK_M, BLOCK_N, SPLIT_K, IEEE, DORA, "")
 
 
 # Launch configuration by the metadata's block_m (decode tiles of 16 tokens, prefill tiles of 64).
@@ -156,10 +174,12 @@ EXPAND_CONFIGS = {
 
 
 def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, pdl: bool = False,
-                   sms: int | None = None, dora: torch.Tensor | None = None) -> None:
+                   sms: int | None = None, dora: torch.Tensor | None = None, h_slot_stride: int = 0) -> None:
     """Launch the expand kernel: ys[i] += the delta of slice i (then DoRA's rescale where ``dora`` is given).
     ``pdl``: launched with programmatic dependent launch where the device supports it; the grid is sized for
-    ``sms`` SMs (default: the device's)."""
+    ``sms`` SMs (default: the device's). ``h_slot_stride``: elements between slots' rows of h, 0 for the shrink's
+    partials (one row per token); a slot's own columns of one wide h otherwise (h computed for every slot at
+    once, e.g. by a GEMM over every slot's A: bench_structures)."""
     num_tokens = ys[0].shape[0]
     if num_tokens == 0:
         return
@@ -179,7 +199,7 @@ def _launch_expand(ys, h, B, ranks, scales, token_order, tiles, block_m: int, pd
     _expand_kernel[grid](
         *ys, *[ys[0]] * pad, h, B, ranks, scales, token_order, tiles, B if dora is None else dora,
         r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols,
-        h.stride(0), h.stride(1), h.stride(2),
+        h.stride(0), h.stride(1), h.stride(2), h_slot_stride,
         B.stride(0), B.stride(1), B.stride(2),
         ranks.stride(0), ranks.stride(1),
         scales.stride(0), scales.stride(1),

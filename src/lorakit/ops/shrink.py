@@ -19,27 +19,13 @@ from lorakit.ops._checks import (
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr, a_ptr, h_ptr, ranks_ptr, order_ptr, tiles_ptr,
-    K, R_MAX,
-    stride_xt,
-    stride_as, stride_ai, stride_ar,
-    stride_hk, stride_hi, stride_ht,
-    stride_rs, stride_ri,
-    stride_tiles,
-    BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+def _shrink_program(
+    x_ptr, a_ptr, h_ptr, ranks_ptr, order_ptr, tiles_ptr, K, R_MAX, pid_r, pid_tile, sub, pid_k,
+    stride_xt, stride_as, stride_ai, stride_ar, stride_hk, stride_hi, stride_ht, stride_rs, stride_ri, stride_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    if PDL:  # launched while the kernel before may still run: wait for it
-        tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # the expand (launched with PDL) may start now, and wait for this kernel's end
-        tl.extra.cuda.gdc_launch_dependents()
-    # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
-    # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
-    pid_r = tl.program_id(0)
-    pid_tile = tl.program_id(1) // SUB_TILES
-    sub = tl.program_id(1) % SUB_TILES
-    pid_k = tl.program_id(2)
+    """One program's share of the shrink: BLOCK_R rank columns (``pid_r``: slice and rank block) of block ``sub`` of
+    tile ``pid_tile``, over split ``pid_k`` of K."""
     n_rblocks = tl.cdiv(R_MAX, BLOCK_R)
     slice_id = pid_r // n_rblocks
     r0 = (pid_r % n_rblocks) * BLOCK_R
@@ -72,6 +58,30 @@ def _shrink_kernel(
     # and rank padding, so the output is fully defined without a memset.
     h_ptrs = h_ptr + pid_k * stride_hk + slice_id * stride_hi + tok[:, None] * stride_ht + offs_r[None, :]
     tl.store(h_ptrs, acc, mask=m_mask[:, None] & (offs_r < R_MAX)[None, :])
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, h_ptr, ranks_ptr, order_ptr, tiles_ptr,
+    K, R_MAX,
+    stride_xt,
+    stride_as, stride_ai, stride_ar,
+    stride_hk, stride_hi, stride_ht,
+    stride_rs, stride_ri,
+    stride_tiles,
+    BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+):
+    if PDL:  # launched while the kernel before may still run: wait for it
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # the expand (launched with PDL) may start now, and wait for this kernel's end
+        tl.extra.cuda.gdc_launch_dependents()
+    # Axis 0 (fastest) runs over (slice, rank block), so the programs that share a tile of x run together.
+    # Axis 1 runs over tiles, each cut into SUB_TILES blocks of BLOCK_M rows for more parallelism.
+    _shrink_program(x_ptr, a_ptr, h_ptr, ranks_ptr, order_ptr, tiles_ptr, K, R_MAX,
+                    tl.program_id(0), tl.program_id(1) // SUB_TILES, tl.program_id(1) % SUB_TILES, tl.program_id(2),
+                    stride_xt, stride_as, stride_ai, stride_ar, stride_hk, stride_hi, stride_ht, stride_rs, stride_ri,
+                    stride_tiles, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, IEEE)
 
 
 def _block_r(r_max: int) -> int:
