@@ -36,6 +36,7 @@ GROUPS = {  # name: (in_features, slice widths)
 }
 RANK = 16
 DT = torch.bfloat16
+DEVICE = "cuda"
 
 
 class Group:
@@ -48,13 +49,13 @@ class Group:
         self.widths, self.n, self.k = widths, n, k
 
         def rand(*shape, std):
-            return (torch.randn(*shape, generator=gen) * std).to(device="cuda", dtype=DT)
+            return (torch.randn(*shape, generator=gen) * std).to(device=DEVICE, dtype=DT)
 
         self.weight = rand(n, k, std=k ** -0.5)
         self.A = rand(slots, len(widths), RANK, k, std=k ** -0.5)
         self.B = rand(slots, RANK, n, std=RANK ** -0.5)  # stored [S, R, out], read as B.transpose(1, 2)
-        self.ranks = torch.full((slots, len(widths)), RANK, dtype=torch.int32, device="cuda")
-        self.scales = torch.full((slots, len(widths)), 2.0, dtype=torch.float32, device="cuda")
+        self.ranks = torch.full((slots, len(widths)), RANK, dtype=torch.int32, device=DEVICE)
+        self.scales = torch.full((slots, len(widths)), 2.0, dtype=torch.float32, device=DEVICE)
         self.ext = torch.cat([self.weight, self.A.reshape(-1, k)]) if ext else None
 
     def h_view(self, y_ext: torch.Tensor) -> torch.Tensor:
@@ -135,8 +136,8 @@ class Layer:
     def __init__(self, slots: int, seed: int, ext: bool):
         gen = torch.Generator().manual_seed(seed)
         self.groups = {name: Group(name, slots, gen, ext) for name in GROUPS}
-        self.w1 = torch.ones(HIDDEN, device="cuda", dtype=DT)
-        self.w2 = torch.ones(HIDDEN, device="cuda", dtype=DT)
+        self.w1 = torch.ones(HIDDEN, device=DEVICE, dtype=DT)
+        self.w2 = torch.ones(HIDDEN, device=DEVICE, dtype=DT)
 
 
 def group_out(g: Group, x, meta, variant: str, fused=None):

@@ -1,0 +1,39 @@
+"""The one-launch LoRA kernel (``ops/fused.py``) against the float64 reference, under the Triton interpreter.
+
+On the CPU the interpreter runs the shrink and expand phases as two launches (its programs run one after another, so
+a grid-wide barrier cannot be met); the one-launch form with its barrier runs on a GPU (test_ops_gpu.py).
+"""
+
+import pytest
+import torch
+from hypothesis import given
+
+from _lora_cases import cases, make_case
+from lorakit.ops import build_lora_meta
+from lorakit.ops.fused import launch_fused
+from test_ops import check_y, triton_on_cpu
+
+
+def run_fused(case, sms=None, block_m=None):
+    meta = build_lora_meta(case.slots, case.A.shape[0], block_m)
+    y = case.y.clone()
+    launch_fused(list(torch.split(y, case.slice_sizes, dim=1)), case.x, case.A, case.B, case.ranks, case.scales,
+                 meta.token_order, meta.tiles, meta.block_m, sms=sms)
+    return y
+
+
+@triton_on_cpu
+@given(case=cases((torch.float32, torch.float16), tokens=(1, 2, 3, 7, 33), out_sizes=(1, 3, 24, 67, 300),
+                  r_maxes=(1, 5, 16, 40, 130)))
+def test_fused_kernel_matches_reference_interpreted(case):
+    # 132 programs (an H100's SMs), 1 (every work item in one program) and 5 (items shared unevenly); prefill tiles
+    for sms, block_m in ((132, None), (1, None), (5, 64)):
+        check_y(run_fused(case, sms, block_m), case)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_ranks_above_128_interpreted(dtype):
+    case = make_case(7, 40, [300, 20], 150, 3, "some-base", dtype, seed=7, min_rank=129)
+    for sms in (None, 1):
+        check_y(run_fused(case, sms or 132), case)
