@@ -37,3 +37,20 @@ def test_fused_ranks_above_128_interpreted(dtype):
     case = make_case(7, 40, [300, 20], 150, 3, "some-base", dtype, seed=7, min_rank=129)
     for sms in (None, 1):
         check_y(run_fused(case, sms or 132), case)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_applies_doras_rescale_interpreted(rows):
+    """DoRA's per-column gain (and shift) in the expand phase, as lorakit::expand applies it."""
+    from _lora_cases import TOLERANCE, rel_err
+    from lorakit.ops.reference import lora_ref
+
+    case = make_case(9, 48, [40, 24], 16, 3, "some-base", torch.float32, seed=3)
+    dora = torch.randn(3, rows, 64, generator=torch.Generator().manual_seed(1)) * 0.3
+    meta = build_lora_meta(case.slots, 3)
+    y = case.y.clone()
+    launch_fused(list(torch.split(y, case.slice_sizes, dim=1)), case.x, case.A, case.B, case.ranks, case.scales,
+                 meta.token_order, meta.tiles, meta.block_m, dora=dora)
+    ref = lora_ref(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes, dora)
+    assert rel_err(y, ref) <= TOLERANCE[torch.float32]

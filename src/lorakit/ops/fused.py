@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import MAX_SLICES, adapter_tokens_skipped, cdiv, num_sms, pdl_supported, slice_output  # noqa: F401
-from lorakit.ops.expand import EXPAND_CONFIGS, _expand_program
-from lorakit.ops.shrink import _block_r, _shrink_config, _shrink_program
+from lorakit.ops._checks import MAX_SLICES, adapter_tokens_skipped, cdiv, num_sms, pdl_supported
+from lorakit.ops.expand import EXPAND_CONFIGS, _check_expand_args, _expand_program, _expand_torch
+from lorakit.ops.shrink import _block_r, _check_shrink_args, _shrink_config, _shrink_program, _shrink_torch
 
 
 @triton.jit
@@ -39,13 +39,13 @@ def _grid_barrier(sync_ptr, n_programs):
 
 @triton.jit
 def _fused_kernel(
-    x_ptr, a_ptr, h_ptr, Y0, Y1, Y2, Y3, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, sync_ptr,
+    x_ptr, a_ptr, h_ptr, Y0, Y1, Y2, Y3, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr, sync_ptr,
     K, R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS, N_TILES, N_COLGROUPS,
     stride_xt, stride_as, stride_ai, stride_ar, stride_hk, stride_hi, stride_ht,
-    stride_bs, stride_bn, stride_br, stride_rs, stride_ri, stride_ss, stride_si, stride_tiles,
+    stride_bs, stride_bn, stride_br, stride_rs, stride_ri, stride_ss, stride_si, stride_tiles, stride_ds, stride_dk,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, SUB_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PHASE: tl.constexpr,
+    DORA: tl.constexpr, PHASE: tl.constexpr,
 ):
     """PHASE 0: shrink, barrier, expand; 1: the shrink alone; 2: the expand alone (the interpreter's two launches)."""
     if PDL:
@@ -70,11 +70,11 @@ def _fused_kernel(
             pid_g = item % N_COLGROUPS
             pid_tile = (item // N_COLGROUPS) % N_TILES
             slice_id = item // (N_COLGROUPS * N_TILES)
-            _expand_program(Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, b_ptr,
+            _expand_program(Y0, Y1, Y2, Y3, h_ptr, b_ptr, ranks_ptr, scales_ptr, order_ptr, tiles_ptr, d_ptr,
                             R_MAX, N0, N1, N2, N3, SYT0, SYT1, SYT2, SYT3, COLS, pid_g, pid_tile, slice_id,
                             stride_hk, stride_hi, stride_ht, 0, stride_bs, stride_bn, stride_br, stride_rs, stride_ri,
-                            stride_ss, stride_si, stride_tiles, 0, 0,
-                            BLOCK_M, BLOCK_N, SPLIT_K, IEEE, 0, ".cg")
+                            stride_ss, stride_si, stride_tiles, stride_ds, stride_dk,
+                            BLOCK_M, BLOCK_N, SPLIT_K, IEEE, DORA, ".cg")
 
 
 _SYNC: dict[torch.device, torch.Tensor] = {}
@@ -99,8 +99,9 @@ def fused_split_k(in_features: int, n_slices: int, r_max: int, n_tiles: int, sub
 
 def launch_fused(ys: list[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor,
                  scales: torch.Tensor, token_order: torch.Tensor, tiles: torch.Tensor, block_m: int,
-                 pdl: bool = False, sms: int | None = None) -> None:
-    """ys[i] += the LoRA delta of slice i, in one launch (two under the interpreter, or with LORAKIT_FUSED_PHASES=2)."""
+                 pdl: bool = False, sms: int | None = None, dora: torch.Tensor | None = None) -> None:
+    """ys[i] += the LoRA delta of slice i, then DoRA's rescale where ``dora`` is given (``lorakit::expand``), in one
+    launch (two under the interpreter, or with LORAKIT_FUSED_PHASES=2 in the environment)."""
     num_tokens = x.shape[0]
     if num_tokens == 0 or adapter_tokens_skipped():
         return
@@ -123,15 +124,16 @@ def launch_fused(ys: list[torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: to
     pad = MAX_SLICES - len(ys)
     pdl = pdl and pdl_supported(x.device) and not interpret
     args = (
-        x, A, h, *ys, *[ys[0]] * pad, B, ranks, scales, token_order, tiles, _sync_buffer(x.device),
+        x, A, h, *ys, *[ys[0]] * pad, B, ranks, scales, token_order, tiles, B if dora is None else dora,
+        _sync_buffer(x.device),
         k, r_max, *widths, *[0] * pad, *[y.stride(0) for y in ys], *[0] * pad, cols, n_tiles, n_colgroups,
         x.stride(0), A.stride(0), A.stride(1), A.stride(2), h.stride(0), h.stride(1), h.stride(2),
         B.stride(0), B.stride(1), B.stride(2), ranks.stride(0), ranks.stride(1), scales.stride(0), scales.stride(1),
-        tiles.stride(0),
+        tiles.stride(0), *((0, 0) if dora is None else (dora.stride(0), dora.stride(1))),
     )
     meta = dict(N_SLICES=n_slices, BLOCK_M=block_m, SUB_TILES=sub_tiles, BLOCK_R=_block_r(r_max),
                 BLOCK_K=shrink_cfg["BLOCK_K"], SPLIT_K=split_k, BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
-                num_warps=4, num_stages=3)
+                DORA=0 if dora is None else dora.shape[1], num_warps=4, num_stages=3)
     if interpret:
         for phase in (1, 2):
             _fused_kernel[(programs,)](*args, PDL=False, PHASE=phase, **meta)
@@ -145,3 +147,42 @@ def add_lora_fused(y, x, A, B, ranks, scales, meta, slice_sizes=None, pdl: bool 
 
     outs = split_columns(y, slice_sizes) if isinstance(y, torch.Tensor) else list(y)
     launch_fused(outs, x, A, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, pdl)
+
+
+@torch.library.custom_op("lorakit::fused", mutates_args=("ys",))
+def fused(
+    ys: list[torch.Tensor],
+    x: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_order: torch.Tensor,
+    tiles: torch.Tensor,
+    block_m: int,
+    pdl: bool = False,
+    dora: torch.Tensor | None = None,
+) -> None:
+    """``lorakit::shrink`` then ``lorakit::expand`` (their semantics and arguments), in one launch on CUDA.
+
+    Semantics:
+        for t, i: s = token_slot[t]; r = ranks[s, i]
+            ys[i][t] += scales[s, i] * (x[t] @ A[s, i, :r].T) @ B[s, cols of slice i, :r].T   (skipped where s == -1)
+            then DoRA's rescale where ``dora`` is given, as ``lorakit::expand`` does it
+    """
+    _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, 1)
+    h = _shrink_torch(x, A, ranks, token_slot, 1)
+    _check_expand_args(ys, h, B, ranks, scales, token_slot, token_order, tiles, block_m, dora)
+    _expand_torch(ys, h, B, ranks, scales, token_slot, dora)
+
+
+@fused.register_kernel("cuda")
+def _(ys, x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False, dora=None):
+    _check_shrink_args(x, A, ranks, token_slot, token_order, tiles, block_m, 1)
+    launch_fused(ys, x, A, B, ranks, scales, token_order, tiles, block_m, pdl, dora=dora)
+
+
+@fused.register_fake
+def _(ys, x, A, B, ranks, scales, token_slot, token_order, tiles, block_m, pdl=False, dora=None):
+    return None
