@@ -4,6 +4,8 @@ On the CPU the interpreter runs the shrink and expand phases as two launches (it
 a grid-wide barrier cannot be met); the one-launch form with its barrier runs on a GPU (test_ops_gpu.py).
 """
 
+import os
+
 import pytest
 import torch
 from hypothesis import given
@@ -54,3 +56,30 @@ def test_fused_applies_doras_rescale_interpreted(rows):
                  meta.token_order, meta.tiles, meta.block_m, dora=dora)
     ref = lora_ref(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes, dora)
     assert rel_err(y, ref) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_add_lora_takes_the_one_launch_op_up_to_fused_max_tokens(direct, monkeypatch):
+    """KernelOptions.fused_max_tokens routes add_lora through lorakit::fused (its torch path on the CPU, or the kernel
+    under the interpreter), compiled without graph breaks; larger calls keep shrink + expand."""
+    from lorakit.ops import KernelOptions, add_lora
+    from test_ops import check_y
+
+    if direct and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on the CPU need TRITON_INTERPRET=1")
+    case = make_case(6, 32, [24, 8], 8, 3, "some-base", torch.float32, seed=5)
+    meta = build_lora_meta(case.slots, 3)
+    options = KernelOptions(fused_max_tokens=8, direct_devices=frozenset({"cpu"} if direct else set()))
+    seen = []
+    real = torch.ops.lorakit.fused
+    monkeypatch.setattr(torch.ops.lorakit, "fused", lambda *a: seen.append(1) or real(*a), raising=False)
+    y = case.y.clone()
+    add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes, options=options)
+    check_y(y, case)
+    assert seen == ([] if direct else [1])
+    monkeypatch.undo()
+    y = case.y.clone()
+    fn = torch.compile(lambda y: add_lora(y, case.x, case.A, case.B, case.ranks, case.scales, meta, case.slice_sizes,
+                                          options=KernelOptions(fused_max_tokens=8)), fullgraph=True)
+    fn(y)
+    check_y(y, case)

@@ -24,6 +24,7 @@ from lorakit.ops import shrink as _shrink_mod  # noqa: F401  (registers lorakit:
 from lorakit.ops._checks import MAX_SLICES, cdiv, no_adapter_tokens, num_sms, round_up, unobserved
 from lorakit.ops.attention import paged_attention, write_kv
 from lorakit.ops.experts import add_expert_lora, expert_keys  # registers lorakit::expert_lora
+from lorakit.ops.fused import launch_fused  # registers lorakit::fused
 from lorakit.ops.meta import LoraMeta, block_m_for, build_lora_meta
 from lorakit.ops.expand import _check_expand_args, _launch_expand
 from lorakit.ops.options import KernelOptions
@@ -125,5 +126,25 @@ def add_lora(y: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor, A: torch
     check=False: see lora_shrink (the layers' eager calls); options: how the kernels launch (``KernelOptions``).
     dora: float32 [S, 1 or 2, out] or None (``torch.ops.lorakit.expand``).
     """
+    if 0 < x.shape[0] <= options.fused_max_tokens:
+        _add_lora_fused(y, x, A, B, ranks, scales, meta, slice_sizes, check, options, dora)
+        return
     lora_expand(y, lora_shrink(x, A, ranks, meta, check=check, options=options), B, ranks, scales, meta, slice_sizes,
                 check=check, options=options, dora=dora)
+
+
+def _add_lora_fused(y, x, A, B, ranks, scales, meta: LoraMeta, slice_sizes, check: bool, options: KernelOptions,
+                    dora) -> None:
+    """add_lora as ``torch.ops.lorakit.fused``: shrink and expand in one launch."""
+    if check:
+        _check_slot_count(meta, A, "A")
+        _check_slot_count(meta, B, "B")
+    outs = split_columns(y, slice_sizes) if isinstance(y, torch.Tensor) else list(y)
+    pdl = "expand" in options.pdl
+    if _direct(options, x, A, B, *outs):
+        if check:
+            _check_shrink_args(x, A, ranks, meta.token_slot, meta.token_order, meta.tiles, meta.block_m, 1)
+        launch_fused(outs, x, A, B, ranks, scales, meta.token_order, meta.tiles, meta.block_m, pdl, dora=dora)
+        return
+    torch.ops.lorakit.fused(outs, x, A, B, ranks, scales, meta.token_slot, meta.token_order, meta.tiles, meta.block_m,
+                            pdl, dora)

@@ -16,6 +16,9 @@ PDL_KERNELS = ("shrink", "expand")  # the kernels that may launch with programma
 # (bench/NOTES.md, PDL). LORAKIT_PDL=0 in the environment at import turns it off in the default options.
 DEFAULT_PDL = frozenset() if os.environ.get("LORAKIT_PDL") == "0" else frozenset({"expand"})
 
+# Decode-sized calls as one launch (ops/fused.py); LORAKIT_FUSED_MAX_TOKENS at import sets it (0: off).
+DEFAULT_FUSED_MAX_TOKENS = int(os.environ.get("LORAKIT_FUSED_MAX_TOKENS", "0"))
+
 
 @dataclass(frozen=True)
 class KernelOptions:
@@ -24,10 +27,13 @@ class KernelOptions:
     before it finishes and waits for it before its first load, and the shrink lets a PDL expand launch early.
     direct_devices: the device types whose eager calls check their arguments and launch the Triton kernels
     themselves, skipping the dispatcher (35-50 us of host time per op on an H200, bench/NOTES.md, host time);
-    "cpu" added runs them under the Triton interpreter (``TRITON_INTERPRET=1``) instead of the torch path."""
+    "cpu" added runs them under the Triton interpreter (``TRITON_INTERPRET=1``) instead of the torch path.
+    fused_max_tokens: calls of at most this many tokens run the shrink and expand as one launch (``lorakit::fused``,
+    launched with PDL where "expand" is in ``pdl``); 0 turns it off."""
 
     pdl: frozenset[str] = DEFAULT_PDL
     direct_devices: frozenset[str] = frozenset({"cuda"})
+    fused_max_tokens: int = DEFAULT_FUSED_MAX_TOKENS
 
     def __post_init__(self):
         pdl = frozenset(self.pdl)
@@ -36,5 +42,7 @@ class KernelOptions:
         direct = frozenset(self.direct_devices)
         if not all(isinstance(d, str) for d in direct):
             raise ValueError(f"direct_devices must be device types (\"cuda\", \"cpu\"), got {sorted(map(str, direct))}")
+        if not isinstance(self.fused_max_tokens, int) or self.fused_max_tokens < 0:
+            raise ValueError(f"fused_max_tokens must be an int >= 0 (0: off), got {self.fused_max_tokens!r}")
         object.__setattr__(self, "pdl", pdl)
         object.__setattr__(self, "direct_devices", direct)
