@@ -125,3 +125,45 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tokens, in_features, 
         outs.append(g)
     for y in outs[1:]:
         assert torch.equal(y, outs[0])
+
+
+FUSED = [  # decode-sized calls: tokens, in, slice widths, R_max, slots, mapping, min rank
+    (1, 4096, [4096, 1024, 1024], 16, 8, "distinct", 16),
+    pytest.param(64, 4096, [14336, 14336], 16, 8, "distinct", 16, marks=pytest.mark.quick),
+    (64, 14336, [4096], 64, 32, "some-base", 1),
+    (16, 4096, [4096], 128, 4, "zipf", 0),
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("tokens, in_features, sizes, r_max, num_slots, mapping, min_rank", FUSED)
+def test_fused_one_launch_matches_reference_and_replays(tokens, in_features, sizes, r_max, num_slots, mapping,
+                                                         min_rank, dtype):
+    """lorakit::fused's one launch (a grid-wide barrier between shrink and expand): against the float64 reference,
+    then 50 replays of a CUDA graph of 8 launches back to back (the barrier's counters reused) give the same bits."""
+    from lorakit.ops.fused import launch_fused
+
+    case = make_case(tokens, in_features, sizes, r_max, num_slots, mapping, dtype, seed=tokens, min_rank=min_rank)
+    case = case.to("cuda")
+    poison_cuda_cache()
+    meta = build_lora_meta(case.slots, num_slots)
+
+    def run(y):
+        launch_fused(list(torch.split(y, sizes, dim=1)), case.x, case.A, case.B, case.ranks, case.scales,
+                     meta.token_order, meta.tiles, meta.block_m, pdl=True)
+        return y
+
+    y = run(case.y.clone())
+    ref = lora_ref_by_slot(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
+    assert rel_err(y, ref) <= TOLERANCE[dtype]
+    base = case.slots < 0
+    assert torch.equal(y[base], case.y[base])
+    ys = [case.y.clone() for _ in range(8)]
+    graph, _ = capture(lambda: [run(v) for v in ys])
+    for _ in range(50):
+        for v in ys:
+            v.copy_(case.y)
+        graph.replay()
+    torch.cuda.synchronize()
+    for v in ys:
+        assert torch.equal(v, y)
