@@ -8,15 +8,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler
+from lorakit.layers.adapter import AdapterError
 from lorakit.ops import cdiv
 
 
+def ref(name: str | None, version: int = 1) -> AdapterRef | None:
+    """A request's adapter as the engine hands it to the scheduler (None: the base model)."""
+    return None if name is None else AdapterRef(name, version, f"sha-of-{name}-v{version}")
+
+
 class FakePool:
-    """max_loras slots; an upload takes ``delay`` steps to land (``tick`` advances time)."""
+    """max_loras slots; an upload takes ``delay`` steps to land (``tick`` advances time). Every adapter is at version 1
+    unless ``current`` says otherwise; a request for another version fails, as the real pool's."""
 
     def __init__(self, slots: int, delay: int = 0):
-        self.slots: list[str | None] = [None] * slots
+        self.slots: list[AdapterRef | None] = [None] * slots
+        self.current: dict[str, int] = {}
         self.refs = [0] * slots
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.landing: dict[int, int] = {}  # slot -> step its upload lands
@@ -26,11 +35,19 @@ class FakePool:
     def tick(self):
         self.now += 1
 
+    def check(self, adapter):
+        now = self.current.get(adapter.name, 1)
+        if adapter.version != now:
+            raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was replaced by version {now}")
+
     def ready(self, name):
+        self.check(name)
         slot = self.slots.index(name) if name in self.slots else None
         return slot is not None and self.landing.get(slot, 0) <= self.now
 
     def prefetch(self, names):
+        for name in names:
+            self.check(name)
         for i, name in enumerate(names):
             if name in self.slots:
                 continue
@@ -55,9 +72,6 @@ class FakePool:
             self.lru.move_to_end(slot)
             out.append(slot)
         return out
-
-    def digest(self, name):
-        return f"sha-of-{name}"
 
     def pinned(self, name):
         return False
@@ -87,7 +101,7 @@ def simulate(arrivals, *, slots, num_blocks, block_size=4, max_num_seqs=4, budge
         assert step < max_steps, "did not finish"
         while pending and pending[0][1][0] <= step:
             i, (_, adapter, prompt_len, max_tokens) = pending.pop(0)
-            r = Request(f"r{i}", list(range(prompt_len)), adapter, max_tokens, sched.next_seq())
+            r = Request(f"r{i}", list(range(prompt_len)), ref(adapter), max_tokens, sched.next_seq())
             requests.append(r)
             arrived_at[r] = step
             sched.add(r)
@@ -112,7 +126,7 @@ def simulate(arrivals, *, slots, num_blocks, block_size=4, max_num_seqs=4, budge
             assert item.tokens == item.request.all_ids[item.start: item.start + len(item.tokens)]
             started.setdefault(item.request, step)
         if sched.draining is not None:  # no request of the adapter being drained starts while it drains
-            assert all(started[i.request] < step for i in plan.items if i.request.adapter == sched.draining)
+            assert all(started[i.request] < step for i in plan.items if i.request.adapter_name == sched.draining)
         sampled = {i.request: token(i.request, len(i.request.output_ids)) for i in plan.items if i.sample}
         finished = {r: "length" for r in sampled if len(r.output_ids) + 1 >= r.max_tokens}
         sched.postprocess(plan, sampled, finished)
@@ -158,12 +172,12 @@ def test_one_slot_a_b_a_a_does_not_starve_b():
     patience = 8
     requests, started, arrived_at, steps = simulate(arrivals, slots=1, num_blocks=64, max_num_seqs=8, budget=64,
                                                     patience=patience)
-    b = next(r for r in requests if r.adapter == "B")
+    b = next(r for r in requests if r.adapter_name == "B")
     assert started[b] - arrived_at[b] <= patience + 5 + 3  # patience, then the running As drain (5 tokens)
     # And with no patience at all, strict arrival order.
     requests, started, arrived_at, _ = simulate(arrivals, slots=1, num_blocks=64, max_num_seqs=8, budget=64,
                                                 patience=0)
-    b = next(r for r in requests if r.adapter == "B")
+    b = next(r for r in requests if r.adapter_name == "B")
     assert started[b] - arrived_at[b] <= 5 + 3
 
 
@@ -177,7 +191,7 @@ def test_while_the_head_waits_for_a_slot_the_batch_stays_full():
     pool = FakePool(1)
     blocks = BlockManager(512, 4)
     sched = Scheduler(pool, blocks, max_num_seqs=16, max_num_batched_tokens=64, patience=patience)
-    requests = [Request(f"r{i}", list(range(p)), a, m, sched.next_seq()) for i, (_, a, p, m) in enumerate(arrivals)]
+    requests = [Request(f"r{i}", list(range(p)), ref(a), m, sched.next_seq()) for i, (_, a, p, m) in enumerate(arrivals)]
     arrive = {r: t for r, (t, *_) in zip(requests, arrivals)}
     b = requests[1]
     started = {}
@@ -197,7 +211,7 @@ def test_while_the_head_waits_for_a_slot_the_batch_stays_full():
     assert started[b] - arrive[b] <= patience + 20 + 3  # patience, then the running As' 20 tokens
     waiting_for_slot = range(arrive[b] + patience + 2, started[b])
     assert all(sizes[t] >= 10 for t in waiting_for_slot if t > 12)  # base requests fill the batch meanwhile
-    assert not any(r.adapter == "A" and arrive[b] + patience + 1 < started[r] < started[b] for r in requests)
+    assert not any(r.adapter_name == "A" and arrive[b] + patience + 1 < started[r] < started[b] for r in requests)
     assert all(r.finish_reason == "length" for r in requests)
 
 
@@ -209,11 +223,11 @@ def test_a_pinned_adapter_is_never_drained_for_the_head():
     pool = Pinned(2)
     sched = Scheduler(pool, BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, patience=0)
     for adapter, tokens in (("P", 2), ("A", 30), ("B", 2)):
-        sched.add(Request(adapter, [1, 2], adapter, tokens, sched.next_seq()))
+        sched.add(Request(adapter, [1, 2], ref(adapter), tokens, sched.next_seq()))
         plan = sched.schedule()
         sched.postprocess(plan, {i.request: 1 for i in plan.items if i.sample})
     sched.schedule()
-    assert [r.adapter for r in sched.running] == ["P", "A"] and sched.draining == "A"  # A ends later, but P is pinned
+    assert [r.adapter_name for r in sched.running] == ["P", "A"] and sched.draining == "A"  # A ends later, but P is pinned
 
 
 def test_preemption_when_the_cache_is_full_recomputes_and_continues():
@@ -242,7 +256,7 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
 
     pool = Failing(1)
     sched = Scheduler(pool, BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=16)
-    sched.add(Request("a", [1, 2, 3], "x", 2, sched.next_seq()))
+    sched.add(Request("a", [1, 2, 3], ref("x"), 2, sched.next_seq()))
     pool.error = PoolFull("every slot held")
     assert sched.schedule().items == [] and len(sched.waiting) == 1  # waits
     pool.error = torch.OutOfMemoryError("CUDA out of memory")
@@ -253,18 +267,20 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
 
 def test_a_request_prepared_for_a_replaced_version_fails_and_the_current_one_runs():
     """The version a request was prepared for (its tokens checked against that adapter's added tokens, its grammar
-    compiled for its tokenizer) is the one it runs on: one replaced by other files while it waited fails with why,
-    a request for the current version beside it runs, and so does one that names no version."""
+    compiled for its tokenizer) is the one it runs on: one replaced by other files while it waited fails with the
+    pool's why, a request for the current version beside it runs, and so does a base request. The scheduler hands
+    the pool each request's ``AdapterRef`` unchanged; the pool alone checks the version."""
     pool = FakePool(2)
-    pool.prefetch(["x"])
+    pool.current["x"] = 2
+    pool.prefetch([ref("x", 2)])
     sched = Scheduler(pool, BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
-    sched.add(old := Request("old", [1, 2], "x", 2, sched.next_seq(), digest="sha-of-an-earlier-x"))
-    sched.add(new := Request("new", [1, 2], "x", 2, sched.next_seq(), digest="sha-of-x"))
-    sched.add(any_ := Request("any", [1, 2], "x", 2, sched.next_seq()))
+    sched.add(old := Request("old", [1, 2], ref("x", 1), 2, sched.next_seq()))
+    sched.add(new := Request("new", [1, 2], ref("x", 2), 2, sched.next_seq()))
+    sched.add(base := Request("base", [1, 2], None, 2, sched.next_seq()))
     items = sched.schedule().items
-    assert [i.request for i in items] == [new, any_]
-    assert [(r, why) for r, why in sched.failed] == [(old, "adapter 'x' was replaced by other files while this "
-                                                           "request waited; send it again")]
+    assert [i.request for i in items] == [new, base]
+    assert [(r, why) for r, why in sched.failed] == [(old, "adapter 'x' version 1 was replaced by version 2")]
+    assert new.adapter_key == b"sha-of-x-v2" and base.adapter_key is None  # the prefix cache's key: the version's
 
 
 def test_prompts_are_chunked_to_max_prefill_tokens_while_others_decode():

@@ -101,6 +101,20 @@ def resolve(registry: Mapping[str, T], name: str) -> T:
     return found
 
 
+def _version(current: Mapping[str, _Version], adapter: AdapterRef | str) -> _Version:
+    """A name's current version; for an ``AdapterRef``, that version, which must still be the current one
+    (AdapterError when it was replaced or removed since the ref was made: what a request prepared for it, its
+    tokens, its grammar, may not fit the new one)."""
+    if isinstance(adapter, str):
+        return resolve(current, adapter)
+    v = current.get(adapter.name)
+    if v is None or v.number != adapter.version:
+        now = "removed" if v is None else f"replaced by version {v.number}"
+        raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
+                           f"was prepared for it; send it again")
+    return v
+
+
 def _shown(value) -> str:
     """``value`` for a message: its repr, cut short."""
     text = repr(value)
@@ -297,19 +311,13 @@ class AdapterPool:
         """The snapshot of a name's current version (AdapterError for an unknown one); for an ``AdapterRef``, of that
         version, which must still be the current one (AdapterError when it was replaced or removed since the ref
         was made: what a request prepared for it, its tokens, may not fit the new one)."""
-        if isinstance(adapter, str):
-            return resolve(self._current.copy(), adapter).snapshot
-        v = self._current.get(adapter.name)
-        if v is None or v.number != adapter.version:
-            now = "removed" if v is None else f"replaced by version {v.number}"
-            raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
-                               f"was prepared for it; send it again")
-        return v.snapshot
+        return _version(self._current.copy(), adapter).snapshot
 
-    def ref(self, name: str) -> AdapterRef:
-        """The current version of ``name`` as a reference (AdapterError for an unknown one)."""
-        v = resolve(self._current.copy(), name)
-        return AdapterRef(name, v.number, v.snapshot.sha256)
+    def ref(self, adapter: str | AdapterRef) -> AdapterRef:
+        """The current version of a name as a reference (AdapterError for an unknown one); a reference is checked to
+        be the current version still, and returned."""
+        v = _version(self._current.copy(), adapter)
+        return AdapterRef(v.name, v.number, v.snapshot.sha256)
 
     def snapshot(self, name: str) -> Snapshot | None:
         """The snapshot of ``name``'s current version (None when it is not registered): one object per version."""
@@ -322,13 +330,14 @@ class AdapterPool:
 
     # Slots.
 
-    def acquire(self, names: Sequence[str | None]) -> list[int]:
-        """Slot ids for a batch (one per name, -1 for None: the base model), loading what is missing. Each
-        name counts as one holder until ``release``. The compute stream waits for the uploads (no host sync),
-        so a forward queued afterwards reads complete slots. Raises ``PoolFull`` if slots are lacking and
-        ``AdapterError`` for unknown or unreadable adapters, changing nothing."""
+    def acquire(self, adapters: Sequence[AdapterRef | str | None]) -> list[int]:
+        """Slot ids for a batch (one per adapter, -1 for None: the base model), loading what is missing. Each
+        counts as one holder until ``release``. An ``AdapterRef`` must still be the current version (this is where
+        that is checked); a name means its current version. The compute stream waits for the uploads (no host
+        sync), so a forward queued afterwards reads complete slots. Raises ``PoolFull`` if slots are lacking and
+        ``AdapterError`` for unknown, replaced or unreadable adapters, changing nothing."""
         with self._lock:
-            versions = self._lookup(names)
+            versions = self._lookup(adapters)
             wanted = list(dict.fromkeys(v for v in versions if v is not None))
             self._make_resident(wanted, evict=True, strict=True)
             for v in versions:
@@ -338,13 +347,6 @@ class AdapterPool:
                 self._lru.move_to_end(v.slot)
                 self._wait_ready(v)
             return [-1 if v is None else v.slot for v in versions]
-
-    def digest(self, name: str) -> str:
-        """The content hash (sha256 of its files as registered) of ``name``'s current version, the one ``acquire``
-        hands out: what the prefix cache keys that adapter's KV blocks by."""
-        with self._lock:
-            (v,) = self._lookup([name])
-            return v.snapshot.sha256
 
     def release(self, slots: Iterable[int]) -> None:
         """Give back slots that ``acquire`` returned (one holder each; -1 is ignored)."""
@@ -364,18 +366,21 @@ class AdapterPool:
                     if v.retired:
                         self._free(v)
 
-    def prefetch(self, names: Iterable[str]) -> list[str]:
+    def prefetch(self, adapters: Iterable[AdapterRef | str]) -> list[AdapterRef | str]:
         """Start loading adapters a scheduler will soon need, into free or evictable slots, without taking
-        references or making the compute stream wait. ``names`` in order of need: each may take the slot of one
-        that comes after it (held by nobody), never of one before it. Returns the names now resident or on their
-        way (an adapter the CPU tier dropped is read from disk again on a thread of its own, and loaded by the first
-        prefetch after its read). Skips the rest when slots are lacking. Raises for unknown or unreadable adapters."""
+        references or making the compute stream wait. ``adapters`` in order of need: each may take the slot of one
+        that comes after it (held by nobody), never of one before it. Returns those of ``adapters`` now resident or
+        on their way (an adapter the CPU tier dropped is read from disk again on a thread of its own, and loaded by
+        the first prefetch after its read). Skips the rest when slots are lacking. Raises for unknown, replaced or
+        unreadable adapters."""
+        adapters = list(adapters)
         with self._lock:
-            versions = list(dict.fromkeys(v for v in self._lookup(list(names)) if v is not None))
+            found = self._lookup(adapters)
+            versions = list(dict.fromkeys(v for v in found if v is not None))
             for i, v in enumerate(versions):
                 if v.slot is None:
                     self._make_resident([v], evict=True, strict=False, keep=versions[:i])
-            return [v.name for v in versions if v.slot is not None or v in self._reads]
+            return [a for a, v in zip(adapters, found) if v.slot is not None or v in self._reads]
 
     def pin(self, name: str) -> int:
         """Keep ``name`` (its current version) in a GPU slot until ``unpin``; loads it now. Returns the slot."""
@@ -405,11 +410,12 @@ class AdapterPool:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             return self.slots.reserve(self.handle.ranks_by_store(infos))
 
-    def ready(self, name: str) -> bool:
-        """Whether ``name``'s current version is in a slot and its upload has landed (no waiting, no sync):
-        a scheduler admits a request once its adapter is ready, so loads never stall the running batch."""
+    def ready(self, adapter: AdapterRef | str) -> bool:
+        """Whether the adapter (that version, still the current one; a name: its current version) is in a slot and
+        its upload has landed (no waiting, no sync): a scheduler admits a request once its adapter is ready, so loads
+        never stall the running batch."""
         with self._lock:
-            (v,) = self._lookup([name])
+            (v,) = self._lookup([adapter])
             return v.slot is not None and (v.ready is None or v.ready.query())
 
     def slot_of(self, name: str) -> int | None:
@@ -460,10 +466,10 @@ class AdapterPool:
     def _names(self) -> str:
         return ", ".join(sorted(self._current)) or "none"
 
-    def _lookup(self, names: Sequence[str | None]) -> list[_Version | None]:
-        if isinstance(names, str):
-            raise TypeError(f"pass a list of adapter names, got the string {names!r}")
-        return [None if n is None else resolve(self._current, n) for n in names]
+    def _lookup(self, adapters: Sequence[AdapterRef | str | None]) -> list[_Version | None]:
+        if isinstance(adapters, str):
+            raise TypeError(f"pass a list of adapter names, got the string {adapters!r}")
+        return [None if a is None else _version(self._current, a) for a in adapters]
 
     def _pinned(self, v: _Version) -> bool:
         return v.name in self._pins and self._current.get(v.name) is v

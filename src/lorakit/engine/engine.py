@@ -214,8 +214,9 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        snapshot = None if adapter is None else self.pool.resolve(adapter)  # the request's one lookup of its adapter
-        name = None if snapshot is None else snapshot.name
+        ref = None if adapter is None else self.pool.ref(adapter)  # the one lookup of its adapter: a name's current version
+        snapshot = None if ref is None else self.pool.resolve(ref)
+        name = None if ref is None else ref.name
         info = None if snapshot is None else snapshot.info
         tokenizer = self._tokenizer_of(snapshot)
         added = frozenset() if info is None else info.added_tokens
@@ -223,9 +224,8 @@ class Engine:
         constraint = self._check_logits_params(params, added, tokenizer, grammar, name)
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, prompt_ids, name, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info),
-                          digest=None if snapshot is None else snapshot.sha256)
+        request = Request(request_id, prompt_ids, ref, limited.max_tokens, self.scheduler.next_seq(),
+                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info))
         prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         request.state = _State(stop_token_ids(limited, self.eos_token_id),
                                [] if params.logprobs is not None else None, constraint,
@@ -573,7 +573,7 @@ class Engine:
         self.pool.unregister(name)
         self._forget_tokenizers(name)
         self.scheduler.prefix_stats.pop(name, None)
-        for request in [r for r in self.scheduler.waiting if r.adapter == name]:
+        for request in [r for r in self.scheduler.waiting if r.adapter_name == name]:
             self.scheduler.abort(request)
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
                                                      f"on it; send it again with a model that is loaded"))

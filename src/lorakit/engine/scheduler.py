@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
-from lorakit.adapters.pool import PoolFull
+from lorakit.adapters.pool import AdapterRef, PoolFull
 from lorakit.layers.adapter import AdapterError
 
 __all__ = ["AdapterSlots", "BlockManager", "Request", "Scheduled", "Scheduler", "StepPlan"]
@@ -56,21 +56,19 @@ LOOKAHEAD = 32  # waiting requests whose adapters start their uploads each step,
 
 
 class AdapterSlots(Protocol):
-    """What the scheduler needs of the adapter pool (``AdapterPool`` has it). ``acquire`` raises ``PoolFull``
-    when every slot it would need is held (the request waits), ``ready`` and ``prefetch`` raise ``AdapterError``
-    for an adapter that cannot be served (the request fails); anything else is a real failure of the step."""
+    """What the scheduler needs of the adapter pool (``AdapterPool`` has it), asked with the request's
+    ``AdapterRef`` as it came from the edge. ``acquire`` raises ``PoolFull`` when every slot it would need is held
+    (the request waits); ``ready``, ``prefetch`` and ``acquire`` raise ``AdapterError`` for an adapter that cannot
+    be served, or a version that is no longer the current one (the request fails); anything else is a real failure
+    of the step."""
 
-    def ready(self, name: str) -> bool: ...
+    def ready(self, adapter: AdapterRef) -> bool: ...
 
-    def prefetch(self, names: Iterable[str]) -> list[str]: ...
+    def prefetch(self, adapters: Iterable[AdapterRef]) -> list[AdapterRef]: ...
 
-    def acquire(self, names: list[str | None]) -> list[int]: ...
+    def acquire(self, adapters: list[AdapterRef | None]) -> list[int]: ...
 
     def release(self, slots: Iterable[int]) -> None: ...
-
-    def digest(self, name: str) -> str:
-        """The content hash of ``name``'s current version, the one ``acquire`` hands out (the prefix cache's key)."""
-        ...
 
     def pinned(self, name: str) -> bool:
         """Whether ``name`` is pinned in its slot (never drained for another adapter)."""
@@ -83,7 +81,7 @@ class Request:
 
     request_id: str
     prompt_ids: list[int]
-    adapter: str | None
+    adapter: AdapterRef | None  # the version it was prepared for, as resolved at the edge (None: the base model)
     max_tokens: int
     seq: int
     params: Any = None  # SamplingParams, opaque to the scheduler
@@ -93,8 +91,6 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slot: int = -1  # its adapter slot while running, -1 for the base model
     lora_start: int = 0  # positions before it run as the base model (an activated LoRA's invocation; 0: none)
-    adapter_key: bytes | None = None  # its adapter version's content hash while running (None: the base model)
-    digest: str | None = None  # the content hash of the adapter version it was prepared for (None: any version)
     block_keys: list[bytes] = field(default_factory=list)  # the prefix-cache keys of its first full blocks
     num_cached: int | None = None  # prompt tokens its first admission found in the prefix cache
     num_pending: int = 0  # trailing output tokens still on the device (async scheduling): not hashed yet
@@ -104,6 +100,15 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     state: Any = None  # the engine's per-request state (detokenizer, ...)
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
+
+    @property
+    def adapter_key(self) -> bytes | None:
+        """What the prefix cache keys its adapter's KV blocks by: the version's content hash (None: the base)."""
+        return None if self.adapter is None else self.adapter.sha256.encode()
 
     @property
     def all_ids(self) -> list[int]:
@@ -161,7 +166,7 @@ class Scheduler:
         self.computed_prompt_tokens = 0  # prompt positions run through the model (recomputations included)
         self._computing: dict[bytes, int] = {}  # keys of blocks running requests are computing -> how many
         self.draining: str | None = None  # the adapter no new request starts on, so that its slot frees for the head
-        self._on_the_way: set[str] = set()  # adapters in a slot or uploading, as of this step's lookahead
+        self._on_the_way: set[AdapterRef] = set()  # adapters in a slot or uploading, as of this step's lookahead
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -231,7 +236,7 @@ class Scheduler:
             if request is not head and overdue:
                 if reserve is None:
                     break  # the head waits for KV blocks or the budget: nobody passes it
-                if request.adapter is not None and request.adapter == self.draining:
+                if request.adapter is not None and request.adapter.name == self.draining:
                     continue
                 if len(self.running) + reserve[1] >= self.max_num_seqs:
                     break
@@ -255,15 +260,14 @@ class Scheduler:
         if self.draining is not None and (head is None or not overdue):
             self.draining = None
 
-    def _try_admit(self, request: Request, items: list[Scheduled], budget: int, prefill: int, ready: dict[str, bool],
+    def _try_admit(self, request: Request, items: list[Scheduled], budget: int, prefill: int,
+                   ready: dict[AdapterRef, bool | AdapterError],
                    reserve: tuple[int, int] | None) -> str | None:
         """Admit ``request`` (its first chunk appended to ``items``) and return None, or return what it waits for:
         "slot" (its adapter is not in a slot yet, or every slot is held) or "blocks" (KV blocks, or blocks a running
         request is computing). ``reserve``: blocks to leave free (an overdue head's)."""
         if not self._adapter_ready(request, ready):
             return "slot"
-        if request.adapter is not None and self.blocks.prefix_cache:
-            request.adapter_key = self._digest(request.adapter, ready).encode()
         keys = self._prefix_keys(request)
         # A request that asks for its prompt's logprobs computes its whole prompt: a cached block has no logits.
         cached = [] if _scores_prompt(request) else self.blocks.lookup(keys)
@@ -276,7 +280,7 @@ class Scheduler:
             return "blocks"
         if request.adapter is not None:
             try:
-                (request.slot,) = self.pool.acquire([request.adapter])  # the version digest() named
+                (request.slot,) = self.pool.acquire([request.adapter])
             except PoolFull:  # every slot held; keep waiting
                 return "slot"
         self.waiting.remove(request)
@@ -289,7 +293,7 @@ class Scheduler:
             self._computing[key] = self._computing.get(key, 0) + 1
         if request.num_cached is None:  # its first admission: what the prefix cache served
             request.num_cached = min(start, len(request.prompt_ids))
-            stats = self.prefix_stats.setdefault(request.adapter, [0, 0])
+            stats = self.prefix_stats.setdefault(request.adapter_name, [0, 0])
             stats[0] += len(request.prompt_ids)
             stats[1] += request.num_cached
         self.blocks.grow(request.blocks, start + n)
@@ -303,28 +307,28 @@ class Scheduler:
         for r in self.running:
             if r.adapter is not None:
                 left = r.max_tokens - len(r.output_ids) + max(0, len(r.prompt_ids) - r.num_computed)
-                remaining[r.adapter] = max(remaining.get(r.adapter, 0), left)
+                remaining[r.adapter.name] = max(remaining.get(r.adapter.name, 0), left)
         choices = [(left, name) for name, left in remaining.items() if not self.pool.pinned(name)]
         return min(choices)[1] if choices else None
 
-    def _lookahead(self) -> dict[str, bool | AdapterError]:
+    def _lookahead(self) -> dict[AdapterRef, bool | AdapterError]:
         """Start the uploads of the adapters the first ``LOOKAHEAD`` waiting requests need, in queue order (the head's
         first), into free slots or slots no running request holds; ``prefetch`` never evicts one of them for another
         and skips what finds no room. Returns what ``_adapter_ready`` asks: each adapter's readiness (or its error)."""
-        names = list(dict.fromkeys(r.adapter for r in self.waiting[:LOOKAHEAD] if r.adapter is not None))
-        found: dict[str, bool | AdapterError] = {}
-        if not names:
+        wanted = list(dict.fromkeys(r.adapter for r in self.waiting[:LOOKAHEAD] if r.adapter is not None))
+        found: dict[AdapterRef, bool | AdapterError] = {}
+        if not wanted:
             self._on_the_way = set()
             return found
         try:
-            self._on_the_way = set(self.pool.prefetch(names))
+            self._on_the_way = set(self.pool.prefetch(wanted))
         except AdapterError:  # one of them cannot be served: one at a time, to find which
             self._on_the_way = set()
-            for name in names:
+            for adapter in wanted:
                 try:
-                    self._on_the_way.update(self.pool.prefetch([name]))
+                    self._on_the_way.update(self.pool.prefetch([adapter]))
                 except AdapterError as e:
-                    found[name] = e
+                    found[adapter] = e
         return found
 
     def _who(self, request: Request, block: int) -> bytes:
@@ -385,30 +389,20 @@ class Scheduler:
         if request.computing:
             self._done_computing(request, request.block_keys[done:])
 
-    def _digest(self, name: str, ready: dict) -> str:
-        """The content hash of ``name``'s current version, asked of the pool once per step (cached in ``ready``)."""
-        key = (name, "digest")
-        if key not in ready:
-            ready[key] = self.pool.digest(name)
-        return ready[key]
-
-    def _adapter_ready(self, request: Request, ready: dict[str, bool | AdapterError]) -> bool:
+    def _adapter_ready(self, request: Request, ready: dict[AdapterRef, bool | AdapterError]) -> bool:
         """Whether ``request``'s adapter has landed in a slot (None: the base model, always); ``ready`` caches the
-        answer per adapter for this step. A request whose adapter cannot be served fails."""
-        name = request.adapter
-        if name is None:
+        answer per adapter version for this step. A request whose adapter cannot be served, or whose version was
+        replaced while it waited (what it was prepared for may not fit the new one), fails."""
+        adapter = request.adapter
+        if adapter is None:
             return True
-        state = ready.get(name)
+        state = ready.get(adapter)
         if state is None:
             try:
-                state = self.pool.ready(name)
-            except AdapterError as e:  # unknown (unregistered since), or its weights turned out bad
+                state = self.pool.ready(adapter)
+            except AdapterError as e:  # unknown (unregistered since), replaced, or its weights turned out bad
                 state = e
-            ready[name] = state
-        if request.digest is not None and not isinstance(state, AdapterError):
-            if self._digest(name, ready) != request.digest:  # what it was prepared for (its tokens, its grammar) may not fit the new one
-                state = AdapterError(f"adapter {name!r} was replaced by other files while this request waited; "
-                                     f"send it again")
+            ready[adapter] = state
         if isinstance(state, AdapterError):
             self.waiting.remove(request)
             self.failed.append((request, str(state)))

@@ -252,7 +252,7 @@ def _by_adapter(requests, registered) -> dict[str, int]:
     """How many of ``requests`` use each adapter registered now ("": the base model)."""
     counts: dict[str, int] = {}
     for request in requests:
-        name = request.adapter or ""
+        name = request.adapter_name or ""
         if not name or name in registered:
             counts[name] = counts.get(name, 0) + 1
     return counts
