@@ -4,6 +4,7 @@ and their errors in OpenAI's shape, and the one mapping to SamplingParams."""
 
 import asyncio
 import copy
+import re
 import threading
 
 import pytest
@@ -155,6 +156,31 @@ def test_a_handler_refuses_before_anything_runs(world):
     refusals, calls = served(world, run)
     assert refusals == [(404, "model"), (400, "max_tokens"), (400, "messages"), (404, "lora_path"),
                         (403, "permission_error")]
+    assert not [name for name, _ in calls if name != "step"]
+
+
+def test_one_length_rule_on_every_route(world):
+    """An asked max_tokens that does not fit after the prompt gets the same 400 on every route, from the one rule
+    (``fit_max_tokens``): SGLang's /generate cut it silently before. Nothing reaches the engine."""
+    async def run(state):
+        ask = state.engine.max_seq_len  # never fits after a prompt, and under the server's limit
+        refused = []
+        for call in (lambda: openai.completions(CompletionBody(model="tiny", prompt=PROMPT, max_tokens=ask), state),
+                     lambda: openai.chat(ChatBody(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                                  max_completion_tokens=ask), state),
+                     lambda: sglang.generate(sglang.GenerateBody(text=PROMPT, sampling_params={"max_new_tokens": ask}),
+                                             state)):
+            with pytest.raises(ApiError) as e:
+                await call()
+            refused.append((e.value.status, e.value.param, e.value.message))
+        return refused, ask
+
+    (refused, ask), calls = served(world, run, max_tokens_limit=10**6)
+    assert [(status, param) for status, param, _ in refused] == [(400, "max_tokens"), (400, "max_tokens"),
+                                                                 (400, "max_new_tokens")]
+    for _, param, message in refused:
+        assert re.fullmatch(rf"this model's context is {ask} tokens, but \d+ were asked for \(\d+ in the prompt, "
+                            rf"{ask} for the output\); shorten the prompt or lower {param}", message), message
     assert not [name for name, _ in calls if name != "step"]
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.errors import FatalEngineError
+from lorakit.engine.lengths import fit_params
 from lorakit.engine.outputs import CompletionOutput, OutputProcessor, RequestOutput, TokenLogprob, stop_token_ids, \
     token_finish
 from lorakit.adapters.pool import AdapterPool, AdapterRef
@@ -46,7 +47,7 @@ logger = logging.getLogger("lorakit.engine")
 # adapter never applies (its slot is held all the same).
 NOT_INVOKED = sys.maxsize
 
-__all__ = ["CheckedAdapter", "CompletionOutput", "Engine", "LLM", "RequestOutput", "check_prompt", "fit_params"]
+__all__ = ["CheckedAdapter", "CompletionOutput", "Engine", "LLM", "RequestOutput", "check_prompt"]
 
 
 @dataclass(frozen=True)
@@ -612,14 +613,6 @@ def check_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int, added:
         raise ValueError(f"the prompt has {len(ids)} tokens; at most {max_seq_len - 1} fit "
                          f"(max_seq_len={max_seq_len}); shorten it")
     return ids
-
-
-def fit_params(params: SamplingParams, prompt_len: int, max_seq_len: int) -> SamplingParams:
-    """``params`` with max_tokens (and min_tokens) cut to what fits in the context after the prompt."""
-    max_tokens = min(params.max_tokens, max_seq_len - prompt_len)
-    if max_tokens == params.max_tokens:
-        return params
-    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
 
 def _quantized(model: nn.Module, config: EngineConfig) -> None:

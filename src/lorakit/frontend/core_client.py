@@ -31,7 +31,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lorakit.engine.engine import Engine, check_prompt, fit_params
+from lorakit.engine.engine import Engine, check_prompt
+from lorakit.engine.lengths import fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
 from lorakit.engine.outputs import OutputProcessor, RequestOutput

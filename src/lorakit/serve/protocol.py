@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from lorakit.engine import SamplingParams
+from lorakit.engine.lengths import ContextOverflow, fit_max_tokens
 from lorakit.engine.structured import StructuredOutput
 
 __all__ = ["ERROR_CODES", "MAX_JSON_DEPTH", "ApiError", "ChatBody", "CompletionBody", "LoadBody", "UnloadBody",
@@ -466,9 +467,8 @@ def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, d
     asked = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     if len(set(asked)) > 1:
         raise ApiError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens")
-    room = max_seq_len - prompt_len
     if not asked:  # the endpoint's default, cut to what fits
-        return max(1, min(room, limit) if default is None else min(default, room))
+        return fit_max_tokens(prompt_len, max_seq_len, default=limit if default is None else default)
     max_tokens = asked[0]
     if max_tokens == 0 and getattr(body, "echo", False):  # the prompt alone, scored: one token run, not shown
         return 0
@@ -477,11 +477,10 @@ def _max_tokens(body: _Request, prompt_len: int, max_seq_len: int, limit: int, d
                        param="max_tokens")
     if max_tokens > limit:
         raise ApiError(400, f"max_tokens={max_tokens} is above this server's limit of {limit}", param="max_tokens")
-    if max_tokens > room:
-        raise ApiError(400, f"this model's context is {max_seq_len} tokens, but {prompt_len + max_tokens} were "
-                            f"asked for ({prompt_len} in the prompt, {max_tokens} for the output); shorten the "
-                            f"prompt or lower max_tokens", param="max_tokens")
-    return max_tokens
+    try:
+        return fit_max_tokens(prompt_len, max_seq_len, asked=max_tokens)
+    except ContextOverflow as e:
+        raise ApiError(400, str(e), param="max_tokens") from None
 
 
 # The body's fields that SamplingParams has under the same name and meaning, passed through as given; the rest are

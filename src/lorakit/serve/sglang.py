@@ -21,6 +21,7 @@ from typing import Annotated, Any, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from lorakit.engine import SamplingParams
+from lorakit.engine.lengths import ContextOverflow, fit_max_tokens
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import MAX_ITEMS, MAX_N, ApiError, _ids_kind, _list, nth_sample, shown, token_id
@@ -113,6 +114,7 @@ class Job:
     params: SamplingParams
     adapter: Adapter | None
     id: str
+    asked: str | None = None  # the key that asked for its max_tokens (None: the default, cut to the context)
 
 
 def jobs(body: GenerateBody, resolve: Callable[[str | None], Adapter | None], max_tokens_limit: int
@@ -142,7 +144,7 @@ def jobs(body: GenerateBody, resolve: Callable[[str | None], Adapter | None], ma
     adapter_of = [resolve(name) for name in _per_prompt(body.lora_path, len(prompts), "lora_path")]
     sampling = [_sampling(sp, max_tokens_limit) for sp in _per_prompt(body.sampling_params, len(prompts),
                                                                           "sampling_params")]
-    samples = {k for _, k in sampling}
+    samples = {k for _, k, _ in sampling}
     if len(samples) > 1:
         raise Refused(f"every prompt's sampling_params must have the same n, got {sorted(samples)}", "n")
     n = samples.pop()
@@ -150,13 +152,13 @@ def jobs(body: GenerateBody, resolve: Callable[[str | None], Adapter | None], ma
     if isinstance(body.rid, list) and len(body.rid) != len(prompts):
         raise Refused(f"{len(prompts)} prompts but {len(body.rid)} rid entries", "rid")
     out = []
-    for i, (prompt, adapter, (params, _)) in enumerate(zip(prompts, adapter_of, sampling)):
+    for i, (prompt, adapter, (params, _, asked)) in enumerate(zip(prompts, adapter_of, sampling)):
         for k in range(n):
             if n > 1 or body.rid is None:
                 rid = uuid.uuid4().hex
             else:
                 rid = body.rid[i] if isinstance(body.rid, list) else f"{body.rid}_{i}" if batched else body.rid
-            out.append(Job(prompt, nth_sample(params, k), adapter, rid))
+            out.append(Job(prompt, nth_sample(params, k), adapter, rid, asked))
     return out, batched
 
 
@@ -170,8 +172,9 @@ def _per_prompt(value, count: int, param: str) -> list:
     return value
 
 
-def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[SamplingParams, int]:
-    """SamplingParams and n from one prompt's sampling_params."""
+def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[SamplingParams, int, str | None]:
+    """SamplingParams, n, and the key that asked for max_tokens (None: the default) from one prompt's
+    sampling_params."""
     kwargs, used = {}, {}  # used: SamplingParams field -> the key that set it
     for key, value in (sp or {}).items():
         if value is None:  # null: the default, as SGLang reads it
@@ -208,7 +211,7 @@ def _sampling(sp: dict[str, Any] | None, max_tokens_limit: int) -> tuple[Samplin
         raise Refused(f"sampling_params.{key}={kwargs['max_tokens']} is above this server's limit of "
                       f"{max_tokens_limit}", key)
     try:
-        return SamplingParams(**kwargs), n
+        return SamplingParams(**kwargs), n, used.get("max_tokens")
     except ValueError as e:
         message, param = str(e), None
         for field, key in used.items():
@@ -273,6 +276,13 @@ async def generate(body: GenerateBody, state: ServerState) -> Reply:
     for job in jobs_:
         if (id(job.prompt), job.adapter) not in tokenized:
             tokenized[id(job.prompt), job.adapter] = await state.prompt_ids(job.prompt, job.adapter)
+    for job in jobs_:  # an asked max_new_tokens that does not fit is refused, as on every route
+        if job.asked is not None:
+            prompt_len = len(tokenized[id(job.prompt), job.adapter])
+            try:
+                fit_max_tokens(prompt_len, state.engine.max_seq_len, asked=job.params.max_tokens, name=job.asked)
+            except ContextOverflow as e:
+                raise Refused(str(e), job.asked) from None
     outputs = [Output(job, tokenized[id(job.prompt), job.adapter], state.eos_token_id,
                       functools.partial(state.text, adapter=job.adapter, skip_special_tokens=True)) for job in jobs_]
     work = [(out.prompt_ids, out.job.params, out.job.adapter) for out in outputs]

@@ -24,6 +24,7 @@ from pathlib import Path
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead, Overloaded
+from lorakit.engine.lengths import fit_max_tokens
 from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
@@ -436,8 +437,9 @@ class ServerState:
 
     def tokens(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]) -> int:
         """What the jobs (prompt ids, params, adapter) can occupy in the KV cache together: each one's prompt and its
-        max_tokens, cut to the context as the engine cuts it (``fit_params``)."""
-        return sum(min(len(prompt) + params.max_tokens, self.engine.max_seq_len) for prompt, params, _ in jobs)
+        max_tokens, cut to the context as the engine cuts it (``fit_max_tokens``)."""
+        return sum(len(prompt) + fit_max_tokens(len(prompt), self.engine.max_seq_len, default=params.max_tokens)
+                   for prompt, params, _ in jobs)
 
     def stream(self, jobs: Sequence[tuple[list[int], SamplingParams, Adapter | None]]
                ) -> AsyncIterator[tuple[int, RequestOutput]]:
