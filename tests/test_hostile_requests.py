@@ -322,7 +322,7 @@ def test_a_request_whose_adapter_is_unloaded_while_it_waits_gets_an_error(world)
                                                              "stream": True})))]
                     for t in waiting:
                         t.start()
-                    wait_for(lambda: sum(r.adapter == "chat" for r in list(engine.scheduler.waiting)) == 2)
+                    wait_for(lambda: sum(r.adapter_name == "chat" for r in list(engine.scheduler.waiting)) == 2)
                     assert post(live, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
                     for t in waiting:
                         t.join(60)
