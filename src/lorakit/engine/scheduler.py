@@ -40,12 +40,12 @@ arriving N times at once is computed once.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lorakit.engine.admission import Verdict, WaitingQueue
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
 from lorakit.adapters.pool import AdapterRef, PoolFull
 from lorakit.layers.adapter import AdapterError
@@ -155,8 +155,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens  # while any request decodes
-        self.patience = patience
-        self.waiting: list[Request] = []  # sorted by arrival (seq)
+        self.queue = WaitingQueue(patience)
         self.running: list[Request] = []  # in admission order
         self._seq = itertools.count()
         self.num_preemptions = 0
@@ -165,14 +164,23 @@ class Scheduler:
         self.prefix_stats: dict[str | None, list[int]] = {}
         self.computed_prompt_tokens = 0  # prompt positions run through the model (recomputations included)
         self._computing: dict[bytes, int] = {}  # keys of blocks running requests are computing -> how many
-        self.draining: str | None = None  # the adapter no new request starts on, so that its slot frees for the head
         self._on_the_way: set[AdapterRef] = set()  # adapters in a slot or uploading, as of this step's lookahead
 
     def next_seq(self) -> int:
         return next(self._seq)
 
+    @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests in arrival order."""
+        return self.queue.requests
+
+    @property
+    def draining(self) -> str | None:
+        """The adapter no new request starts on, so that its slot frees for an overdue head."""
+        return self.queue.draining
+
     def add(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=lambda r: r.seq)
+        self.queue.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -180,7 +188,7 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         """Drop a request wherever it is, freeing its blocks and slot."""
         if request in self.waiting:
-            self.waiting.remove(request)
+            self.queue.remove(request)
         if request in self.running:
             self.running.remove(request)
             self._release(request)
@@ -218,47 +226,36 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit(items, budget, prefill)
-        for request in self.waiting:
-            request.waited += 1
+        self.queue.tick()
         return StepPlan(items, preempted)
 
     def _admit(self, items: list[Scheduled], budget: int, prefill: int) -> None:
-        """Admit waiting requests within ``budget`` tokens, of which ``prefill`` prompt tokens (see the module
-        docstring for who may pass the head)."""
-        head = self.waiting[0] if self.waiting else None
-        overdue = head is not None and head.waited > self.patience
+        """Admit waiting requests within ``budget`` tokens, of which ``prefill`` prompt tokens, in the order and
+        under the rule of the waiting queue (``admission.py``)."""
+        turn = self.queue.turn()
         ready = self._lookahead()  # adapter -> landed in a slot, or why it cannot be served (asked once a step)
-        reserve = None  # (blocks, sequences) an overdue head waiting for a slot keeps for itself
-        promoted = False  # the head started this step, and the next in line became the head
-        for request in list(self.waiting):
+        for request in turn.candidates:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request is not head and overdue:
-                if reserve is None:
-                    break  # the head waits for KV blocks or the budget: nobody passes it
-                if request.adapter is not None and request.adapter.name == self.draining:
-                    continue
-                if len(self.running) + reserve[1] >= self.max_num_seqs:
-                    break
+            verdict = turn.check(request, len(self.running), self.max_num_seqs)
+            if verdict is Verdict.STOP:
+                break
+            if verdict is Verdict.SKIP:
+                continue
             if min(request.num_tokens, budget, prefill) <= 0:
                 break
-            waits = self._try_admit(request, items, budget, prefill, ready, None if request is head else reserve)
-            if waits is None:  # admitted
+            waits = self._try_admit(request, items, budget, prefill, ready, turn.kept_for_head(request))
+            if waits is None:
                 n = len(items[-1].tokens)
                 budget -= n
                 prefill -= n
-                if request is head:  # the next in line is the head now, and may start too
-                    self.draining = None
-                    head, promoted = (self.waiting[0] if self.waiting else None), True
-                    overdue = head is not None and head.waited > self.patience
-            elif request is head and overdue and promoted:
-                break  # a new head, overdue, that cannot start: what may pass it is decided next step
-            elif request is head and overdue and waits == "slot":
-                reserve = (self.blocks.blocks_for(min(head.num_tokens, self.max_prefill_tokens)), 1)
-                if self.draining is None and head.adapter not in self._on_the_way:
-                    self.draining = self._drain_choice()  # no slot is free or unheld: one is to be freed
-        if self.draining is not None and (head is None or not overdue):
-            self.draining = None
+                turn.started(request)
+            elif turn.waits(request, waits, self._head_blocks, self._drain_choice, self._on_the_way):
+                break
+        turn.end()
+
+    def _head_blocks(self, request: Request) -> int:
+        return self.blocks.blocks_for(min(request.num_tokens, self.max_prefill_tokens))
 
     def _try_admit(self, request: Request, items: list[Scheduled], budget: int, prefill: int,
                    ready: dict[AdapterRef, bool | AdapterError],
@@ -283,7 +280,7 @@ class Scheduler:
                 (request.slot,) = self.pool.acquire([request.adapter])
             except PoolFull:  # every slot held; keep waiting
                 return "slot"
-        self.waiting.remove(request)
+        self.queue.remove(request)
         self.running.append(request)
         request.waited = 0
         self.blocks.hold(cached)
@@ -404,7 +401,7 @@ class Scheduler:
                 state = e
             ready[adapter] = state
         if isinstance(state, AdapterError):
-            self.waiting.remove(request)
+            self.queue.remove(request)
             self.failed.append((request, str(state)))
             return False
         return state
