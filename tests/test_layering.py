@@ -1,6 +1,6 @@
 """The packages' import direction is one-way, and no package reaches into another's private modules.
 
-    ops -> layers -> adapters -> engine -> parallel -> frontend -> serve
+    peft -> ops -> layers -> adapters -> engine -> parallel -> frontend -> serve
 
 A module may import its own package and those before it, never one after it (function-level imports included: an
 import inside a function is still an upward dependency). ``lorakit/__init__.py`` and ``__main__.py`` sit above all.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lorakit
 
-ORDER = ["ops", "layers", "adapters", "engine", "parallel", "frontend", "serve"]
+ORDER = ["peft", "ops", "layers", "adapters", "engine", "parallel", "frontend", "serve"]
 # The one upward edge, at run time only: ``Engine(factory, tensor_parallel_size=N)`` starts its workers through
 # parallel's executor (which drives engine's runner on every rank), imported inside the function that needs it so
 # that one command serves a sharded model. Nothing else may be added here without a reason as good.

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorakit.layers.adapter_config import AdapterError
+from lorakit.peft.config import AdapterError
 
-from lorakit.layers.adapter_targets import TokenTargets
+from lorakit.peft.targets import TokenTargets
 
 if TYPE_CHECKING:
-    from lorakit.layers.adapter import BaseModule
+    from lorakit.peft.read import BaseModule
 
 DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's TrainableTokensWrapper rows
 TOKEN_BASE = ".token_adapter.base_layer.weight"  # the whole (resized) matrix under that wrapper

@@ -26,7 +26,7 @@ import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter_config import (
+from lorakit.peft.config import (
     _TRAINING_ONLY_KEYS,
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -34,15 +34,15 @@ from lorakit.layers.adapter_config import (
     _is_int,
     read_adapter_config,
 )
-from lorakit.layers.adapter_experts import (
+from lorakit.peft.experts import (
     expert_factors,
     expert_shapes,
     expert_stems,
     fold_expert_linears,
     with_expert_linears,
 )
-from lorakit.layers.adapter_targets import MATCH_SECONDS, lora_targets, token_targets
-from lorakit.layers.adapter_tokens import (
+from lorakit.peft.targets import MATCH_SECONDS, lora_targets, token_targets
+from lorakit.peft.tokens import (
     ModuleTokens,
     TokenParts,
     added_ids,

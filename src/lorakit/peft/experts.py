@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError
+from lorakit.peft.config import CONFIG_NAME, AdapterError
 
 
 def parameter_targets(config: dict, base_modules: Mapping, where: str) -> set[str]:
