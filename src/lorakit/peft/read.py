@@ -9,6 +9,7 @@ are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a c
 rows: tokens.py; MoE experts: experts.py. Semantics of peft 0.21 (tuners/lora/{config,layer,model}.py,
 utils/other.py, utils/save_and_load.py).
 """
+
 from __future__ import annotations
 
 import difflib
