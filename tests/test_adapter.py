@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from lorakit.layers.adapter import (AdapterError, BaseModule, ModuleLora, PeftAdapter, inspect_peft_adapter,
+from lorakit.peft import (AdapterError, BaseModule, ModuleLora, PeftAdapter, inspect_peft_adapter,
                                     load_peft_adapter, read_adapter_config)
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # PEFT warns about fan_in_fan_out, embedding saving, ...
@@ -628,7 +628,7 @@ def target_configs(draw) -> dict:
 @given(tied=st.booleans(), kw=target_configs())
 def test_targets_resolve_as_peft_resolves_them(tied, kw):
     """lorakit's reading of target_modules (and the fields that narrow it) picks the very modules PEFT wraps."""
-    from lorakit.layers.adapter_targets import lora_targets
+    from lorakit.peft.targets import lora_targets
 
     kw = copy.deepcopy(kw)  # PEFT edits the lists it is given
     model = tiny_llama(tie_word_embeddings=tied)

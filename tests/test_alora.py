@@ -17,7 +17,7 @@ import lorakit
 from _lora_cases import rel_err
 from _peft_models import VOCAB, save_adapter, tiny_model
 from lorakit.engine import Engine, SamplingParams
-from lorakit.layers.adapter import AdapterError, activation_start
+from lorakit.peft import AdapterError, activation_start
 
 # Two activated LoRAs with different invocations, and a plain LoRA. Prompts draw their other tokens from
 # FILLER, so an invocation occurs only where a test puts it.

@@ -23,7 +23,7 @@ from _serve_helpers import LiveServer, build_world, children, engine_pid, gone, 
 from lorakit.engine import Engine, EngineConfig, SamplingParams
 from lorakit.frontend.core_client import CoreClient
 from lorakit.engine.lifeline import parent_death_signal
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.serve import ServeConfig, create_app
 from lorakit.serve.model import load_engine, load_tokenizer
 

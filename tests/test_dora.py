@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import lorakit
 from _lora_cases import TOLERANCE, cases, make_case, rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref

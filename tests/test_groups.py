@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lorakit
 from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
-from lorakit.layers.adapter import ModuleLora, PeftAdapter
+from lorakit.peft import ModuleLora, PeftAdapter
 from lorakit.layers.linear import LoraLinearGroup, LoraLinearMember
 from lorakit.layers.slot_table import Loaded
 

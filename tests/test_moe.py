@@ -26,7 +26,7 @@ import lorakit
 from _lora_cases import TOLERANCE, make_slots, rel_err
 from _peft_models import save_adapter
 from lorakit.engine import Engine, SamplingParams
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.layers.moe import ExpertSlots, LoraExperts
 from lorakit.layers.patch import slot_bytes
 from lorakit.ops import KernelOptions, add_expert_lora, build_lora_meta, expert_keys

@@ -11,7 +11,7 @@ from peft import LoraConfig
 import lorakit
 from _lora_cases import rel_err
 from _peft_models import ARCHS, TARGETS, VOCAB, save_adapter, tiny_model
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 
 # Relative error of each row's logits against PEFT's, by dtype.
 LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

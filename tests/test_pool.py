@@ -19,7 +19,7 @@ import lorakit
 from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit import AdapterPool, PoolFull
-from lorakit.layers.adapter import AdapterError, load_peft_adapter
+from lorakit.peft import AdapterError, load_peft_adapter
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import store_of
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.serve.resolver import LocalRoots, SharedCache
 
 

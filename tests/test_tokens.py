@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import lorakit
 from _lora_cases import TOLERANCE, rel_err
 from lorakit.engine import LLM, SamplingParams
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 
 V, ADD = 64, 3  # base vocabulary, tokens the adapters add (ids V .. V+ADD-1)
 
@@ -384,7 +384,7 @@ def test_engine_generates_a_guide_adapters_new_token_as_peft_does(tied, device, 
 
 
 def test_changed_rows_are_found_across_chunks():
-    from lorakit.layers.adapter_tokens import changed_rows
+    from lorakit.peft.tokens import changed_rows
 
     base = torch.randn(10, 4)
     matrix = torch.cat([base, torch.randn(2, 4)]).to(torch.bfloat16)  # rows past the vocabulary are not compared

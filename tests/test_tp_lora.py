@@ -22,7 +22,7 @@ from _ranks import join_gloo, run_ranks
 from peft import LoraConfig
 
 import lorakit
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 
 WORLD_SIZE = 2
 DEADLINE_S = 120

@@ -1,8 +1,9 @@
 """lorakit: serve many LoRA adapters on one base LLM at once.
 
-Layers, from the bottom up: ``lorakit.ops`` (custom ops: shrink and expand), ``lorakit.layers``
-(modules that call them, and ``patch``), ``lorakit.engine`` (pool, scheduler, runner: ``Engine``, and ``LLM``
-for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP server that ``lorakit serve`` starts).
+Layers, from the bottom up: ``lorakit.peft`` (reading and checking PEFT adapter folders), ``lorakit.ops`` (custom
+ops: shrink and expand), ``lorakit.layers`` (modules that call them, and ``patch``), ``lorakit.engine`` (pool,
+scheduler, runner: ``Engine``, and ``LLM`` for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP
+server that ``lorakit serve`` starts).
 
 The names below are imported when first used (PEP 562), so that ``import lorakit`` (and ``lorakit --version``) does
 not import torch.
@@ -19,7 +20,7 @@ _HOMES = {  # name -> the module that defines it
     "LLM": "lorakit.engine", "AdapterPool": "lorakit.engine", "Engine": "lorakit.engine",
     "EngineConfig": "lorakit.engine", "PoolFull": "lorakit.engine", "SamplingParams": "lorakit.engine",
     "AsyncEngine": "lorakit.frontend.async_engine", "LoraHandle": "lorakit.layers", "PatchConfig": "lorakit.layers",
-    "patch": "lorakit.layers", "AdapterError": "lorakit.layers.adapter", "quantize": "lorakit.layers",
+    "patch": "lorakit.layers", "AdapterError": "lorakit.peft", "quantize": "lorakit.layers",
 }
 __all__ = ["LLM", "AdapterError", "AdapterPool", "AsyncEngine", "Engine", "EngineConfig", "LoraHandle", "PatchConfig",
            "PoolFull", "SamplingParams", "ops", "patch", "quantize"]
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from lorakit.engine import LLM, AdapterPool, Engine, EngineConfig, PoolFull, SamplingParams
     from lorakit.frontend.async_engine import AsyncEngine
     from lorakit.layers import LoraHandle, PatchConfig, patch, quantize
-    from lorakit.layers.adapter import AdapterError
+    from lorakit.peft import AdapterError
 
 
 def __getattr__(name: str):

@@ -48,9 +48,9 @@ import msgspec
 import torch
 
 from lorakit.adapters.snapshot import Changed, Snapshot, read_snapshot, reread
-from lorakit.layers.adapter import AdapterError, AdapterInfo
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage, needs_growth
+from lorakit.peft import AdapterError, AdapterInfo
 
 logger = logging.getLogger("lorakit.pool")
 

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorakit.layers.adapter import AdapterError, AdapterInfo
-from lorakit.layers.adapter_config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
+from lorakit.peft import AdapterError, AdapterInfo
+from lorakit.peft.config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
 
 __all__ = ["Changed", "FileRecord", "Snapshot", "read_snapshot", "read_tokenizer", "reread"]
 

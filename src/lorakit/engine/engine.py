@@ -36,7 +36,7 @@ from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.adapters.snapshot import Snapshot, read_tokenizer
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
-from lorakit.layers.adapter import activation_start
+from lorakit.peft import activation_start
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.patch import patch, slot_bytes
 from lorakit.layers.quant import QuantizedLinear, quantize, weight_bytes

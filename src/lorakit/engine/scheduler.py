@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from lorakit.engine.admission import Verdict, WaitingQueue
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
 from lorakit.adapters.pool import AdapterRef, PoolFull
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 
 __all__ = ["AdapterSlots", "BlockManager", "Request", "Scheduled", "Scheduler", "StepPlan"]
 

@@ -19,7 +19,7 @@ from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
 from lorakit.frontend.client import EngineStats
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 
 __all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "Failed", "FromCore", "Ready",
            "Reply", "Step", "ToCore"]

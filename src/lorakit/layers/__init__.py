@@ -1,6 +1,6 @@
 """LoRA wrappers for linear, embedding and head layers, and ``patch`` that puts them into a model.
 
-Built on ``lorakit.ops``; knows nothing of the engine.
+Built on ``lorakit.ops``, with adapters read by ``lorakit.peft``; knows nothing of the engine.
 """
 
 from lorakit.layers.context import LoraContext

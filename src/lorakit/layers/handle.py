@@ -17,14 +17,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lorakit.layers.adapter import (
-    AdapterError,
-    AdapterInfo,
-    BaseModule,
-    PeftAdapter,
-    inspect_peft_adapter,
-    load_peft_adapter,
-)
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import SlotImage, pack_adapter, store_of
@@ -34,6 +26,7 @@ from lorakit.layers.sharded import ShardedLayer, check_vocab_parallel, full_feat
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
 from lorakit.ops import round_up
+from lorakit.peft import AdapterError, AdapterInfo, BaseModule, PeftAdapter, inspect_peft_adapter, load_peft_adapter
 
 
 class LoraHandle:

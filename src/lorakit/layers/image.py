@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lorakit.layers.adapter import ModuleLora, PeftAdapter
 from lorakit.layers.dora import write_gain
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
@@ -33,6 +32,7 @@ from lorakit.layers.sharded import shard_lora
 from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
 from lorakit.ops import round_up
+from lorakit.peft import ModuleLora, PeftAdapter
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
 

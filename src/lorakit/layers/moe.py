@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorakit.layers.adapter import BaseModule
 from lorakit.layers.context import LoraContext
 from lorakit.layers.slots import LoraSlots
 from lorakit.ops import add_expert_lora, expert_keys
+from lorakit.peft import BaseModule
 
 _UP_NAMES = ("gate_up_proj", "up_proj")  # gated experts (act(gate) * up) or plain ones (act(up))
 

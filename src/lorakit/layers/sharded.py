@@ -16,9 +16,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from lorakit.layers.adapter import AdapterError, ModuleLora
-from lorakit.layers.adapter_config import read_adapter_config
-from lorakit.layers.adapter_targets import token_targets
+from lorakit.peft import AdapterError, ModuleLora, read_adapter_config
+from lorakit.peft.targets import token_targets
 
 
 class ShardedLayer(nn.Module, abc.ABC):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lorakit.adapters.pool import check_name
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState
 

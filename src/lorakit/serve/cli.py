@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
+from lorakit.peft import WEIGHTS_NAME, AdapterError, read_adapter_config, weights_file
 from lorakit.serve.model import (bundled_adapters, check_model, load_engine, load_tokenizer, model_folder,
                                  served_name)
 from lorakit.serve.vllm_flags import VLLM_ALIASES, add_vllm_flags

@@ -170,7 +170,7 @@ class Replica:
 
     async def acquire(self, name: str) -> _Held:
         """Resolve and register ``name`` (Ray Serve's multiplexed loader calls this; see ``build_app``)."""
-        from lorakit.layers.adapter import AdapterError
+        from lorakit.peft import AdapterError
 
         self._loop = asyncio.get_running_loop()
         unloading = self._unloading.pop(name, None)
@@ -201,7 +201,7 @@ class Replica:
             await self._unregister(name)
 
     async def _unregister(self, name: str) -> None:
-        from lorakit.layers.adapter import AdapterError
+        from lorakit.peft import AdapterError
 
         try:
             await self.state.unregister_adapter(name)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from lorakit.adapters.pool import check_name
-from lorakit.layers.adapter import AdapterError
-from lorakit.layers.adapter_config import CONFIG_NAME, WEIGHTS_NAME
+from lorakit.peft import AdapterError
+from lorakit.peft.config import CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = ["AdapterResolver", "LocalRoots", "SharedCache"]
 

@@ -29,7 +29,7 @@ from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, Templ
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.streams import RequestStream
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.serve.auth import check_key
 from lorakit.serve.edge import BodyBudget, default_bytes_in_flight
 from lorakit.serve.metrics import Metrics, RequestMetrics

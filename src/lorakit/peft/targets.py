@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import regex
 
-from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError, _is_int
-from lorakit.layers.adapter_experts import parameter_targets
+from lorakit.peft.config import CONFIG_NAME, AdapterError, _is_int
+from lorakit.peft.experts import parameter_targets
 
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")  # peft.utils.constants: what ensure_weight_tying looks for
 

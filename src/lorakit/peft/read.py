@@ -1,15 +1,13 @@
 """Read a PEFT LoRA adapter folder and check that lorakit can serve it exactly as PEFT would.
 
-Contract: ``load_peft_adapter`` returns, for every base-model module that the weights file names, the A, B,
-rank and scale PEFT's ``LoraLayer`` uses (linear ``y += scale * (x @ A.T) @ B.T``, embedding
-``y += scale * A.T[ids] @ B.T``), or raises ``AdapterError`` naming the adapter, the module and the fix.
-A DoRA adapter's modules also carry their magnitudes (``ModuleLora.magnitude``; the rescale itself is computed
-against the base weight when a slot is written: lorakit.layers.dora).
-Every ``LoraConfig`` field that changes PEFT's forward is matched or refused; nothing is unpickled. A file and
-config that disagree (weights of modules the config does not adapt, which PEFT ignores; adapted modules without
-weights, which PEFT leaves untrained) are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a
-config adapts: adapter_targets.py; token rows (trainable tokens, whole embedding / head matrices): adapter_tokens.py.
-Semantics are those of peft 0.21: tuners/lora/{config,layer,model}.py, utils/other.py, utils/save_and_load.py.
+``load_peft_adapter`` returns, for every base-model module the weights file names, the A, B, rank and scale PEFT's
+``LoraLayer`` uses (linear ``y += scale * (x @ A.T) @ B.T``, embedding ``y += scale * A.T[ids] @ B.T``) and a DoRA
+module's magnitudes, or raises ``AdapterError`` naming the adapter, the module and the fix; ``inspect_peft_adapter``
+makes the same checks from the header alone. Nothing is unpickled. A file and config that disagree (weights of
+modules the config does not adapt, which PEFT ignores; adapted modules without weights, which PEFT leaves untrained)
+are refused unless ``strict=False`` asks for PEFT's behaviour. Which modules a config adapts: targets.py; token
+rows: tokens.py; MoE experts: experts.py. Semantics of peft 0.21 (tuners/lora/{config,layer,model}.py,
+utils/other.py, utils/save_and_load.py).
 """
 
 from __future__ import annotations
@@ -18,32 +16,25 @@ import difflib
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter_config import (
-    _TRAINING_ONLY_KEYS,
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    AdapterError,
-    _is_int,
-    read_adapter_config,
-)
-from lorakit.layers.adapter_experts import (
+from lorakit.peft.adapter import AdapterInfo, BaseModule, ModuleLora, PeftAdapter
+from lorakit.peft.config import _TRAINING_ONLY_KEYS, CONFIG_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
+from lorakit.peft.experts import (
     expert_factors,
     expert_shapes,
     expert_stems,
     fold_expert_linears,
     with_expert_linears,
 )
-from lorakit.layers.adapter_targets import MATCH_SECONDS, lora_targets, token_targets
-from lorakit.layers.adapter_tokens import (
-    ModuleTokens,
+from lorakit.peft.targets import MATCH_SECONDS, lora_targets, token_targets
+from lorakit.peft.tokens import (
     TokenParts,
     added_ids,
     check_token_shapes,
@@ -52,8 +43,7 @@ from lorakit.layers.adapter_tokens import (
     token_key,
 )
 
-__all__ = ["AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "PeftAdapter", "activation_start",
-           "inspect_peft_adapter", "load_peft_adapter", "read_adapter_config"]
+__all__ = ["inspect_peft_adapter", "load_peft_adapter", "weights_file"]
 
 logger = logging.getLogger("lorakit.adapter")
 
@@ -69,88 +59,6 @@ _KEY_HINTS = (("lora_B.bias", "lora_B biases (lora_bias)"),
               ("trainable_tokens", "trainable tokens (trainable_token_indices)"),
               (".bias", "biases of the base layers (bias='all' or 'lora_only')"),
               (".weight", "full module weights (modules_to_save, or an embedding resized during fine-tuning)"))
-
-
-@dataclass(frozen=True)
-class BaseModule:
-    """A base-model module an adapter may target. linear: (in_features, out_features);
-    embedding: (num_embeddings, embedding_dim). ``tokens``: "input" for the input embedding, "output" for the
-    output head (the modules whose rows are tokens), else None. experts: a stacked MoE expert parameter
-    (``<module>.<parameter>``, adapter_experts.py): (in_features, out_features) of each of its experts."""
-
-    kind: str
-    in_features: int
-    out_features: int
-    tokens: str | None = None
-    num_experts: int = 1  # kind "experts": a stacked MoE parameter of this many experts, in -> out each
-
-    @property
-    def vocab(self) -> int:
-        return self.in_features if self.kind == "embedding" else self.out_features
-
-    @property
-    def dim(self) -> int:
-        return self.out_features if self.kind == "embedding" else self.in_features
-
-    def __post_init__(self):
-        if self.kind not in ("linear", "embedding", "experts"):
-            raise ValueError(f"BaseModule.kind must be 'linear' or 'embedding' (or 'experts', a stacked MoE "
-                             f"parameter), got {self.kind!r}")
-        for field in ("in_features", "out_features", "num_experts"):
-            value = getattr(self, field)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"BaseModule.{field} must be a positive int, got {value!r}")
-
-
-@dataclass(frozen=True, eq=False)
-class ModuleLora:
-    """One module's LoRA: A [rank, in_features], B [out_features, rank] (embedding: in = num_embeddings,
-    out = embedding_dim), and the scale PEFT multiplies B @ A by; a DoRA module's ``magnitude``, float32
-    [out_features] (None for plain LoRA)."""
-
-    A: torch.Tensor
-    B: torch.Tensor
-    rank: int
-    scale: float
-    magnitude: torch.Tensor | None = None
-
-    def __post_init__(self):
-        # stacked MoE experts (adapter_experts.py): A [E, rank, in], B [E, out, rank]
-        if (self.A.dim() not in (2, 3) or self.B.dim() != self.A.dim() or self.A.shape[-2] != self.rank
-                or self.B.shape[-1] != self.rank or self.A.shape[:-2] != self.B.shape[:-2]):
-            raise ValueError(f"ModuleLora needs A [rank, in] and B [out, rank] (experts: [E, rank, in] and "
-                             f"[E, out, rank]) with rank={self.rank}, "
-                             f"got A {tuple(self.A.shape)} and B {tuple(self.B.shape)}")
-        if not math.isfinite(self.scale):
-            raise ValueError(f"ModuleLora.scale must be finite, got {self.scale}")
-        if self.magnitude is not None and tuple(self.magnitude.shape) != (self.B.shape[0],):
-            raise ValueError(f"ModuleLora.magnitude must be [out_features={self.B.shape[0]}], "
-                             f"got {tuple(self.magnitude.shape)}")
-
-
-@dataclass(frozen=True, eq=False)
-class PeftAdapter:
-    """A loaded adapter: ``modules`` (LoRA) and ``tokens`` (token rows) are keyed by the base model's
-    fully-qualified module name."""
-
-    name: str
-    path: Path
-    config: dict
-    modules: dict[str, ModuleLora]
-    tokens: dict[str, ModuleTokens] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not self.modules and not self.tokens:
-            raise ValueError(f"adapter {self.name!r} at {self.path}: a PeftAdapter needs at least one module")
-
-    @property
-    def max_rank(self) -> int:
-        return max((lora.rank for lora in self.modules.values()), default=0)
-
-    def nbytes(self) -> int:
-        return (sum(lora.A.nbytes + lora.B.nbytes + (0 if lora.magnitude is None else lora.magnitude.nbytes)
-                    for lora in self.modules.values())
-                + sum(t.rows.nbytes for t in self.tokens.values()))
 
 
 def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], dtype: torch.dtype,
@@ -178,27 +86,6 @@ def load_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], d
     return PeftAdapter(name, path, config, modules, tokens)
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What the config and the weights file's header say about an adapter, with no weights read:
-    ``modules`` maps each targeted module to its (rank, scale); ``added_tokens``, the token ids past the base
-    vocabulary the adapter defines (its requests may use them); ``invocation_tokens``, an activated LoRA's
-    invocation sequence (None for a plain LoRA): see ``activation_start``; ``dora``, the modules it adapts with
-    DoRA."""
-
-    name: str
-    path: Path
-    config: dict
-    modules: dict[str, tuple[int, float]]
-    added_tokens: frozenset[int] = frozenset()
-    invocation_tokens: tuple[int, ...] | None = None
-    dora: frozenset[str] = frozenset()
-
-    @property
-    def max_rank(self) -> int:
-        return max((rank for rank, _ in self.modules.values()), default=0)
-
-
 def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule], *, strict: bool = True,
                          tied: bool = False) -> AdapterInfo:
     """Every check ``load_peft_adapter`` makes except those on the values (NaN, overflow, which rows of a whole
@@ -221,20 +108,6 @@ def inspect_peft_adapter(name: str, path, base_modules: Mapping[str, BaseModule]
     _check_alora(config, pairs, token_parts, base_modules, where)
     invocation = tuple(config.get("alora_invocation_tokens") or ()) or None
     return AdapterInfo(name, path, config, modules, frozenset(added), invocation, frozenset(magnitudes))
-
-
-def activation_start(token_ids: Sequence[int], invocation: Sequence[int]) -> int | None:
-    """Where an activated LoRA starts in ``token_ids``: the index of the last occurrence of ``invocation``
-    (non-empty), None if it does not occur (PEFT's calculate_alora_offsets: start = len(token_ids) - offset)."""
-    inv = list(invocation)
-    if not inv:
-        raise ValueError("activation_start needs a non-empty invocation sequence")
-    ids, k = list(token_ids), len(inv)
-    first = inv[0]
-    for i in range(len(ids) - k, -1, -1):
-        if ids[i] == first and ids[i: i + k] == inv:
-            return i
-    return None
 
 
 def _check_alora(config: dict, pairs: Mapping, token_parts: Mapping, base_modules: Mapping[str, BaseModule],

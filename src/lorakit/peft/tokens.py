@@ -8,30 +8,17 @@ utils/save_and_load.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-from lorakit.layers.adapter_config import AdapterError
-
-from lorakit.layers.adapter_targets import TokenTargets
-
-if TYPE_CHECKING:
-    from lorakit.layers.adapter import BaseModule
+from lorakit.peft.adapter import BaseModule, ModuleTokens
+from lorakit.peft.config import AdapterError
+from lorakit.peft.targets import TokenTargets
 
 DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's TrainableTokensWrapper rows
 TOKEN_BASE = ".token_adapter.base_layer.weight"  # the whole (resized) matrix under that wrapper
 # What a modules_to_save module's keys hold: the copy, PEFT's second copy of it, the base weight it was made from.
 FULL_KEYS = ((".modules_to_save.weight", "twin"), (".original_module.weight", "original"), (".weight", "full"))
-
-
-@dataclass(frozen=True, eq=False)
-class ModuleTokens:
-    """Rows an adapter puts in place of a token-indexed weight's (input embedding or output head):
-    ids [k] (ascending, int64; ids past the base vocabulary are tokens the adapter adds) and rows [k, dim]."""
-
-    ids: torch.Tensor
-    rows: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.layers.adapter_config import CONFIG_NAME, AdapterError
+from lorakit.peft.adapter import BaseModule, ModuleLora
+from lorakit.peft.config import CONFIG_NAME, AdapterError
 
 
 def parameter_targets(config: dict, base_modules: Mapping, where: str) -> set[str]:
@@ -128,7 +129,7 @@ def with_expert_linears(config: dict, base_modules: Mapping, weights_file: Path)
         out = m.out_features // 2 if param == "gate_up_proj" else m.out_features
         for name in sorted(n for n in names if (V4_ROLES[n] == "down") == (param == "down_proj")):
             for e in range(m.num_experts):
-                extra[f"{module}.{e}.{name}"] = type(m)("linear", m.in_features, out)
+                extra[f"{module}.{e}.{name}"] = BaseModule("linear", m.in_features, out)
     return {**base_modules, **extra} if extra else base_modules
 
 
@@ -182,4 +183,4 @@ def _stacked(experts: dict, roles: tuple, base, rank: int, scale: float):
             A[e, r0:r0 + lora.rank] = lora.A
             B[e, i * width:(i + 1) * width, r0:r0 + lora.rank] = lora.B * (lora.scale / scale)
             r0 += lora.rank
-    return type(any_lora)(A, B, rank, scale)
+    return ModuleLora(A, B, rank, scale)

@@ -1,5 +1,6 @@
 """Read and validate a PEFT LoRA ``adapter_config.json``: every LoraConfig field that changes PEFT's
-forward is matched by lorakit or refused with an ``AdapterError`` naming the adapter and the fix.
+forward is matched by lorakit or refused with an ``AdapterError`` (lorakit's one adapter error type, defined here)
+naming the adapter and the fix.
 Semantics are those of peft 0.21 (tuners/lora/config.py). The work is bounded: a config larger than
 ``MAX_CONFIG_BYTES`` is refused unread, one nested deeper than ``MAX_JSON_DEPTH`` unparsed."""
 
@@ -44,10 +45,10 @@ _KNOWN = {
     "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
     "inference_mode", "lora_dropout", "megatron_core", "loftq_config", "eva_config", "corda_config",
     "lora_ga_config", "qalora_group_size", "runtime_config", "ensure_weight_tying",
-    "trainable_token_indices", "modules_to_save",  # checked against the model in adapter.py
+    "trainable_token_indices", "modules_to_save",  # checked against the model in targets.py and tokens.py
     "alora_invocation_tokens",  # activated LoRA: the engine applies the adapter from the invocation on
-    "target_parameters",  # stacked MoE expert parameters: adapter_experts.py
-    "use_dora",  # DoRA: the magnitudes are checked in adapter.py, the rescale computed in layers/dora.py
+    "target_parameters",  # stacked MoE expert parameters: experts.py
+    "use_dora",  # DoRA: the magnitudes are checked in read.py, the rescale computed in layers/dora.py
 } | _UNSUPPORTED.keys() | _TRAINING_ONLY_KEYS.keys()
 _INIT_OK = {"gaussian", "eva", "orthogonal", "mica"}  # inits that leave the base weights alone
 _INIT_MUTATES_BASE = ("pissa", "olora", "corda", "lora_ga")  # subtract scale * B0 @ A0 from the base weight
