@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler
-from lorakit.layers.adapter import AdapterError
+from lorakit.peft import AdapterError
 from lorakit.ops import cdiv
 
 
