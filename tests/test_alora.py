@@ -13,9 +13,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora.variants import calculate_alora_offsets
 
 import lorakit
-from _lora_cases import rel_err
 from _peft_models import VOCAB, save_adapter, tiny_model
-from helpers import edit_config
+from helpers import edit_config, rel_err
 from lorakit.engine import Engine, SamplingParams
 from lorakit.layers.adapter import AdapterError, activation_start
 

@@ -13,8 +13,8 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import lorakit
-from _lora_cases import TOLERANCE, rel_err
-from helpers import WORD_VOCAB, word_tokenizer
+from _lora_cases import TOLERANCE
+from helpers import WORD_VOCAB, rel_err, word_tokenizer
 from lorakit.engine import LLM, SamplingParams
 from lorakit.layers.adapter import AdapterError
 
