@@ -181,7 +181,8 @@ def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads
                    dtype: torch.dtype, softcap: float = 0.0, window: int = 0, sharpness: float = 1.0,
                    pad_rows: int = 0, free_blocks: int = 2, extra_cols: int = 1, garbage: str = "free",
                    seed: int = 0, device: str = "cpu") -> AttnCase:
-    """seqs: (new tokens n, seq_len L) per sequence, L >= n or L == 0. Blocks are shuffled over the cache."""
+    """A random attention step over a paged cache. seqs: (new tokens n, seq_len L) per sequence, L >= n or L == 0.
+    Blocks are shuffled over the cache."""
     from lorakit.ops import cdiv
 
     gen = torch.Generator(device=device).manual_seed(seed)

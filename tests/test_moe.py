@@ -57,13 +57,13 @@ def test_mixed_batch_rows_equal_peft(family, tmp_path):
     model, handle = patched(base, adapters)
     assert sum(isinstance(m, LoraExperts) for m in model.modules()) == 2
     input_ids = torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(1))
-    want = reference_logits(base, adapters, input_ids, NAMES)
+    want = reference_logits(base, adapters, NAMES, input_ids)
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(NAMES), use_cache=False).logits
     for i, name in enumerate(NAMES):
         assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], (family, name)
     # the delta matters: a row of another adapter is far from this one's
-    assert rel_err(got[1], reference_logits(base, adapters, input_ids[1:2], [None])[0]) > 1e-2
+    assert rel_err(got[1], reference_logits(base, adapters, [None], input_ids[1:2])[0]) > 1e-2
 
 
 def test_without_ids_the_model_is_unchanged_bit_for_bit(tmp_path):
@@ -88,7 +88,7 @@ def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp
             eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
             comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
             assert rel_err(comp, eager) < TOLERANCE[torch.float32], names
-            assert rel_err(comp, reference_logits(base, adapters, input_ids, names)) < TOLERANCE[torch.float32], names
+            assert rel_err(comp, reference_logits(base, adapters, names, input_ids)) < TOLERANCE[torch.float32], names
 
 
 def test_rank_growth_keeps_loaded_adapters_and_hot_swaps_zero_the_slot(tmp_path):
@@ -112,11 +112,11 @@ def test_rank_growth_keeps_loaded_adapters_and_hot_swaps_zero_the_slot(tmp_path)
         assert sorted(s.r_max for s in stores) == [16, 16, 48, 48]
         assert torch.equal(model(input_ids=input_ids, lora_ids=handle.ids(["small", None])).logits, before)
         after = model(input_ids=input_ids, lora_ids=handle.ids(["small", "big"])).logits
-        assert rel_err(after, reference_logits(base, adapters, input_ids, ["small", "big"])) < TOLERANCE[torch.float32]
+        assert rel_err(after, reference_logits(base, adapters, ["small", "big"], input_ids)) < TOLERANCE[torch.float32]
         handle.unload_adapter("big")  # its slot zeroed, then another adapter in it
         handle.load_adapter("other", other.path)
         got = model(input_ids=input_ids, lora_ids=handle.ids(["other", "small"])).logits
-        assert rel_err(got, reference_logits(base, adapters, input_ids, ["other", "small"])) < TOLERANCE[torch.float32]
+        assert rel_err(got, reference_logits(base, adapters, ["other", "small"], input_ids)) < TOLERANCE[torch.float32]
     slot = handle.adapters["other"]
     for s in stores:
         assert not s.lora_A[slot, :, 2:].any() and not s.lora_B[slot, 2:].any()
@@ -140,7 +140,7 @@ def test_property_rows_equal_peft(tmp_path_factory, top_k, ranks, params, mappin
     input_ids = torch.randint(0, VOCAB, (5, 4), generator=gen)
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
-    assert rel_err(got, reference_logits(base, adapters, input_ids, names)) < TOLERANCE[torch.float32]
+    assert rel_err(got, reference_logits(base, adapters, names, input_ids)) < TOLERANCE[torch.float32]
 
 
 def test_engine_greedy_tokens_equal_generate(tmp_path):
@@ -432,7 +432,7 @@ def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_ex
     input_ids = torch.randint(0, VOCAB, (len(names_), 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(names_), use_cache=False).logits
-    want = reference_logits(old, adapters, input_ids, names_)
+    want = reference_logits(old, adapters, names_, input_ids)
     for i, name in enumerate(names_):
         assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], name
 
@@ -449,7 +449,7 @@ def test_peft_converted_per_expert_targets_are_served(tmp_path):
     input_ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(["conv", None]), use_cache=False).logits
-    assert rel_err(got, reference_logits(base, {"conv": a}, input_ids, ["conv", None])) < TOLERANCE[torch.float32]
+    assert rel_err(got, reference_logits(base, {"conv": a}, ["conv", None], input_ids)) < TOLERANCE[torch.float32]
 
 
 def test_lorakit_serve_serves_an_moe_model_with_an_expert_adapter(tmp_path):

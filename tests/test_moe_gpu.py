@@ -65,7 +65,7 @@ def test_one_mixtral_layer_at_real_size_under_three_adapters_equals_float32_peft
     adapters = {f"a{i}": save_adapter(base, f"a{i}", c, tmp_path, seed=i, std=0.02) for i, c in enumerate(configs)}
     names = [None, "a0", "a1", "a2", "a0", None, "a2", "a1"]
     input_ids = torch.randint(0, 512, (len(names), 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    want = reference_logits(base, adapters, input_ids, names)
+    want = reference_logits(base, adapters, names, input_ids)
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         model = copy.deepcopy(base).to(dtype)
         handle = lorakit.patch(model, max_loras=4)
