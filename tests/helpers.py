@@ -633,6 +633,8 @@ class FakeHub(http.server.ThreadingHTTPServer):
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+    """FakeHub's requests: a revision's file list (api/models/.../revision|tree), each file's HEAD and GET."""
+
     def log_message(self, *args):
         pass
 
