@@ -16,15 +16,6 @@ H_TOLERANCE = 2e-5
 MAPPINGS = ("distinct", "uniform", "zipf", "identical", "all-base", "some-base")
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor | None = None) -> float:
-    """||out - ref|| / ||ref||, or / ||magnitude|| where given: the same computation on absolute values,
-    which bounds rounding error even where the sums cancel (a one-element delta of rank 4, say)."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "output has NaN"
-    denom = (ref if magnitude is None else magnitude.double().cpu()).norm().item()
-    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
-
-
 def make_slots(kind: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     if kind == "distinct":
         slots = torch.arange(num_tokens) % num_slots

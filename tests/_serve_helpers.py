@@ -27,8 +27,13 @@ def make_tokenizer():
                          chat_template=CHAT_TEMPLATE)
 
 
-def build_world(tmp):
-    """(base model, tokenizer, adapter root, {name: adapter folder}) for adapters sql, chat and v2 under ``tmp``."""
+def build_world(tmp, chat_template: str | None = None, max_position_embeddings: int | None = None,
+                save_model: bool = False):
+    """(base model, tokenizer, adapter root, {name: adapter folder}) for adapters sql, chat and v2 under ``tmp``.
+
+    After the adapters are saved: ``chat_template`` replaces the tokenizer's (on a copy of it), and
+    ``max_position_embeddings`` the base model's config value (RoPE is computed, not tabled); ``save_model``
+    saves the base model and tokenizer to ``tmp / "model"`` (the adapter root's sibling), for a server process."""
     tokenizer = make_tokenizer()
     config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -41,6 +46,14 @@ def build_world(tmp):
         cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "down_proj"],
                          init_lora_weights=False)
         adapters[name] = save_adapter(base, name, cfg, root, seed=seed, std=0.3).path
+    if chat_template is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = chat_template
+    if max_position_embeddings is not None:
+        base.config.max_position_embeddings = max_position_embeddings
+    if save_model:
+        base.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
     return base, tokenizer, root, adapters
 
 

@@ -1,4 +1,5 @@
-"""Test setup: Triton runs under its CPU interpreter where there is no GPU; a bounded hypothesis profile for CI."""
+"""Test setup: Triton runs under its CPU interpreter where there is no GPU; a bounded hypothesis profile for CI; the
+fixtures several test files share (plain helpers are in helpers.py)."""
 
 import os
 import pathlib
@@ -24,6 +25,25 @@ settings.register_profile(  # scripts/gpu-check: each property test under a minu
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "world(**options): options of the module's `world` fixture (tests/conftest.py)")
+
+
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    """The served tiny world of a test module, built once per module: (base model, tokenizer, adapter root,
+    {name: adapter folder}) for adapters sql, chat and v2 (``_serve_helpers.build_world``).
+
+    A module asks for a variant with ``pytestmark = pytest.mark.world(...)``, build_world's options: ``chat_template``
+    (the tokenizer's, replaced), ``max_position_embeddings`` (the base config's, raised) and ``save_model`` (the model
+    and tokenizer saved beside the adapter root, at ``world[2].parent / "model"``, for a server process)."""
+    from _serve_helpers import build_world
+
+    marker = request.node.get_closest_marker("world")
+    options = marker.kwargs if marker is not None else {}
+    return build_world(tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_")), **options)
 
 
 def pytest_collection_modifyitems(config, items):

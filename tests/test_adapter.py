@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.pytorch_utils import Conv1D
 
+from helpers import edit_config
 from lorakit.peft import (AdapterError, BaseModule, ModuleLora, PeftAdapter, inspect_peft_adapter,
-                                    load_peft_adapter, read_adapter_config)
+                          load_peft_adapter, read_adapter_config)
 
 pytestmark = pytest.mark.filterwarnings("ignore")  # PEFT warns about fan_in_fan_out, embedding saving, ...
 
@@ -217,12 +218,6 @@ def refused(path, base, *needles, dtype=torch.float32):
     for needle in needles:
         assert needle in msg, msg
     return msg
-
-
-def edit_config(folder, **changes):
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    cfg.update(changes)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
 
 
 def edit_weights(folder, fn):

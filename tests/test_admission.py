@@ -7,7 +7,6 @@ import asyncio
 import copy
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -15,8 +14,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from _serve_helpers import build_world, reference, run_state, start
-from test_hostile_requests import slow_steps
+from _serve_helpers import reference, run_state, start
+from helpers import slow_steps, wait_for
 from lorakit.engine import Engine
 from lorakit.frontend.client import InProcessClient
 from lorakit.serve import ServeConfig, openai, sglang
@@ -30,11 +29,6 @@ ENGINE = {"max_num_seqs": 2, "num_blocks": 64}
 KV_TOKENS, MAX_SEQ_LEN = 64 * 4, 128
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("admission"))
-
-
 def prompt_len(world, text: str) -> int:
     return len(world[1].encode(text))
 
@@ -42,13 +36,6 @@ def prompt_len(world, text: str) -> int:
 def held(live) -> tuple[int, int]:
     limit = live.server.config.app.state.server.in_flight
     return limit.held_sequences, limit.held_tokens
-
-
-def wait_for(condition, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 def error_of(r: httpx.Response, status: int) -> dict:

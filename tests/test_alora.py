@@ -2,7 +2,6 @@
 sequence in the prompt on (generated tokens included), never when the prompt lacks it."""
 
 import copy
-import json
 import shutil
 from pathlib import Path
 
@@ -14,8 +13,8 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.lora.variants import calculate_alora_offsets
 
 import lorakit
-from _lora_cases import rel_err
 from _peft_models import VOCAB, save_adapter, tiny_model
+from helpers import edit_config, rel_err
 from lorakit.engine import Engine, SamplingParams
 from lorakit.peft import AdapterError, activation_start
 
@@ -196,12 +195,6 @@ def test_request_lora_start(setup):
 @pytest.fixture
 def folder(setup, tmp_path):
     return Path(shutil.copytree(setup[1]["x"].path, tmp_path / "x"))
-
-
-def edit_config(folder, **changes):
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    cfg.update(changes)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
 
 
 def base_handle(setup):

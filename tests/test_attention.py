@@ -9,188 +9,20 @@ that reads anything it should not returns NaN.
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _lora_cases import rel_err
+from helpers import AttnCase, attn_cases, check_attention, make_attn_case, run_triton, same_bits, triton_on_cpu
 from lorakit.ops import attention as attention_mod
-from lorakit.ops import cdiv, paged_attention, write_kv
-from lorakit.ops.attention import ATTENTION_CONFIGS, _launch_paged_attention, _launch_write_kv, num_kv_segments
-from lorakit.ops.reference import attention_ref
+from lorakit.ops import paged_attention, write_kv
+from lorakit.ops.attention import _launch_write_kv, num_kv_segments
 
-# Relative error ||out - ref|| / ||ref|| allowed, by dtype: the output is rounded once, and the kernel
-# rounds the softmax weights to the dtype for the tensor-core dot with V.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-triton_on_cpu = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
-)
-
-
-@dataclass
-class AttnCase:
-    """One step of a batch: the caches hold each sequence's context; key/value/kv_index its new tokens."""
-
-    query: torch.Tensor  # [T, Hq, D]
-    key: torch.Tensor  # [T, Hkv, D], the new tokens' keys (rows of padding and of seq_lens-0 sequences unused)
-    value: torch.Tensor
-    kv_index: torch.Tensor  # int64 [T], -1 where nothing is written
-    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]: context written, every other row NaN
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # int32 [S, max_blocks], garbage past each sequence's blocks
-    seq_lens: torch.Tensor  # int32 [S]
-    query_start: torch.Tensor  # int32 [S + 1]
-    scale: float
-    softcap: float = 0.0
-    window: int = 0
-
-    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The caches after the step's write, by plain indexing (independent of write_kv)."""
-        k, v = self.k_cache.clone(), self.v_cache.clone()
-        rows = (self.kv_index >= 0).nonzero().squeeze(1)
-        index = self.kv_index[rows]
-        bs = k.shape[1]
-        k[index // bs, index % bs] = self.key[rows]
-        v[index // bs, index % bs] = self.value[rows]
-        return k, v
-
-    def attention_args(self, k_cache=None, v_cache=None) -> tuple:
-        if k_cache is None:
-            k_cache, v_cache = self.written()
-        return (self.query, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start, self.scale,
-                self.softcap, self.window)
-
-    def to(self, device) -> AttnCase:
-        return AttnCase(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in vars(self).values()))
-
-
-def make_attn_case(seqs: list[tuple[int, int]], *, block_size: int, num_kv_heads: int, group: int, head_dim: int,
-                   dtype: torch.dtype, softcap: float = 0.0, window: int = 0, sharpness: float = 1.0,
-                   pad_rows: int = 0, free_blocks: int = 2, extra_cols: int = 1, garbage: str = "free",
-                   seed: int = 0, device: str = "cpu") -> AttnCase:
-    """seqs: (new tokens n, seq_len L) per sequence, L >= n or L == 0. Blocks are shuffled over the cache."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cpu_gen = torch.Generator().manual_seed(seed)
-    num_seqs = len(seqs)
-    need = [cdiv(L, block_size) for _, L in seqs]
-    num_blocks = sum(need) + free_blocks
-    order = torch.randperm(num_blocks, generator=cpu_gen).int()
-    free = order[sum(need):]
-    max_blocks = max(need, default=0) + extra_cols
-    if garbage == "free" and len(free):  # blocks full of NaN
-        tables = free[torch.randint(0, len(free), (num_seqs, max_blocks), generator=cpu_gen)]
-    elif garbage == "huge":  # far outside the cache: reading one faults
-        tables = torch.randint(1 << 28, 1 << 30, (num_seqs, max_blocks), generator=cpu_gen, dtype=torch.int32)
-        tables[:, ::2] = -(1 << 20)
-    else:
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
-    tables = tables.to(torch.int32)
-    start = 0
-    for s, nb in enumerate(need):
-        tables[s, :nb] = order[start:start + nb]
-        start += nb
-
-    starts = [0]
-    for n, _ in seqs:
-        starts.append(starts[-1] + n)
-    num_tokens = starts[-1] + pad_rows
-
-    def randn(*shape, std=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
-
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
-    v_cache = k_cache.clone()
-    kv_index = torch.full((num_tokens,), -1, dtype=torch.int64)
-    for s, (n, L) in enumerate(seqs):
-        pos = torch.arange(L)
-        index = tables[s, pos // block_size].long() * block_size + pos % block_size
-        ctx = max(L - n, 0)
-        flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k[index[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
-        flat_v[index[:ctx].to(device)] = randn(ctx, num_kv_heads, head_dim)
-        if L > 0:
-            kv_index[starts[s]:starts[s + 1]] = index[ctx:]
-    return AttnCase(
-        query=randn(num_tokens, num_kv_heads * group, head_dim),
-        key=randn(num_tokens, num_kv_heads, head_dim),
-        value=randn(num_tokens, num_kv_heads, head_dim),
-        kv_index=kv_index.to(device),
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=tables.to(device),
-        seq_lens=torch.tensor([L for _, L in seqs], dtype=torch.int32, device=device),
-        query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-        scale=sharpness / math.sqrt(head_dim),
-        softcap=softcap,
-        window=window,
-    )
-
-
-def zero_rows(case: AttnCase) -> torch.Tensor:
-    """Rows that must come out exactly zero: padding past query_start[S] and rows of seq_lens-0 sequences."""
-    zero = torch.ones(case.query.shape[0], dtype=torch.bool)
-    starts, lens = case.query_start.tolist(), case.seq_lens.tolist()
-    for s, L in enumerate(lens):
-        if L > 0:
-            zero[starts[s]:starts[s + 1]] = False
-    return zero
-
-
-def check_attention(out: torch.Tensor, case: AttnCase, what: str = "") -> None:
-    k_cache, v_cache = case.written()
-    ref = attention_ref(*case.attention_args(k_cache, v_cache))
-    assert out.shape == case.query.shape and out.dtype == case.query.dtype
-    err = rel_err(out, ref)
-    tol = TOLERANCE[case.query.dtype]
-    assert err <= tol, f"{what}: relative error {err:.2e} over {tol:.0e}"
-    zero = zero_rows(case).to(out.device)
-    assert (out[zero] == 0).all(), f"{what}: padding rows and rows of seq_lens-0 sequences must be zero"
-
-
-@st.composite
-def attn_cases(draw, dtypes, max_new: int = 9, max_context: int = 40) -> AttnCase:
-    seqs = []
-    for _ in range(draw(st.integers(1, 5))):
-        kind = draw(st.sampled_from(("decode", "decode", "prefill", "prefill", "empty", "no-keys")))
-        ctx = draw(st.integers(0, max_context))
-        if kind == "decode":
-            seqs.append((1, ctx + 1))
-        elif kind == "prefill":
-            n = draw(st.integers(0, max_new))
-            seqs.append((n, ctx + n))
-        elif kind == "empty":  # a padding entry of a CUDA-graph bucket, with or without context
-            seqs.append((0, draw(st.sampled_from((0, ctx)))))
-        else:  # rows whose sequence has seq_lens 0: nothing to attend to
-            seqs.append((draw(st.integers(1, 3)), 0))
-    return make_attn_case(
-        seqs,
-        block_size=draw(st.sampled_from((4, 8, 16))),
-        num_kv_heads=draw(st.sampled_from((1, 2))),
-        group=draw(st.sampled_from((1, 2, 4))),
-        head_dim=draw(st.sampled_from((16, 32, 64))),
-        dtype=draw(st.sampled_from(dtypes)),
-        softcap=draw(st.sampled_from((0.0, 0.0, 1.5))),
-        window=draw(st.sampled_from((0, 0, 1, 3, 16))),
-        sharpness=draw(st.sampled_from((1.0, 4.0))),
-        pad_rows=draw(st.integers(0, 3)),
-        free_blocks=draw(st.integers(0, 3)),
-        extra_cols=draw(st.integers(0, 2)),
-        garbage=draw(st.sampled_from(("free", "zero", "huge"))),
-        seed=draw(st.integers(0, 1 << 16)),
-    )
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality, NaN included."""
-    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return a.shape == b.shape and torch.equal(a.view(view), b.view(view))
 
 
 # ------------------------------------------------------------------------------------------ CPU path
@@ -218,11 +50,6 @@ def test_cpu_path_gqa_heads_share_their_kv_head():
 
 
 # ---------------------------------------------------------------------------- Triton, interpreted
-
-
-def run_triton(case: AttnCase, kind: str | None, num_segments: int | None) -> torch.Tensor:
-    config = None if kind is None else ATTENTION_CONFIGS[kind, case.query.element_size()]
-    return _launch_paged_attention(*case.attention_args(), config=config, num_segments=num_segments)
 
 
 @triton_on_cpu

@@ -8,19 +8,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from helpers import (ATTENTION_TOLERANCE, AttnCase, attn_cases, check_attention, make_attn_case, poison_cuda_cache,
+                     run_triton, same_bits)
 from lorakit.ops import cdiv, paged_attention, write_kv
 from lorakit.ops.reference import attention_ref
-from test_attention import TOLERANCE, AttnCase, attn_cases, check_attention, make_attn_case, run_triton, same_bits
 
 pytestmark = pytest.mark.gpu
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LLAMA = dict(block_size=16, num_kv_heads=8, group=4, head_dim=128)
-
-
-def poison_cuda_cache(nbytes: int = 1 << 30) -> None:
-    """Fill freed allocator blocks with NaN, so an output element a kernel forgets to write shows up."""
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del junk
 
 
 def run_step(case: AttnCase) -> torch.Tensor:
@@ -144,4 +139,4 @@ def test_split_and_unsplit_agree_at_long_context():
     for segments in (None, 1, 2, 32):
         out = run_triton(case, None, segments)
         err = (out.double() - ref).norm() / ref.norm()
-        assert err <= TOLERANCE[torch.bfloat16], f"{segments} segments: {err:.2e}"
+        assert err <= ATTENTION_TOLERANCE[torch.bfloat16], f"{segments} segments: {err:.2e}"

@@ -11,6 +11,7 @@ import pytest
 
 import lorakit
 from _peft_models import save_adapter, tiny_model
+from helpers import word_tokenizer
 from lorakit.engine import Engine, EngineConfig
 from lorakit.adapters.pool import CPU_BUDGET_BYTES, AdapterPool
 from lorakit.layers import PatchConfig
@@ -83,7 +84,6 @@ def test_a_model_patched_with_another_layout_is_refused():
 
 def test_an_adapters_tokenizer_is_read_at_registration_only(tmp_path):
     from peft import LoraConfig
-    from test_tokens import word_tokenizer
 
     base = tiny_model("llama", seed=1)
     folder = pathlib.Path(save_adapter(base, "a", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False),

@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _serve_helpers import LiveServer, build_world, children, engine_pid, gone, reference, wait_gone
+from _serve_helpers import LiveServer, children, engine_pid, gone, reference, wait_gone
+from helpers import FakeHub, free_port
 from lorakit.engine import Engine, EngineConfig, SamplingParams
 from lorakit.frontend.core_client import CoreClient
 from lorakit.engine.lifeline import parent_death_signal
@@ -29,16 +29,7 @@ from lorakit.serve.model import load_engine, load_tokenizer
 
 CONFIG = EngineConfig(max_loras=2, block_size=4, patience=4)
 PROMPT = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("core")
-    world = build_world(tmp)
-    base, tokenizer, _, _ = world
-    base.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    return world
+pytestmark = pytest.mark.world(save_model=True)  # the module's `world` (tests/conftest.py), saved at model_dir()
 
 
 def model_dir(world) -> Path:
@@ -156,18 +147,12 @@ def test_a_core_that_cannot_start_says_why(world, tmp_path):
     assert not client.process.is_alive()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_cli(world, *flags: str):
     """``lorakit serve`` on the tiny model as a subprocess in a process group of its own (as a terminal's job), once it
     answers /health: (the process, its URL, its output so far). Killed with its group on the way out if still alive,
     and by the kernel if this test process is killed outright."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, "-m", "lorakit", "serve", "--model", str(model_dir(world)), "--device",
                                "cpu", "--port", str(port), "--block-size", "4", *flags], stdout=subprocess.PIPE,
@@ -376,8 +361,6 @@ def test_runtime_loading_by_hub_id_only_for_allowed_repos(world, tmp_path, monke
     """``--allow-runtime-lora --allow-lora-repo org/*``: POST /v1/load_lora_adapter with a hub id downloads the
     adapter (a fake hub on localhost; huggingface_hub lays out its cache) and serves it as the same adapter loaded
     from a folder; an id outside the patterns is a 403 and downloads nothing."""
-    from test_hub import FakeHub
-
     folder = Path(world[3]["sql"])
     hub = FakeHub({"org/sql-lora": {"main": {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}},
                    "other/sql-lora": {"main": {}}})

@@ -10,8 +10,8 @@ import pytest
 import torch
 from peft import PeftModel
 
-from _lora_cases import rel_err
 from _serve_helpers import LiveServer
+from helpers import rel_err
 from lorakit import LLM, SamplingParams
 from lorakit.engine import Engine
 from lorakit.serve import ServeConfig, create_app

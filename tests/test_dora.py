@@ -14,14 +14,14 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
 import lorakit
-from _lora_cases import TOLERANCE, cases, make_case, rel_err
+from _lora_cases import TOLERANCE, cases, make_case
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit.peft import AdapterError
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.expand import _launch_expand
 from lorakit.ops.reference import lora_ref
 from lorakit.ops.shrink import _launch_shrink
-from test_patch import reference_logits
+from helpers import dequantized, greedy, quant_model, reference_logits, rel_err
 
 LOGITS_TOLERANCE = 1e-5  # float32, each row against PEFT's
 DORA_ARCHS = ("llama", "qwen2", "gemma2", "gpt2")  # qwen2: biases on q/k/v; gemma2: a scaled embedding; gpt2: Conv1D
@@ -200,7 +200,6 @@ def test_compiled_dora_model_matches_eager_and_never_recompiles(tmp_path):
 
 def test_the_engine_serves_dora_as_peft_generates(tmp_path):
     from lorakit.engine import Engine
-    from test_quant import greedy
 
     base = tiny_model("llama", seed=3)
     folders, peft = {}, {}
@@ -221,8 +220,6 @@ def test_the_engine_serves_dora_as_peft_generates(tmp_path):
 
 
 def test_dora_on_a_quantized_base_matches_peft_on_the_dequantized_one(tmp_path):
-    from test_quant import dequantized, quant_model
-
     base = quant_model("qwen2", seed=4)
     saved = save_adapter(base, "d", dora_config("qwen2", TARGETS["qwen2"][:7], 8, 16), tmp_path, seed=0, std=0.05)
     lorakit.quantize(base, "fp8")

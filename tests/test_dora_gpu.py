@@ -8,14 +8,14 @@ import torch
 from peft import LoraConfig, PeftModel
 
 import lorakit
-from _lora_cases import make_case, rel_err
+from _lora_cases import make_case
 from _peft_models import TARGETS, save_adapter
+from helpers import (FLOAT32_GRAPHS, QWEN2_2048_VOCAB as VOCAB, assert_rows_match_peft,
+                     assert_same_tokens_but_at_near_ties, greedy, greedy_with_top2, qwen2_2048, qwen2_2048_requests,
+                     rel_err)
 from lorakit.engine import Engine
 from lorakit.ops import add_lora, build_lora_meta
 from lorakit.ops.reference import lora_ref_by_slot
-from test_quant import greedy
-from test_quant_gpu import (FLOAT32_GRAPHS, VOCAB, _requests, assert_rows_match_peft, assert_same_tokens_but_at_near_ties,
-                            greedy_with_top2, qwen2_2048)
 
 pytestmark = pytest.mark.gpu
 KERNEL_TOLERANCE = 1e-2  # bf16 output against float64, relative to the output
@@ -69,8 +69,8 @@ def test_float32_dora_engine_from_cuda_graphs_equals_peft_generate(adapters):
     ref_base = qwen2_2048(torch.float32).cuda()
     engine = Engine(qwen2_2048(torch.float32).cuda(), max_loras=4, max_num_seqs=8, max_seq_len=64, num_blocks=64,
                     adapters=adapters, **FLOAT32_GRAPHS)
-    got = greedy(engine, _requests(), 8)
-    for tokens, (prompt, adapter) in zip(got, _requests()):
+    got = greedy(engine, qwen2_2048_requests(), 8)
+    for tokens, (prompt, adapter) in zip(got, qwen2_2048_requests()):
         ref_model = ref_base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
                                                                                adapters[adapter]).eval()
         with torch.no_grad():
@@ -84,7 +84,7 @@ def test_bfloat16_dora_engine_replays_graphs_as_it_runs_eagerly(adapters):
     for graphs in (False, True):
         engine = Engine(qwen2_2048(torch.bfloat16).cuda(), max_loras=4, max_num_seqs=8, max_seq_len=64,
                         num_blocks=64, adapters=adapters, cuda_graphs=graphs, graph_sizes=(1, 2, 4, 8))
-        outputs.append(greedy_with_top2(engine, _requests(), 8))
+        outputs.append(greedy_with_top2(engine, qwen2_2048_requests(), 8))
         del engine
         torch.cuda.empty_cache()
     assert_same_tokens_but_at_near_ties(*outputs)

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 
 from _lora_cases import cases, make_case
+from helpers import check_y, rel_err, triton_on_cpu
 from lorakit.ops import build_lora_meta
 from lorakit.ops.fused import launch_fused
-from test_ops import check_y, triton_on_cpu
 
 
 def run_fused(case, sms=None, block_m=None):
@@ -45,7 +45,7 @@ def test_fused_ranks_above_128_interpreted(dtype):
 @pytest.mark.parametrize("rows", [1, 2])
 def test_fused_applies_doras_rescale_interpreted(rows):
     """DoRA's per-column gain (and shift) in the expand phase, as lorakit::expand applies it."""
-    from _lora_cases import TOLERANCE, rel_err
+    from _lora_cases import TOLERANCE
     from lorakit.ops.reference import lora_ref
 
     case = make_case(9, 48, [40, 24], 16, 3, "some-base", torch.float32, seed=3)
@@ -63,7 +63,6 @@ def test_add_lora_takes_the_one_launch_op_up_to_fused_max_tokens(direct, monkeyp
     """KernelOptions.fused_max_tokens routes add_lora through lorakit::fused (its torch path on the CPU, or the kernel
     under the interpreter), compiled without graph breaks; larger calls keep shrink + expand."""
     from lorakit.ops import KernelOptions, add_lora
-    from test_ops import check_y
 
     if direct and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels on the CPU need TRITON_INTERPRET=1")

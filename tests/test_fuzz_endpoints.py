@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _serve_helpers import Bystander, build_world, start
+from _serve_helpers import Bystander, start
 from lorakit.serve.protocol import error_status
 from lorakit.serve.protocol import ChatBody, CompletionBody
 from lorakit.serve.sglang import SUPPORTED, UNSUPPORTED, UNSUPPORTED_TOP
@@ -121,11 +121,6 @@ def mutated(draw, base: dict, fields: list[str]) -> dict:
 def bodies(base: dict, fields: list[str]):
     return st.one_of(*[mutated(base, fields)] * 8, JSON,
                      st.fixed_dictionaries({}, optional={f: plausible(f) for f in fields}))
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("fuzz"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lorakit
-from _lora_cases import rel_err
+from helpers import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit.peft import ModuleLora, PeftAdapter
 from lorakit.layers.linear import LoraLinearGroup, LoraLinearMember

@@ -16,17 +16,12 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from _serve_helpers import Bystander, build_world, reference, start
+from _serve_helpers import Bystander, reference, start
 from lorakit.serve.protocol import error_status
 from lorakit.engine import Engine, EngineConfig
 from lorakit.serve import cli
 
 PROMPT = "hello world"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +24,8 @@ import httpx
 import pytest
 
 import _serve_helpers
-from _serve_helpers import Bystander, LiveServer, build_world
-from test_hostile_requests import wait_for
+from _serve_helpers import Bystander, LiveServer
+from helpers import free_port, wait_for
 from lorakit.engine import Engine, EngineConfig
 from lorakit.engine.lifeline import parent_death_signal
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
@@ -48,20 +47,9 @@ STEP_SECONDS = 0.01  # added to every engine step: the Bystander's stream lasts 
 TOKENS = 150  # the Bystander's (about 2 s at that pace)
 MAX_GAP = 0.5  # the longest a Bystander may wait for a chunk (its normal largest gap here: 0.01-0.05 s)
 POISON_SEED = 4242  # a request with this seed is the one whose delivery fails
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The tiny model and tokenizer (a chat template that renders tools; room for them in the context), saved for a
-    core process too."""
-    tmp = tmp_path_factory.mktemp("delivery")
-    base, tokenizer, root, paths = build_world(tmp)
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = TEMPLATE
-    base.config.max_position_embeddings = 512  # RoPE is computed, not tabled
-    base.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    return base, tokenizer, root, paths
+# The module's `world` (tests/conftest.py): the tiny model and tokenizer with a chat template that renders tools and
+# room for them in the context, saved for a core process too.
+pytestmark = pytest.mark.world(chat_template=TEMPLATE, max_position_embeddings=512, save_model=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -312,7 +300,7 @@ def test_lorakit_serve_exits_nonzero_when_its_reader_dies(world):
     """`lorakit serve` whose reader of the core's messages dies (a bug, injected): the requests in flight end with a
     503 (a stream: an error event, then [DONE]), the log says why, and the server exits non-zero (a supervisor
     restarts it) instead of serving nothing for ever with its process up."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")])))
     server = subprocess.Popen([sys.executable, "-c", DYING_READER, "serve", "--model", str(world[2].parent / "model"),
                                "--served-model-name", "tiny", "--device", "cpu", "--port", str(port), "--block-size",
@@ -358,12 +346,6 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_dead_reader_fails_the_requests_in_flight_and_turns_health_503(live, caplog):

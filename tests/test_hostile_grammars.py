@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 
-from _serve_helpers import LiveServer, build_world, reference, start
+from _serve_helpers import LiveServer, reference, start
 from lorakit.engine import LLM, EngineConfig, SamplingParams
 from lorakit.engine import structured
 from lorakit.frontend.core import _Core
@@ -32,14 +32,7 @@ PROMPT = "What is the capital of France?"
 MAX_GAP = 2.0
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grammars")
-    world = build_world(tmp)
-    base, tokenizer, _, _ = world
-    base.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    return world
+pytestmark = pytest.mark.world(save_model=True)  # the module's `world` (tests/conftest.py), saved for a server
 
 
 @pytest.fixture(scope="module")

@@ -17,20 +17,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _serve_helpers import Bystander, build_world, start
+from _serve_helpers import Bystander, start
 from lorakit.serve.protocol import error_status
 from lorakit.serve import ServeConfig
 from lorakit.serve.auth import ENV_KEY, api_key, authorized
 from lorakit.serve.edge import MAX_HEADER_BYTES, BodyBudget, BodyGate
 from lorakit.serve.protocol import ApiError, parse_body
-from test_hostile_requests import TOKENS, bystander, post, slow_steps, wait_for
+from helpers import BYSTANDER_TOKENS as TOKENS, bystander, post, slow_steps, wait_for
 
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("hostile_http"))
 
 
 @contextmanager

@@ -6,22 +6,15 @@ import copy
 import json
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from _serve_helpers import Bystander, LiveServer, build_world, start
+from _serve_helpers import LiveServer, start
+from helpers import BYSTANDER_TOKENS as TOKENS, bystander, post, wait_for
 from lorakit.serve.protocol import error_status
 from lorakit.engine import Engine
 from lorakit.serve import ServeConfig, create_app
-
-TOKENS = 100  # the Bystander's: long enough to overlap every attack (about 2 s at the steps' pace below)
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="module")
@@ -29,40 +22,6 @@ def server(world):
     live = start(world, max_concurrent=8)
     yield live
     live.close()
-
-
-@contextmanager
-def slow_steps(live: LiveServer, seconds: float = 0.02):
-    """Every engine step takes ``seconds`` longer, so that a stream lasts long enough to see an attack happen."""
-    engine = live.server.config.app.state.engine
-    step = engine.step
-    engine.step = lambda: (time.sleep(seconds), step())[1]
-    try:
-        yield engine
-    finally:
-        engine.step = step
-
-
-@contextmanager
-def bystander(live: LiveServer, world, **kw):
-    """A Bystander that is streaming when the block starts, and is checked when the block ends."""
-    with slow_steps(live), Bystander(live, world, max_tokens=TOKENS, **kw) as b:
-        wait_for(lambda: len(b.gaps) >= 2 or b.error is not None)
-        yield b
-    b.check()
-
-
-def wait_for(condition, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
-def post(live: LiveServer, path: str, body, **kw) -> httpx.Response:
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(live.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=kw.pop("timeout", 60), **kw)
 
 
 def error_of(r: httpx.Response, status: int) -> dict:

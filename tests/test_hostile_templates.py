@@ -14,8 +14,8 @@ import httpx
 import pytest
 import transformers
 
-from _serve_helpers import Bystander, build_world, start
-from test_hostile_requests import slow_steps
+from _serve_helpers import Bystander, start
+from helpers import slow_steps
 from lorakit.engine.outputs import TokenLogprob
 from lorakit.serve.openai import SLICE, _Logprobs
 from lorakit.serve.protocol import error_status
@@ -24,11 +24,6 @@ BYSTANDER_GAP = 0.5  # its usual largest gap on a 2-core CPU: 0.005-0.03 s
 TEMPLATE_SECONDS = 0.5
 LOOP = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"  # 1e8 turns: 3 s and more
 MESSAGES = [{"role": "user", "content": "hello world"}]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("templates"))
 
 
 @pytest.fixture(scope="module")

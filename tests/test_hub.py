@@ -3,8 +3,6 @@ localhost speaks the two calls ``huggingface_hub`` makes (a revision's file list
 cache the tests read is laid out by ``huggingface_hub``'s own download, then read again with ``HF_HUB_OFFLINE=1``."""
 
 import hashlib
-import http.server
-import json
 import os
 import subprocess
 import sys
@@ -13,83 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import HUB_COMMITS as COMMITS, FakeHub
 from lorakit.adapters.hub import ADAPTER_FILES, MODEL_FILES, hub_id
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITS = {"main": "a" * 40, "v1": "b" * 40}  # v1 holds an adapter's files too
-FILES = {  # revision -> files of org/tiny-model
-    "main": {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"weights", "tokenizer.json": b"{}",
-             "pytorch_model.bin": b"a pickle", "modeling_evil.py": b"import os", "README.md": b"# tiny"},
-    "v1": {"config.json": b'{"model_type": "llama", "v": 1}', "model.safetensors": b"old weights",
-           "adapter_config.json": b"{}", "adapter_model.safetensors": b"adapter weights"},
-}
-
-
-class FakeHub(http.server.ThreadingHTTPServer):
-    """``repos``: {repo id: {revision: {file: bytes}}} (default: org/tiny-model, FILES); revisions' commits are
-    COMMITS'."""
-
-    def __init__(self, repos: dict | None = None):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.requests: list[str] = []
-        self.repos = repos or {"org/tiny-model": FILES}
-
-    def env(self, home) -> dict:
-        """The environment that points huggingface_hub at this hub, with its cache under ``home``."""
-        return {"HF_ENDPOINT": f"http://127.0.0.1:{self.server_address[1]}", "HF_HOME": str(home),
-                "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _answer(self, body: bytes | None):
-        self.server.requests.append(f"{self.command} {self.path}")
-        parts = self.path.split("?")[0].strip("/").split("/")
-        if body is None:
-            if parts[:1] == ["api"] and len(parts) >= 6 and parts[1] == "models" and parts[4] in ("revision", "tree"):
-                repo, revision = "/".join(parts[2:4]), parts[5]
-                revision = next((r for r, c in COMMITS.items() if c == revision), revision)
-                files = self.server.repos.get(repo)
-                if files is None:
-                    return self._status(404, "Repository not found", {"X-Error-Code": "RepoNotFound"})
-                if revision not in files:
-                    return self._status(404, "Revision not found", {"X-Error-Code": "RevisionNotFound"})
-                if parts[4] == "tree":  # the revision's files, as snapshot_download lists them
-                    body = json.dumps([{"type": "file", "path": f, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
-                                       for f, c in files[revision].items()]).encode()
-                else:
-                    body = json.dumps({"id": repo, "sha": COMMITS[revision],
-                                       "siblings": [{"rfilename": f} for f in files[revision]]}).encode()
-                return self._send(body, {"Content-Type": "application/json"})
-            if len(parts) >= 5 and parts[2] == "resolve":
-                revision = next((r for r, c in COMMITS.items() if c == parts[3]), parts[3])
-                content = self.server.repos.get("/".join(parts[:2]), {}).get(revision, {}).get("/".join(parts[4:]))
-                if content is None:
-                    return self._status(404, "Entry not found", {"X-Error-Code": "EntryNotFound"})
-                etag = hashlib.sha256(content).hexdigest()
-                return self._send(content, {"X-Repo-Commit": COMMITS[revision], "ETag": f'"{etag}"',
-                                            "Content-Type": "application/octet-stream"})
-            return self._status(404, "not found", {})
-
-    def _status(self, code, message, headers):
-        self._send(json.dumps({"error": message}).encode(), {"Content-Type": "application/json", **headers}, code)
-
-    def _send(self, body: bytes, headers: dict, code: int = 200):
-        self.send_response(code)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_GET(self):
-        self._answer(None)
-
-    def do_HEAD(self):
-        self._answer(None)
 
 
 @pytest.fixture

@@ -7,72 +7,19 @@ import copy
 import json
 import re
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import pytest
 import torch
-import transformers
-from peft import LoraConfig
 
-from _peft_models import save_adapter
-from _tokenizers import bpe_tokenizer
+from helpers import LOGITS_SCHEMA as SCHEMA, logits_reference as reference, logits_world
 from lorakit.engine import LLM, SamplingParams
 from lorakit.engine.structured import StructuredOutput
-
-CORPUS = ['{"name": "Paris", "ok": true, "n": 42}', "What is the capital of France? Paris is.",
-          "hello world, the quick brown fox 0123456789 yes no maybe"]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tokenizer = bpe_tokenizer(CORPUS)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config).eval()
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    adapter = save_adapter(base, "a", cfg, tmp_path_factory.mktemp("logits"), seed=1, std=0.3)
-    return base, tokenizer, adapter
+    """(base model, tokenizer, adapter "a"): helpers.logits_world, a context of 256."""
+    return logits_world(tmp_path_factory.mktemp("logits"))
 
-
-def reference(world, prompt: list[int], adapter: bool, params: SamplingParams) -> list[int]:
-    """Greedy tokens from full forward passes, with the penalties, bias and grammar applied to the logits."""
-    base, tokenizer, saved = world
-    model = saved.peft_model if adapter else base
-    matcher = None
-    if params.structured_output is not None:
-        lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
-        matcher = llguidance.LLMatcher(lltok, params.structured_output.grammar())
-    out: list[int] = []
-    while len(out) < params.max_tokens:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
-        if matcher is not None:
-            mask = llguidance.torch.allocate_token_bitmask(1, len(tokenizer))
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-            allowed = torch.tensor([bool((int(mask[0, v // 32]) >> (v % 32)) & 1) for v in range(len(logits))])
-            logits[~allowed] = float("-inf")
-        for token, bias in params.logit_bias:
-            logits[token] += bias
-        for token in set(prompt + out) if params.repetition_penalty != 1 else ():
-            r = params.repetition_penalty
-            logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
-        for token in set(out):
-            logits[token] -= params.frequency_penalty * out.count(token) + params.presence_penalty
-        token = int(logits.argmax())
-        out.append(token)
-        if matcher is not None:
-            assert matcher.consume_token(token)
-        if token == tokenizer.eos_token_id:
-            break
-    return out
-
-
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "ok", "n"], "additionalProperties": False}
 
 CASES = {  # name: (adapter, params)
     "plain": (False, dict()),

@@ -13,15 +13,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from _serve_helpers import build_world, start
+from _serve_helpers import start
+from helpers import wait_for
 
 KEY = {"authorization": "Bearer secret"}
 PROMPT = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("metrics"))
 
 
 def scrape(url) -> dict[str, dict[tuple, float]]:
@@ -44,13 +40,6 @@ def by(series, name, *labels, skip=()) -> dict:
         if not set(values) & set(skip):
             out[values[0] if len(values) == 1 else values] = value
     return out
-
-
-def wait_for(check, timeout=20.0):
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
 
 
 def post(url, path, body, headers=KEY, **kw):
@@ -176,12 +165,14 @@ def test_429_499_and_500_and_streams_the_client_leaves(world):
                 assert busy.status_code == 429 and "retry-after" in busy.headers
                 assert busy.json()["error"]["code"] == "rate_limit_exceeded"
         # The client left the stream: counted once the server notices, which frees its place.
-        wait_for(lambda: by(scrape(url), "lorakit_stream_errors_total", "endpoint", "status"))
+        wait_for(lambda: by(scrape(url), "lorakit_stream_errors_total", "endpoint", "status"),
+                 timeout=20.0, poll=0.05)
         with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a plain request
             httpx.post(f"{url}/generate", json={"text": "hello", "lora_path": "v2", "sampling_params": {
                 "max_new_tokens": 100, "ignore_eos": True}}, timeout=0.5)
-        wait_for(lambda: ("/generate", "499") in by(scrape(url), "lorakit_requests_total", "endpoint", "status"))
-        wait_for(lambda: not engine.has_unfinished())
+        wait_for(lambda: ("/generate", "499") in by(scrape(url), "lorakit_requests_total", "endpoint", "status"),
+                 timeout=20.0, poll=0.05)
+        wait_for(lambda: not engine.has_unfinished(), timeout=20.0, poll=0.05)
         def broken():
             raise RuntimeError("a step failed")  # every request in it fails
 

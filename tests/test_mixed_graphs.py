@@ -17,13 +17,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from peft import LoraConfig
 
-from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit import patch
 from lorakit.engine import Engine, SamplingParams
 from lorakit.engine.runner import STEP_TENSORS, ModelRunner, token_buckets
 from lorakit.engine.scheduler import BlockManager, Request, Scheduled, StepPlan
-from test_patch import LOGITS_TOLERANCE
+from helpers import LOGITS_TOLERANCE, rel_err
 
 BLOCK = 4
 MAX_SEQ_LEN = 64

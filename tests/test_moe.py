@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,10 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 import lorakit
-from _lora_cases import TOLERANCE, make_slots, rel_err
+from _lora_cases import TOLERANCE, make_slots
 from _peft_models import save_adapter
+from helpers import (BOTH_EXPERTS as BOTH, MOE_VOCAB as VOCAB, moe_config, moe_model, reference_logits, rel_err,
+                     three_adapters, triton_on_cpu)
 from lorakit.engine import Engine, SamplingParams
 from lorakit.peft import AdapterError
 from lorakit.layers.moe import ExpertSlots, LoraExperts
@@ -33,55 +34,6 @@ from lorakit.ops import KernelOptions, add_expert_lora, build_lora_meta, expert_
 from lorakit.ops.experts import _launch, expert_split_k
 from lorakit.ops.reference import expert_lora_ref, moe_experts_ref
 
-VOCAB = 96
-BOTH = ["experts.gate_up_proj", "experts.down_proj"]
-triton_on_cpu = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
-)
-
-
-def moe_config(family: str, experts: int = 4, top_k: int = 2, layers: int = 2):
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=experts,
-                                          num_experts_per_tok=top_k)
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24, head_dim=8,
-                                           num_experts=experts, num_experts_per_tok=top_k)
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=24,
-                                           shared_expert_intermediate_size=40, num_experts=experts,
-                                           num_experts_per_tok=top_k)
-    if family == "olmoe":
-        return transformers.OlmoeConfig(**common, intermediate_size=48, num_experts=experts, num_experts_per_tok=top_k)
-    if family == "gpt_oss":  # experts stored transposed [E, in, out], with biases and a gate of their own
-        return transformers.GptOssConfig(**common, intermediate_size=24, head_dim=8, num_local_experts=experts,
-                                         num_experts_per_tok=top_k, rope_parameters=None)
-    raise ValueError(family)
-
-
-def moe_model(family: str, seed: int = 0, **kw):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(moe_config(family, **kw), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name:  # random stacked experts, gpt-oss's biases too (zero at init)
-                p.normal_(0, 0.1)
-    return model
-
-
-def three_adapters(base, tmp_path, attention=("q_proj", "v_proj")):
-    """Adapters on both expert parameters (+ attention), on gate_up alone (+ o_proj), on down alone (rsLoRA with an
-    alpha pattern), of ranks 8, 4 and 20."""
-    configs = {
-        "both": LoraConfig(r=8, lora_alpha=16, target_modules=list(attention), target_parameters=BOTH),
-        "gate_up": LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], target_parameters=["experts.gate_up_proj"]),
-        "down": LoraConfig(r=20, lora_alpha=8, use_rslora=True, target_modules=[],
-                           target_parameters=["experts.down_proj"], alpha_pattern={"layers.1.mlp.experts.down_proj": 3}),
-    }
-    return {n: save_adapter(base, n, c, tmp_path, seed=i, std=0.2) for i, (n, c) in enumerate(configs.items())}
-
 
 def patched(base, adapters, **kw):
     model = copy.deepcopy(base)
@@ -89,15 +41,6 @@ def patched(base, adapters, **kw):
     for a in adapters.values():
         handle.load_adapter(a.name, a.path)
     return model, handle
-
-
-def reference_rows(base, adapters, input_ids, names):
-    rows = []
-    with torch.no_grad():
-        for i, name in enumerate(names):
-            model = base if name is None else adapters[name].peft_model
-            rows.append(model(input_ids=input_ids[i: i + 1], use_cache=False).logits)
-    return torch.cat(rows)
 
 
 NAMES = [None, "both", "gate_up", "down", "both", None]
@@ -114,13 +57,13 @@ def test_mixed_batch_rows_equal_peft(family, tmp_path):
     model, handle = patched(base, adapters)
     assert sum(isinstance(m, LoraExperts) for m in model.modules()) == 2
     input_ids = torch.randint(0, VOCAB, (len(NAMES), 7), generator=torch.Generator().manual_seed(1))
-    want = reference_rows(base, adapters, input_ids, NAMES)
+    want = reference_logits(base, adapters, NAMES, input_ids)
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(NAMES), use_cache=False).logits
     for i, name in enumerate(NAMES):
         assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], (family, name)
     # the delta matters: a row of another adapter is far from this one's
-    assert rel_err(got[1], reference_rows(base, adapters, input_ids[1:2], [None])[0]) > 1e-2
+    assert rel_err(got[1], reference_logits(base, adapters, [None], input_ids[1:2])[0]) > 1e-2
 
 
 def test_without_ids_the_model_is_unchanged_bit_for_bit(tmp_path):
@@ -145,7 +88,7 @@ def test_compiled_whole_model_matches_eager_and_never_recompiles_for_new_ids(tmp
             eager = model(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
             comp = compiled(input_ids=input_ids, lora_ids=ids, use_cache=False).logits
             assert rel_err(comp, eager) < TOLERANCE[torch.float32], names
-            assert rel_err(comp, reference_rows(base, adapters, input_ids, names)) < TOLERANCE[torch.float32], names
+            assert rel_err(comp, reference_logits(base, adapters, names, input_ids)) < TOLERANCE[torch.float32], names
 
 
 def test_rank_growth_keeps_loaded_adapters_and_hot_swaps_zero_the_slot(tmp_path):
@@ -169,11 +112,11 @@ def test_rank_growth_keeps_loaded_adapters_and_hot_swaps_zero_the_slot(tmp_path)
         assert sorted(s.r_max for s in stores) == [16, 16, 48, 48]
         assert torch.equal(model(input_ids=input_ids, lora_ids=handle.ids(["small", None])).logits, before)
         after = model(input_ids=input_ids, lora_ids=handle.ids(["small", "big"])).logits
-        assert rel_err(after, reference_rows(base, adapters, input_ids, ["small", "big"])) < TOLERANCE[torch.float32]
+        assert rel_err(after, reference_logits(base, adapters, ["small", "big"], input_ids)) < TOLERANCE[torch.float32]
         handle.unload_adapter("big")  # its slot zeroed, then another adapter in it
         handle.load_adapter("other", other.path)
         got = model(input_ids=input_ids, lora_ids=handle.ids(["other", "small"])).logits
-        assert rel_err(got, reference_rows(base, adapters, input_ids, ["other", "small"])) < TOLERANCE[torch.float32]
+        assert rel_err(got, reference_logits(base, adapters, ["other", "small"], input_ids)) < TOLERANCE[torch.float32]
     slot = handle.adapters["other"]
     for s in stores:
         assert not s.lora_A[slot, :, 2:].any() and not s.lora_B[slot, 2:].any()
@@ -197,7 +140,7 @@ def test_property_rows_equal_peft(tmp_path_factory, top_k, ranks, params, mappin
     input_ids = torch.randint(0, VOCAB, (5, 4), generator=gen)
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits
-    assert rel_err(got, reference_rows(base, adapters, input_ids, names)) < TOLERANCE[torch.float32]
+    assert rel_err(got, reference_logits(base, adapters, names, input_ids)) < TOLERANCE[torch.float32]
 
 
 def test_engine_greedy_tokens_equal_generate(tmp_path):
@@ -489,7 +432,7 @@ def test_per_expert_linear_adapters_of_the_older_layout_fold_into_the_stacked_ex
     input_ids = torch.randint(0, VOCAB, (len(names_), 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(names_), use_cache=False).logits
-    want = reference_rows(old, adapters, input_ids, names_)
+    want = reference_logits(old, adapters, names_, input_ids)
     for i, name in enumerate(names_):
         assert rel_err(got[i], want[i]) < TOLERANCE[torch.float32], name
 
@@ -506,7 +449,7 @@ def test_peft_converted_per_expert_targets_are_served(tmp_path):
     input_ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         got = model(input_ids=input_ids, lora_ids=handle.ids(["conv", None]), use_cache=False).logits
-    assert rel_err(got, reference_rows(base, {"conv": a}, input_ids, ["conv", None])) < TOLERANCE[torch.float32]
+    assert rel_err(got, reference_logits(base, {"conv": a}, ["conv", None], input_ids)) < TOLERANCE[torch.float32]
 
 
 def test_lorakit_serve_serves_an_moe_model_with_an_expert_adapter(tmp_path):

@@ -10,12 +10,12 @@ import transformers
 from peft import LoraConfig
 
 import lorakit
-from _lora_cases import make_slots, rel_err
+from _lora_cases import make_slots
 from _peft_models import save_adapter
+from helpers import BOTH_EXPERTS as BOTH, moe_model, reference_logits, rel_err, three_adapters
 from lorakit.engine import Engine, SamplingParams
 from lorakit.ops import add_expert_lora, expert_keys
 from lorakit.ops.reference import expert_lora_ref_by_key
-from test_moe import BOTH, moe_model, reference_rows, three_adapters
 
 pytestmark = pytest.mark.gpu
 KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # one rounding of y, bf16 inputs
@@ -65,7 +65,7 @@ def test_one_mixtral_layer_at_real_size_under_three_adapters_equals_float32_peft
     adapters = {f"a{i}": save_adapter(base, f"a{i}", c, tmp_path, seed=i, std=0.02) for i, c in enumerate(configs)}
     names = [None, "a0", "a1", "a2", "a0", None, "a2", "a1"]
     input_ids = torch.randint(0, 512, (len(names), 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    want = reference_rows(base, adapters, input_ids, names)
+    want = reference_logits(base, adapters, names, input_ids)
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         model = copy.deepcopy(base).to(dtype)
         handle = lorakit.patch(model, max_loras=4)

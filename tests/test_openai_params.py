@@ -10,14 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
-import transformers
-from peft import LoraConfig
 
-from _peft_models import save_adapter
-from _tokenizers import bpe_tokenizer
-from test_logits_params import CORPUS, SCHEMA, reference
 from _serve_helpers import CHAT_TEMPLATE, LiveServer
+from helpers import LOGITS_SCHEMA as SCHEMA, logits_reference as reference, logits_world
 from lorakit.serve.protocol import error_status
 from lorakit.engine import LLM, Engine, SamplingParams
 from lorakit.engine.structured import StructuredOutput
@@ -28,15 +23,9 @@ CONTEXT = 96
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tokenizer = bpe_tokenizer(CORPUS, chat_template=CHAT_TEMPLATE)
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=CONTEXT, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config).eval()
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    adapter = save_adapter(base, "a", cfg, tmp_path_factory.mktemp("params"), seed=1, std=0.3)
-    return base, tokenizer, adapter
+    """(base model, tokenizer, adapter "a"): helpers.logits_world with the chat template and a context of CONTEXT."""
+    return logits_world(tmp_path_factory.mktemp("params"), chat_template=CHAT_TEMPLATE,
+                        max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture(scope="module")

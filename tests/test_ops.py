@@ -4,40 +4,17 @@ The Triton kernels run under the interpreter on a CPU (float32 and float16: the 
 triton 3.9 computes bfloat16 dots wrongly) and compiled on a GPU (all dtypes, see test_ops_gpu.py).
 """
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
 
-from _lora_cases import H_TOLERANCE, TOLERANCE, Case, cases, make_case, rel_err
+from _lora_cases import Case, cases, make_case
+from helpers import check_h, check_y, triton_on_cpu
 from lorakit.ops import KernelOptions, add_lora, build_lora_meta, lora_shrink
 from lorakit.ops.expand import _launch_expand
-from lorakit.ops.reference import lora_ref, shrink_ref
 from lorakit.ops.shrink import _launch_shrink
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-triton_on_cpu = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
-)
-
-
-def check_h(h: torch.Tensor, case: Case) -> None:
-    """h sums to the reference; every partial is exactly zero on base rows and rank padding."""
-    ref = shrink_ref(case.x, case.A, case.ranks, case.slots)
-    magnitude = shrink_ref(case.x.abs(), case.A.abs(), case.ranks, case.slots)  # bounds rounding where sums cancel
-    assert rel_err(h.sum(0), ref, magnitude) <= H_TOLERANCE
-    assert (h.cpu()[:, ref == 0] == 0).all(), "base rows and rank padding must be written as zeros"
-
-
-def check_y(y: torch.Tensor, case: Case) -> None:
-    ref = lora_ref(case.y, case.x, case.A, case.B, case.ranks, case.scales, case.slots, case.slice_sizes)
-    magnitude = lora_ref(case.y.abs(), case.x.abs(), case.A.abs(), case.B.abs(), case.ranks, case.scales,
-                         case.slots, case.slice_sizes)
-    err = rel_err(y, ref, magnitude)
-    assert err <= TOLERANCE[case.y.dtype], f"relative error {err:.2e} over {TOLERANCE[case.y.dtype]:.0e}"
-    base = (case.slots < 0).cpu()
-    assert torch.equal(y.cpu()[base], case.y.cpu()[base]), "base-model rows must be left untouched"
 
 
 @given(case=cases(ALL_DTYPES))

@@ -4,20 +4,13 @@ import pytest
 import torch
 from hypothesis import given
 
-from _lora_cases import TOLERANCE, cases, make_case, make_slots, rel_err
+from _lora_cases import TOLERANCE, cases, make_case, make_slots
+from helpers import check_h, check_y, poison_cuda_cache, rel_err
 from lorakit.ops import KernelOptions, add_lora, build_lora_meta, lora_shrink
 from lorakit.ops.reference import lora_ref_by_slot
 
-from test_ops import check_h, check_y
-
 pytestmark = pytest.mark.gpu
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def poison_cuda_cache(nbytes: int = 1 << 30) -> None:
-    """Fill freed allocator blocks with NaN, so an output element a kernel forgets to write shows up."""
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del junk
 
 
 @given(case=cases(ALL_DTYPES))  # examples: the profile's (gpu: 40, about 40 s on the H200)

@@ -9,13 +9,9 @@ from hypothesis import strategies as st
 from peft import LoraConfig
 
 import lorakit
-from _lora_cases import rel_err
+from helpers import LOGITS_TOLERANCE, reference_logits, rel_err
 from _peft_models import ARCHS, TARGETS, VOCAB, save_adapter, tiny_model
 from lorakit.peft import AdapterError
-
-# Relative error of each row's logits against PEFT's, by dtype.
-LOGITS_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
-
 
 @st.composite
 def lora_configs(draw, arch: str) -> LoraConfig:
@@ -39,15 +35,6 @@ def lora_configs(draw, arch: str) -> LoraConfig:
     if arch == "gpt2":
         kwargs["fan_in_fan_out"] = True
     return LoraConfig(**kwargs)
-
-
-def reference_logits(base, adapters, names, input_ids):
-    rows = []
-    for b, name in enumerate(names):
-        model = base if name is None else adapters[name].peft_model
-        with torch.no_grad():
-            rows.append(model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0])
-    return torch.stack(rows)
 
 
 def patched(base, adapters, max_loras=4):

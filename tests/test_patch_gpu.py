@@ -8,8 +8,8 @@ import transformers
 from peft import LoraConfig
 
 import lorakit
-from _lora_cases import rel_err
 from _peft_models import TARGETS, save_adapter
+from helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 VOCAB = 512

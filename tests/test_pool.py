@@ -16,8 +16,8 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 import lorakit
-from _lora_cases import rel_err
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
+from helpers import rel_err
 from lorakit import AdapterPool, PoolFull
 from lorakit.peft import AdapterError, load_peft_adapter
 from lorakit.layers.embedding import LoraEmbedding

@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from _serve_helpers import build_world, run_state
+from _serve_helpers import run_state
 from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, openai
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody
@@ -18,11 +18,6 @@ from lorakit.serve.state import ServerState
 
 TOLERANCE = {torch.float32: 1e-4}  # relative error of a logprob, by the model's dtype
 PROMPTS = ["What is the capital of France? " * 3, "hello there world, says the", "SELECT name FROM users"]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("prompt-logprobs"))
 
 
 def reference_logprobs(world, ids, adapter):

@@ -18,8 +18,9 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 
 import lorakit
-from _lora_cases import TOLERANCE, rel_err
+from _lora_cases import TOLERANCE
 from _peft_models import TARGETS, save_adapter
+from helpers import QUANT_VOCAB, dequantized, greedy, quant_model, rel_err
 from lorakit.engine import LLM, Engine, EngineConfig, SamplingParams
 from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
@@ -27,35 +28,10 @@ from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantiz
 from lorakit.ops.quant import (_fp8_linear_torch, _launch_fp8_linear, dequantize_fp8, dequantize_int4, fp8_config,
                                int4_codes, quantize_fp8)
 
-VOCAB = 128
+VOCAB = QUANT_VOCAB
 # Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
 # weights, multiplied in another order (the fp8 scale after the dot, not in the weight).
 LOGITS_TOLERANCE = 1e-4
-
-
-def quant_model(arch: str, seed: int = 0, dtype=torch.float32):
-    """A tiny model wide enough for int4 (in_features a multiple of its group of 128)."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    config = transformers.Qwen2Config(**common) if arch == "qwen2" else transformers.LlamaConfig(**common)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
-
-
-def dequantized(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a quantized model with each quantized layer an nn.Linear of the weight it multiplies by."""
-    ref = copy.deepcopy(model)
-    for name, module in list(ref.named_modules()):
-        if isinstance(module, QuantizedLinear):
-            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                     dtype=module.compute_dtype, device=module.device)
-            with torch.no_grad():
-                linear.weight.copy_(module.dequantized_weight(module.compute_dtype))
-                if module.bias is not None:
-                    linear.bias.copy_(module.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(ref.get_submodule(parent), child, linear)
-    return ref
 
 
 @pytest.fixture(scope="module", params=["fp8", "int4"])
@@ -83,17 +59,6 @@ def reference_rows(ref_base, peft, names, input_ids):
             model = ref_base if name is None else peft[name]
             rows.append(model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0])
     return torch.stack(rows)
-
-
-def greedy(engine, requests, max_tokens=6, ignore_eos=True) -> list[list[int]]:
-    """Each (prompt, adapter)'s greedy tokens from ``engine``, the requests run together."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
-    got = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += out.token_ids
-    return [got[i] for i in ids]
 
 
 def test_quantize_swaps_every_linear_but_the_head():

@@ -6,26 +6,20 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from peft import LoraConfig, PeftModel
 
 import lorakit
-from _lora_cases import rel_err
 from _peft_models import TARGETS, save_adapter
-from lorakit.engine import Engine, SamplingParams
+from helpers import (FLOAT32_GRAPHS, QWEN2_2048_VOCAB, assert_rows_match_peft, assert_same_tokens_but_at_near_ties,
+                     dequantized, greedy, greedy_with_top2, qwen2_2048, qwen2_2048_requests, rel_err)
+from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from test_quant import dequantized, greedy
 
 pytestmark = pytest.mark.gpu
-VOCAB = 512
+VOCAB = QWEN2_2048_VOCAB
 # Relative error of a bf16 result against the same computation in float64 (one rounding of the output, bf16
-# inputs), and of a bf16 model's logits against float32 PEFT on the dequantized base (as in test_patch_gpu).
+# inputs); a bf16 model's logits against float32 PEFT: helpers.BF16_PEFT_LOGITS_TOLERANCE.
 KERNEL_TOLERANCE = 1e-2
-LOGITS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-# The float32 engine tests' graphs: one decode bucket (smaller batches pad to it), no mixed-step graphs. Each graph
-# shape compiles the float32 (IEEE-dot) LoRA kernels anew, and Triton takes ~10 s a variant there: with the default
-# buckets a float32 engine test spent ~2 minutes compiling on the H200.
-FLOAT32_GRAPHS = dict(graph_sizes=(8,), graph_token_sizes=())
 
 
 @pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.quick), 64, 256, 2048])
@@ -67,13 +61,6 @@ def _linear(w, bias):
     return linear
 
 
-def qwen2_2048(dtype):
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=2048, intermediate_size=5632,
-                                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4)
-    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quant-gpu")
@@ -101,24 +88,6 @@ def test_bfloat16_quantized_mixed_batch_matches_peft_on_the_dequantized_base(sch
     assert_rows_match_peft(model, handle, ref_base, adapters, names, input_ids, scheme)
 
 
-def assert_rows_match_peft(model, handle, ref_base, adapters, names, input_ids, label):
-    """Each row of a bf16 patched model's mixed batch against float32 PEFT on ``ref_base`` with its adapter alone."""
-    with torch.no_grad():
-        out = model(input_ids=input_ids, lora_ids=handle.ids(names), use_cache=False).logits.float()
-        for b, name in enumerate(names):
-            ref_model = ref_base if name is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
-                                                                                adapters[name]).eval()
-            ref = ref_model(input_ids=input_ids[b: b + 1], use_cache=False).logits[0]
-            err = rel_err(out[b], ref)
-            assert err < LOGITS_TOLERANCE[torch.bfloat16], f"{label} row {b} ({name}): {err:.2e}"
-
-
-def _requests():
-    gen = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), a)
-            for n, a in ((5, None), (40, "a0"), (3, "a1"), (19, "a2"), (7, "a0"), (12, None))]
-
-
 def test_float32_fp8_engine_from_cuda_graphs_equals_generate_on_the_dequantized_base(adapters):
     """Greedy tokens equal, token for token: fp8 weights are exact in float32, and the kernel's float32 dots are."""
     model = qwen2_2048(torch.float32).cuda()
@@ -126,38 +95,14 @@ def test_float32_fp8_engine_from_cuda_graphs_equals_generate_on_the_dequantized_
     ref_base = dequantized(model)
     engine = Engine(model, max_loras=4, max_num_seqs=8, max_seq_len=64, num_blocks=64, adapters=adapters,
                     **FLOAT32_GRAPHS)
-    got = greedy(engine, _requests(), 8)
-    for tokens, (prompt, adapter) in zip(got, _requests()):
+    got = greedy(engine, qwen2_2048_requests(), 8)
+    for tokens, (prompt, adapter) in zip(got, qwen2_2048_requests()):
         ref_model = ref_base if adapter is None else PeftModel.from_pretrained(copy.deepcopy(ref_base),
                                                                                adapters[adapter]).eval()
         with torch.no_grad():
             want = ref_model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
                                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))
         assert tokens == want[0, len(prompt):].tolist(), adapter
-
-
-def greedy_with_top2(engine, requests, max_tokens):
-    """Each request's greedy tokens and, per token, the two most likely tokens' log-probabilities."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
-    got = {i: ([], []) for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id][0].extend(out.token_ids)
-            got[out.request_id][1].extend(sorted(t.top.values(), reverse=True)[:2] for t in out.logprobs)
-    return [got[i] for i in ids]
-
-
-def assert_same_tokens_but_at_near_ties(eager, graphs, gap=0.1):
-    """Graph replays pad the batch to a captured size, and the GEMMs' tiles (so the bf16 rounding) follow the row
-    count: greedy tokens may part only where the eager run's two best tokens were within ``gap`` of each other
-    (a near tie: one bf16 step of these logits is about 0.016), and nothing after that is compared."""
-    for (want, top), (tokens, _) in zip(eager, graphs):
-        split = next((i for i, (a, b) in enumerate(zip(want, tokens)) if a != b), None)
-        assert len(tokens) == len(want)
-        if split is not None:
-            best, second = top[split]
-            assert best - second < gap, f"tokens parted at step {split} where eager's margin was {best - second:.3f}"
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4"])
@@ -168,7 +113,7 @@ def test_bfloat16_engine_replays_quantized_graphs_as_it_runs_eagerly(scheme, ada
                         num_blocks=64, adapters=adapters, quantization=scheme, cuda_graphs=graphs,
                         graph_sizes=(1, 2, 4, 8))
         assert engine.runner.fused_groups == 4
-        outputs.append(greedy_with_top2(engine, _requests(), 8))
+        outputs.append(greedy_with_top2(engine, qwen2_2048_requests(), 8))
         del engine
         torch.cuda.empty_cache()
     assert_same_tokens_but_at_near_ties(*outputs)

@@ -8,7 +8,6 @@ failed with a clean error) and the fleet serves on. Skipped where Ray Serve is n
 import dataclasses
 import json
 import queue
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip
 
 from _peft_models import save_adapter  # noqa: E402
 from _serve_helpers import build_world  # noqa: E402
+from helpers import free_port  # noqa: E402
 from lorakit.engine import EngineConfig  # noqa: E402
 from lorakit.serve.ray import FleetConfig, adapter_of, build_app  # noqa: E402
 from lorakit.serve import ServeConfig, create_app  # noqa: E402
@@ -31,12 +31,6 @@ ENGINE = dict(max_loras=2, block_size=4, patience=4)
 NAMES = ["sql", "chat", "v2", "a3", "a4", "a5"]
 EXTRA = ["a6", "a7"]  # past the fleet's six places: Ray evicts
 PROMPT = "What is the capital of France?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

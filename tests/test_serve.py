@@ -12,12 +12,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_helpers import build_world, reference, start
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("serve"))
+from _serve_helpers import reference, start
 
 
 @pytest.fixture(scope="module")

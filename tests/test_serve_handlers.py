@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _serve_helpers import build_world, reference, run_state
+from _serve_helpers import reference, run_state
 from lorakit.engine import Engine, SamplingParams
 from lorakit.serve import ServeConfig, adapters, confined, openai, sglang
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, nth_sample
@@ -19,11 +19,6 @@ from lorakit.serve.state import ServerState
 from lorakit.serve.streaming import DONE, ConcurrencyLimit, Reply, outputs, respond
 
 PROMPT = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("handlers"))
 
 
 def served(world, body_of, **config):

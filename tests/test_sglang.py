@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from _serve_helpers import build_world, reference, start
+from _serve_helpers import reference, start
 from lorakit.serve.protocol import error_status
 from lorakit.engine import SamplingParams
 from lorakit.engine.structured import StructuredOutput
@@ -97,11 +97,6 @@ def test_null_and_no_op_values_are_accepted():
 
 
 # Live.
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("sglang"))
-
 
 @pytest.fixture(scope="module")
 def server(world):

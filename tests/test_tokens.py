@@ -13,11 +13,12 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import lorakit
-from _lora_cases import TOLERANCE, rel_err
+from _lora_cases import TOLERANCE
+from helpers import WORD_VOCAB, rel_err, word_tokenizer
 from lorakit.engine import LLM, SamplingParams
 from lorakit.peft import AdapterError
 
-V, ADD = 64, 3  # base vocabulary, tokens the adapters add (ids V .. V+ADD-1)
+V, ADD = WORD_VOCAB, 3  # base vocabulary (word_tokenizer's), tokens the adapters add (ids V .. V+ADD-1)
 
 
 def tiny(tied: bool):
@@ -203,17 +204,6 @@ def test_engine_generates_an_added_token_for_its_adapter_only(device, tmp_path):
     with pytest.raises(ValueError, match="outside the vocabulary"):  # another adapter's added token
         llm.generate([[1, V]], greedy, adapters=["tt"])
     assert llm.generate([[1, V]], greedy, adapters=["add"])[0].token_ids  # its own: fine
-
-
-def word_tokenizer(added=()):
-    """A word-level tokenizer of the base vocabulary w0 .. w63, plus ``added`` special tokens (ids 64, ...)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
-    tokenizer.add_tokens(list(added), special_tokens=True)
-    return tokenizer
 
 
 def test_an_adapters_own_tokenizer_reads_and_writes_its_added_tokens(tmp_path):

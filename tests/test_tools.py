@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from _serve_helpers import LiveServer, build_world, run_state
+from _serve_helpers import LiveServer, run_state
 from lorakit.engine import Engine
 from lorakit.serve import ServeConfig, create_app, openai
 from lorakit.serve.protocol import ApiError, ChatBody, chat_messages
@@ -32,12 +32,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    base, tokenizer, root, paths = build_world(tmp_path_factory.mktemp("tools"))
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = TOOLS_TEMPLATE
-    return base, tokenizer, root, paths
+pytestmark = pytest.mark.world(chat_template=TOOLS_TEMPLATE)  # the module's `world` (tests/conftest.py)
 
 
 def state_of(world, template=None):

@@ -17,6 +17,7 @@ import torch
 import transformers
 from _peft_models import _cfg, tiny_model
 from _ranks import join_gloo, run_ranks
+from helpers import rel_err
 
 from lorakit.parallel import ColumnParallelLinear, plan_model, shard_model
 
@@ -52,10 +53,6 @@ def _model(case: str, seed: int = 0):
     return model
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @torch.no_grad()
 def _decode(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
     """Greedy decoding with the KV cache (which holds only this rank's KV heads): every step's logits."""
@@ -77,8 +74,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             sharded = shard_model(copy.deepcopy(full), rank, WORLD_SIZE)
             with torch.no_grad():
                 ref, out = full(ids).logits, sharded(ids).logits
-            report[case] = {"rel_err": _rel_err(out, ref), "shape_ok": out.shape == ref.shape,
-                            "decode_rel_err": _rel_err(_decode(sharded, ids), _decode(full, ids)),
+            report[case] = {"rel_err": rel_err(out, ref), "shape_ok": out.shape == ref.shape,
+                            "decode_rel_err": rel_err(_decode(sharded, ids), _decode(full, ids)),
                             "tied": sharded.lm_head.weight is sharded.model.embed_tokens.weight,
                             "full_tied": full.lm_head.weight is full.model.embed_tokens.weight}
         torch.distributed.destroy_process_group()
@@ -114,7 +111,7 @@ def test_tp1_is_identity_without_a_process_group():
     sharded = shard_model(copy.deepcopy(full), rank=0, world_size=1)
     assert isinstance(sharded.model.layers[0].self_attn.q_proj, ColumnParallelLinear)
     with torch.no_grad():
-        assert _rel_err(sharded(ids).logits, full(ids).logits) == 0.0
+        assert rel_err(sharded(ids).logits, full(ids).logits) == 0.0
 
 
 def test_kv_heads_not_dividing_are_refused():

@@ -19,6 +19,7 @@ import torch
 import transformers
 from _peft_models import VOCAB, SavedAdapter, _cfg, save_adapter
 from _ranks import join_gloo, run_ranks
+from helpers import rel_err
 from peft import LoraConfig
 
 import lorakit
@@ -120,10 +121,6 @@ def _save(base, name: str, lora_config: LoraConfig, tmp, seed: int) -> SavedAdap
     return saved
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Save the base weights and adapters, run both ranks once; returns (reports, rank logits, saved adapters)."""
@@ -153,9 +150,9 @@ def test_tp2_lora_matches_unsharded_lorakit_and_peft(run):
     for rank, out in enumerate(outs):
         for b, name in enumerate(NAMES):
             for ref, what in ((unsharded, "unsharded lorakit"), (peft, "PEFT")):
-                err = _rel_err(out["logits"][b], ref[b])
+                err = rel_err(out["logits"][b], ref[b])
                 assert err < TOL, f"rank {rank}, row {b} ({name}): relative error {err:.2e} against {what}"
-        assert _rel_err(out["plain"], plain) < TOL, f"rank {rank}: the sharded base model without lora_ids"
+        assert rel_err(out["plain"], plain) < TOL, f"rank {rank}: the sharded base model without lora_ids"
     for b, name in enumerate(NAMES):
         if name is not None:
             assert not torch.allclose(peft[b], plain[b], rtol=1e-3), f"adapter {name!r} changes nothing: untested"

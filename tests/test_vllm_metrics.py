@@ -10,18 +10,13 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from _serve_helpers import build_world, start
+from _serve_helpers import start
+from helpers import wait_for
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana" / "lorakit-dashboard.json"
 PROMPT = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return build_world(tmp_path_factory.mktemp("vllm_metrics"))
 
 
 def families(url) -> dict:
@@ -51,14 +46,6 @@ def picked(found: dict) -> dict:
     return read
 
 
-def wait_for(check, timeout=30.0):
-    end = time.monotonic() + timeout
-    while not (got := check()):
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
-    return got
-
-
 def test_a_router_sees_running_and_waiting_adapters_and_the_load(world):
     live = start(world, engine_options={"max_num_seqs": 1}, max_concurrent=4)  # one runs, the next waits
     engine, url = live.server.config.app.state.engine, live.url
@@ -72,7 +59,8 @@ def test_a_router_sees_running_and_waiting_adapters_and_the_load(world):
             lines = r.iter_lines()  # kept: a generator collected closes the stream
             assert r.status_code == 200 and next(lines).startswith("data: {")  # sql runs
             waiter.start()
-            seen = wait_for(lambda: (p := picked(families(url)))["lora"] and p["lora"]["waiting"] and p)
+            seen = wait_for(lambda: (p := picked(families(url)))["lora"] and p["lora"]["waiting"] and p,
+                            timeout=30.0, poll=0.02)
             assert seen["lora"] == {"running": ["sql"], "waiting": ["chat"], "max_lora": 2}
             assert seen["vllm:num_requests_running"] == 1 and seen["vllm:num_requests_waiting"] == 1
             assert 0 < seen["vllm:kv_cache_usage_perc"] == seen["vllm:gpu_cache_usage_perc"] <= 1
@@ -82,7 +70,7 @@ def test_a_router_sees_running_and_waiting_adapters_and_the_load(world):
             assert by_adapter == {"sql": 1}
         waiter.join(60)  # the stream left: chat runs, and ends
         idle = wait_for(lambda: (p := picked(families(url)))["vllm:num_requests_running"] == 0 and
-                        p["vllm:num_requests_waiting"] == 0 and p)
+                        p["vllm:num_requests_waiting"] == 0 and p, timeout=30.0, poll=0.02)
         assert idle["lora"] is None and idle["vllm:kv_cache_usage_perc"] == 0  # nothing running: the picker keeps
         # its last view, as with vLLM, whose older samples stay behind a newer empty one
     finally:
