@@ -227,15 +227,15 @@ def test_api_servers_auto_is_one_per_four_cores_up_to_four():
 def test_the_log_tells_the_cpus_available_memory_and_sizing_stays_bounded(monkeypatch):
     """The CPU's free memory was logged as a fixed 4.0 GiB: now MemAvailable, beside the figure sizing reads (at most
     CPU_MEMORY, so a big machine does not grow the KV cache of a small model)."""
-    from lorakit.engine import engine as engine_module
+    from lorakit.engine import build as build_module
 
     cpu = torch.device("cpu")
     if sys.platform.startswith("linux"):
-        assert engine_module._available_cpu_memory() > 0
-    cap = engine_module.CPU_MEMORY
+        assert build_module.available_cpu_memory() > 0
+    cap = build_module.CPU_MEMORY
     for available, sized in ((512 << 30, cap), (1 << 30, 1 << 30), (None, cap)):
-        monkeypatch.setattr(engine_module, "_available_cpu_memory", lambda: available)
-        assert engine_module._free_memory(cpu) == sized
+        monkeypatch.setattr(build_module, "available_cpu_memory", lambda: available)
+        assert build_module.free_memory(cpu) == sized
         shown = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
-        said = engine_module._free_text(sized, cpu)
+        said = build_module.free_text(sized, cpu)
         assert said == f"{shown} available on the CPU, sized from {sized / 2**30:.1f} GiB"

@@ -134,7 +134,7 @@ def test_slot_bytes_read_before_patching_are_what_a_slot_takes(family):
 def test_max_loras_auto_takes_a_tenth_of_the_memory_and_the_kv_cache_shares_the_rest(monkeypatch):
     """auto: as many slots as ADAPTER_SHARE of the free memory holds at max_rank (1 to 64); the KV cache gets KV_SHARE
     of it less what the slots will take at max_rank (one budget: more slots, fewer KV blocks)."""
-    from lorakit.engine import engine as engine_module
+    from lorakit.engine import build as build_module
     from lorakit.engine.runner import kv_shape
     from lorakit.layers.patch import slot_bytes
 
@@ -143,14 +143,14 @@ def test_max_loras_auto_takes_a_tenth_of_the_memory_and_the_kv_cache_shares_the_
     layers, heads, dim = kv_shape(base)
     per_block = 2 * layers * 4 * heads * dim * 4  # block_size 4, float32
     for slots in (3, 1, 64):
-        memory = int(slots * per_slot / engine_module.ADAPTER_SHARE) + 1000
-        monkeypatch.setattr(engine_module, "CPU_MEMORY", memory)
+        memory = int(slots * per_slot / build_module.ADAPTER_SHARE) + 1000
+        monkeypatch.setattr(build_module, "CPU_MEMORY", memory)
         engine = Engine(copy.deepcopy(base), block_size=4, max_num_seqs=10**6, max_seq_len=64)
         assert engine.config.max_loras == engine.pool.num_slots == slots
-        budget = int(engine_module.KV_SHARE * memory) - engine.handle.slot_bytes(64)
+        budget = int(build_module.KV_SHARE * memory) - engine.handle.slot_bytes(64)
         assert engine.config.num_blocks == budget // per_block
-    monkeypatch.setattr(engine_module, "CPU_MEMORY", 1000 * 64 * per_slot)
-    assert Engine(copy.deepcopy(base), block_size=4).config.max_loras == engine_module.AUTO_MAX_LORAS
-    monkeypatch.setattr(engine_module, "CPU_MEMORY", per_slot)
+    monkeypatch.setattr(build_module, "CPU_MEMORY", 1000 * 64 * per_slot)
+    assert Engine(copy.deepcopy(base), block_size=4).config.max_loras == build_module.AUTO_MAX_LORAS
+    monkeypatch.setattr(build_module, "CPU_MEMORY", per_slot)
     assert Engine(copy.deepcopy(base), block_size=4, num_blocks=64).config.max_loras == 1  # at least one
     assert Engine(copy.deepcopy(base), max_loras=5, block_size=4, num_blocks=64).config.max_loras == 5  # as asked

@@ -445,3 +445,28 @@ def test_a_tensor_parallel_core_serves_what_the_in_process_engine_serves(world):
     finally:
         live.close()
     assert not client.process.is_alive()
+
+
+def test_every_call_crosses_the_wire_as_its_own_type_and_the_core_has_a_handler_for_each():
+    """The calls are one struct each (no method string): each decodes as itself from the server's bytes, and the
+    core dispatches every message type the wire allows (``ToCore``) by type."""
+    import typing
+
+    import msgspec
+
+    from lorakit.adapters.pool import AdapterRef
+    from lorakit.engine.structured import StructuredOutput
+    from lorakit.frontend.core import _Core
+    from lorakit.frontend.wire import Abort, Add, CompileGrammar, Register, Shutdown, ToCore, Unregister
+
+    calls = [Register(1, "sql", "/adapters/sql", ["/adapters"], 2), Unregister(2, "sql", 1),
+             CompileGrammar(3, StructuredOutput(choice=("yes", "no")), AdapterRef("sql", 4, "ab"), "client", 1),
+             Shutdown(4, 2.5), Add("s0-r1", [1, 2], SamplingParams(max_tokens=3), None), Abort(["s0-r1"])]
+    decode = msgspec.msgpack.Decoder(ToCore).decode
+    for call in calls:
+        assert decode(msgspec.msgpack.encode(call)) == call
+    core = _Core(object(), None, [])  # its dispatch table only: no engine is run, no socket read
+    try:
+        assert set(core.handlers) == set(typing.get_args(ToCore))
+    finally:
+        core.reader.shutdown()

@@ -117,6 +117,28 @@ def test_abort_frees_everything(setup):
     assert all(s is None or s["holders"] == 0 for s in engine.pool.memory()["slots"])
 
 
+def test_admitted_and_stats_are_what_callers_read(setup):
+    """``admitted``: a request's prompt ids and its params as queued (max_tokens cut to the context), until it ends.
+    ``stats()``: the scheduler's, pool's and blocks' figures, by adapter, with the loop's counters left 0."""
+    base, saved = setup
+    engine = Engine(copy.deepcopy(base), max_loras=1, adapters={"r4": saved["r4"].path}, block_size=4,
+                    num_blocks=64, max_seq_len=16, max_num_seqs=1)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True), "r4")
+    b = engine.add_request([4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    prompt_ids, params = engine.admitted(a)
+    assert prompt_ids == [1, 2, 3] and params.max_tokens == 13
+    engine.step()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.steps, stats.max_loras) == (1, 1, 0, 1)
+    assert stats.running_by_adapter == {"r4": 1} and stats.waiting_by_adapter == {"": 1}
+    assert stats.residency == {"r4": "gpu"} and 0 < stats.kv_usage <= 1
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(KeyError):
+        engine.admitted(b)
+    assert engine.stats().kv_usage == 0
+
+
 def test_steps_of_base_tokens_run_no_lora_kernels(setup, monkeypatch):
     """A step whose tokens all use the base model runs with the LoRA ops silenced (ops.no_adapter_tokens): every
     expand of the base requests' steps computes nothing, while a step with an adapter token computes its delta; each

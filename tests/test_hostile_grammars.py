@@ -22,7 +22,7 @@ from lorakit.engine import LLM, EngineConfig, SamplingParams
 from lorakit.engine import structured
 from lorakit.frontend.core import _Core
 from lorakit.frontend.core_client import CoreClient
-from lorakit.frontend.wire import Add, Call, FromCore, Step
+from lorakit.frontend.wire import Add, CompileGrammar, FromCore, Step
 from lorakit.engine.errors import Overloaded
 from lorakit.engine.structured import GrammarError, StructuredOutput
 from lorakit.serve import ServeConfig, create_app
@@ -250,13 +250,13 @@ def test_the_core_compiles_once_and_steps_while_a_grammar_compiles(world):
     assert not [o for o in outs if o.error], [o.error for o in outs if o.error]
     # Refused: the call is answered with the reason, an Add with its error; neither reaches the scheduler.
     big = StructuredOutput.json_schema(props(8000))
-    core.handle(Call(7, "grammar", [{"json": big.json, "regex": None, "choice": None, "lark": None}, None]))
+    core.handle(CompileGrammar(7, big))
     core.handle(Add("s0-r99", [1], SamplingParams(structured_output=big), None))
     assert not core.compiling and "s0-r99" not in engine._requests
     reply = next(m for m in sent if getattr(m, "call_id", None) == 7)
     assert reply.error[0] == "ValueError" and "--max-grammar-bytes" in reply.error[1]
     assert [o.finish_reason for o in core.loop.pending if o.request_id == "s0-r99"] == ["error"]
-    core.handle(Call(8, "grammar", [{"json": None, "regex": "(a", "choice": None, "lark": None}, None]))
+    core.handle(CompileGrammar(8, StructuredOutput(regex="(a")))
     while not any(getattr(m, "call_id", None) == 8 for m in sent):
         time.sleep(0.01)
         core.loop.run_ready()

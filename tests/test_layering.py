@@ -19,7 +19,7 @@ ORDER = ["peft", "ops", "layers", "adapters", "engine", "parallel", "frontend", 
 # The one upward edge, at run time only: ``Engine(factory, tensor_parallel_size=N)`` starts its workers through
 # parallel's executor (which drives engine's runner on every rank), imported inside the function that needs it so
 # that one command serves a sharded model. Nothing else may be added here without a reason as good.
-ALLOWED = {("engine/engine.py", "lorakit.parallel.executor")}
+ALLOWED = {("engine/build.py", "lorakit.parallel.executor")}
 SRC = Path(lorakit.__file__).parent
 
 

@@ -86,7 +86,6 @@ def test_the_engine_core_sends_what_the_series_need(world):
     import msgspec
 
     from lorakit.engine import Engine, SamplingParams
-    from lorakit.frontend.client import engine_stats
     from lorakit.frontend.wire import FromCore, Step
     from lorakit.serve.metrics import Metrics
 
@@ -96,7 +95,7 @@ def test_the_engine_core_sends_what_the_series_need(world):
     for adapter in ("sql", "chat", None):
         engine.add_request(PROMPT, SamplingParams(max_tokens=4), adapter=adapter)
     engine.step()
-    stats = msgspec.msgpack.decode(msgspec.msgpack.encode(Step([], engine_stats(engine))), type=FromCore).stats
+    stats = msgspec.msgpack.decode(msgspec.msgpack.encode(Step([], engine.stats())), type=FromCore).stats
     assert (stats.running_by_adapter, stats.waiting_by_adapter, stats.max_loras) == ({"sql": 1}, {"chat": 1, "": 1}, 2)
     assert 0 < stats.kv_usage <= 1
     client = SimpleNamespace(adapters=engine.pool.adapters, stats=lambda: stats)

@@ -1,13 +1,10 @@
 """The engine: requests in, tokens out, many adapters in every batch.
 
-``Engine`` owns the patched model, the adapter pool, the scheduler and the runner. ``add_request`` queues a
+``Engine`` holds the patched model, the adapter pool, the scheduler and the runner. ``add_request`` queues a
 prompt for an adapter (or the base model); each ``step()`` schedules a batch, runs it, samples one token
 per finishing position on the device, and returns what each request gained (``RequestOutput``).
-``lorakit.engine.loop`` drives the steps wherever the engine lives (a thread, the engine core process); ``LLM``
-is the offline front door::
-
-    llm = LLM("path/to/model", max_loras=8, adapters={"sql": "/adapters/sql"})
-    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=64, temperature=0.0), adapters=["sql", None])
+``lorakit.engine.loop`` drives the steps wherever the engine lives (a thread, the engine core process). The model
+is prepared by ``engine.build``; ``engine.llm.LLM`` is the offline front door.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import dataclasses
 import itertools
 import logging
 import random
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,29 +21,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lorakit.engine.checks import check_logit_bias, check_prompt, lora_start
+from lorakit.engine.build import build_runner, eos_token_id, load_model, patch_model, start_workers
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.errors import FatalEngineError
+from lorakit.engine.outputs import RequestOutput, TokenLogprob, stop_token_ids, token_finish
 from lorakit.engine.lengths import fit_params
-from lorakit.engine.outputs import CompletionOutput, OutputProcessor, RequestOutput, TokenLogprob, stop_token_ids, \
-    token_finish
 from lorakit.adapters.pool import AdapterPool, AdapterRef
-from lorakit.engine.runner import Fill, ModelRunner, kv_shape
+from lorakit.engine.prompt_logprobs import score_prompts
+from lorakit.engine.runner import Fill
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
 from lorakit.adapters.snapshot import Snapshot, read_tokenizer
+from lorakit.engine.stats import EngineStats, collect
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
-from lorakit.peft import activation_start
-from lorakit.layers.handle import LoraHandle
-from lorakit.layers.patch import patch, slot_bytes
-from lorakit.layers.quant import QuantizedLinear, quantize, weight_bytes
-from lorakit.ops import cdiv
 
 logger = logging.getLogger("lorakit.engine")
-# Request.lora_start of an activated LoRA's request whose prompt lacks the invocation: past every position, so the
-# adapter never applies (its slot is held all the same).
-NOT_INVOKED = sys.maxsize
 
-__all__ = ["CheckedAdapter", "CompletionOutput", "Engine", "LLM", "RequestOutput", "check_prompt"]
+__all__ = ["CheckedAdapter", "Engine"]
 
 
 @dataclass(frozen=True)
@@ -110,18 +101,13 @@ class Engine:
     def __init__(self, model: nn.Module | Callable[[], nn.Module], tokenizer=None, config: EngineConfig | None = None,
                  *, adapters: dict[str, str | Path] | None = None, device: str | None = None, **options):
         config = EngineConfig(**options) if config is None else dataclasses.replace(config, **options)
-        self._workers = None
+        self._workers = None  # the tensor-parallel executor, with tensor_parallel_size > 1
         if config.tensor_parallel_size > 1:
-            model, config = self._start_workers(model, config, device)
+            self._workers, config = start_workers(model, config, device)
+            self._finalize = weakref.finalize(self, self._workers.close)
+            model = self._workers.model
         else:
-            if not isinstance(model, nn.Module):
-                if not callable(model):
-                    raise TypeError(f"model must be a torch.nn.Module or a function that builds one, got "
-                                    f"{type(model).__name__}")
-                model = model()
-                model = model.to(device) if device is not None else model
-            _quantized(model, config)
-            config = _slot_count(model, config)
+            model, config = load_model(model, config, device)
         try:
             self._build(model, tokenizer, config, adapters)
         except BaseException:
@@ -131,12 +117,8 @@ class Engine:
     def _build(self, model: nn.Module, tokenizer, config: EngineConfig, adapters) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.handle = _patched(model, config)
-        if self._workers is not None:  # the pool's slot writes are made on every rank
-            self._workers.mirror_slots(self.handle)
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.vocab_size = text_config.vocab_size
-        self.config = config = _resolve(config, model, text_config, self.handle.device)
+        self.handle, config, self.vocab_size = patch_model(model, config, self._workers)
+        self.config = config
         manager = self.handle.slots.manager
         self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
             self.handle, cpu_budget_bytes=config.cpu_budget_bytes, strict=config.lora_strict)
@@ -148,17 +130,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, patience=config.patience,
                                    max_prefill_tokens=config.max_prefill_tokens)
-        settings = dict(num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                        max_seq_len=config.max_seq_len, cuda_graphs=config.cuda_graphs, compile=config.compile,
-                        graph_sizes=config.graph_sizes, graph_token_sizes=config.graph_token_sizes,
-                        max_num_batched_tokens=config.max_num_batched_tokens, base_twins=config.base_twins,
-                        fuse_siblings=config.fuse_siblings)
-        mirror = None
-        if self._workers is not None:  # every rank builds its runner (and captures its graphs) at once
-            mirror = self._workers.mirror_runner(settings)
-        self.runner = ModelRunner(model, self.handle, **settings, mirror=mirror)
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.eos_token_id = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+        self.runner = build_runner(model, self.handle, config, self._workers)
+        self.eos_token_id = eos_token_id(model, tokenizer)
         self.grammars = Grammars(self.eos_token_id, config.max_grammar_bytes, config.max_grammar_seconds,
                                  config.max_grammar_queue)
         self._requests: dict[str, Request] = {}
@@ -167,25 +140,6 @@ class Engine:
         self._ids = itertools.count()
         logger.info("%d KV blocks of %d tokens (%.2f GiB), max %d sequences of %d tokens", config.num_blocks,
                     config.block_size, self.runner.kv_bytes / 2**30, config.max_num_seqs, config.max_seq_len)
-
-    def _start_workers(self, factory, config: EngineConfig, device: str | None) -> tuple[nn.Module, EngineConfig]:
-        n = config.tensor_parallel_size
-        if isinstance(factory, nn.Module) or not callable(factory):
-            raise ValueError(f"tensor_parallel_size={n} needs a picklable function that builds the model, not a "
-                             f"{type(factory).__name__}: each of the {n} processes builds the full model with it and "
-                             f"keeps its shard (e.g. functools.partial(lorakit.parallel.load_sharded, path))")
-        # The engine's one import of lorakit.parallel (the package above it), made only when it starts workers.
-        from lorakit.parallel.executor import Executor, model_device
-
-        workers = Executor(factory, n, model_device(device))
-        self._workers = workers
-        self._finalize = weakref.finalize(self, workers.close)
-        if config.quantization is not None:  # every rank its shard, at once: row shards all-reduce their fp8 scales
-            workers.call("rank", "quantize", config.quantization)
-            _quantized(workers.model, config)
-        config = _slot_count(workers.model, config)  # from rank 0's shard: every rank's slots hold a shard alike
-        workers.call("rank", "patch", config)  # every worker patches its shard as rank 0 is about to
-        return workers.model, config
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do at tensor_parallel_size 1). The engine cannot
@@ -226,7 +180,7 @@ class Engine:
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, ref, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed, lora_start=_lora_start(prompt_ids, info))
+                          params=limited, seed=seed, lora_start=lora_start(prompt_ids, info))
         prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         request.state = _State(stop_token_ids(limited, self.eos_token_id),
                                [] if params.logprobs is not None else None, constraint,
@@ -240,9 +194,7 @@ class Engine:
                              adapter: str | None) -> Constraint | None:
         """Checks logit_bias ids against the request's vocabulary; the request's structured-output constraint, a
         copy of ``grammar``'s matcher (compiled here first when it is None or for another tokenizer)."""
-        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size and t not in added]
-        if bad:
-            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        check_logit_bias(params, self.vocab_size, added)
         if params.structured_output is None:
             return None
         if grammar is None or grammar.tokenizer is not tokenizer:
@@ -309,6 +261,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted)  # a step in flight with no request left is not work
 
+    def admitted(self, request_id: str) -> tuple[list[int], SamplingParams]:
+        """An unfinished request's prompt token ids and its params as admitted (max_tokens cut to fit the context):
+        what its output processor needs. KeyError once it has ended."""
+        request = self._requests[str(request_id)]
+        return request.prompt_ids, request.params
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters now (its step counters are the loop's: 0 here); safe from any thread."""
+        return collect(self.pool, self.scheduler, self.blocks, self.runner, self.config.max_loras)
+
     # Steps.
 
     def step(self) -> list[RequestOutput]:
@@ -356,7 +318,7 @@ class Engine:
         no request's state (its KV writes are of the plan's own positions), so it can run again."""
         logits = self.runner.execute(plan, self._fill(plan))
         if any(item.all_logits for item in plan.items):
-            logits = self._prompt_logprobs(plan, logits)
+            logits = score_prompts(plan, logits)
         requests = [item.request for item in plan.items if item.sample]
         if not requests:  # only prompt chunks that do not end a prompt
             return _Flight([], None, (), None)
@@ -377,36 +339,6 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
         return _Flight(requests, result.token_ids, host, done)
-
-    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
-        """A step with items that keep every position's logits (``all_logits``: prompts that asked for their
-        logprobs): each such position's logprob of the next prompt token, its rank and the top ``prompt_logprobs``,
-        written into the request's state (by position: a step that runs again writes the same); returns the rows
-        that sample. Synchronous (such requests run synchronous steps)."""
-        sample_rows, row = [], 0
-        for item in plan.items:
-            n = len(item.tokens) if item.all_logits else int(item.sample)
-            if item.all_logits:
-                request, first = item.request, row
-                prompt = request.prompt_ids
-                positions = [p for p in range(item.start, item.start + n) if p + 1 < len(prompt)]
-                if positions:
-                    rows = torch.arange(first + positions[0] - item.start, first + positions[-1] - item.start + 1,
-                                        device=logits.device)
-                    lp = logits.index_select(0, rows).float().log_softmax(dim=-1)
-                    targets = torch.tensor([prompt[p + 1] for p in positions], device=logits.device)
-                    chosen = lp.gather(-1, targets[:, None])
-                    ranks = (lp > chosen).sum(dim=-1) + 1
-                    k = min(request.params.prompt_logprobs, lp.shape[-1])
-                    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-                    chosen, ranks, top_lp, top_ids = (t.tolist() for t in (chosen[:, 0], ranks, top_lp, top_ids))
-                    for j, p in enumerate(positions):
-                        request.state.prompt_logprobs[p + 1] = TokenLogprob(prompt[p + 1], chosen[j],
-                                                                            dict(zip(top_ids[j], top_lp[j])), ranks[j])
-            if item.sample:
-                sample_rows.append(row + n - 1)
-            row += n
-        return logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=logits.device))
 
     def _fill(self, plan: StepPlan):
         """Where the plan's inputs hold PLACEHOLDERs of the step in flight: their token positions in the step and the
@@ -580,224 +512,3 @@ class Engine:
                                                      f"on it; send it again with a model that is loaded"))
 
 
-def _lora_start(prompt_ids: list[int], info) -> int:
-    """The first position an activated LoRA applies to: where its invocation last starts in the prompt, or
-    ``NOT_INVOKED`` (never: PEFT runs the base model throughout) when the prompt lacks it; 0 for other adapters."""
-    invocation = None if info is None else info.invocation_tokens
-    if invocation is None:
-        return 0
-    start = activation_start(prompt_ids, invocation)
-    return NOT_INVOKED if start is None else start
-
-
-def check_prompt(prompt: str | Sequence[int], tokenizer, vocab_size: int, added: frozenset[int], max_seq_len: int,
-                 adapter: str | None = None) -> list[int]:
-    """A prompt's token ids (text: by ``tokenizer``), checked: not empty, in the vocabulary (``vocab_size`` plus the
-    ``added`` tokens of ``adapter``), leaving room under ``max_seq_len``; ValueError naming the problem."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("a prompt must be a string or a list of int token ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size and t not in added]
-    if bad:
-        whose = f" and the {len(added)} tokens adapter {adapter!r} adds" if added else ""
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}){whose}; "
-                         f"a token another adapter adds is not in this request's vocabulary")
-    if not ids:
-        raise ValueError("the prompt is empty; give at least one token")
-    if len(ids) >= max_seq_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens; at most {max_seq_len - 1} fit "
-                         f"(max_seq_len={max_seq_len}); shorten it")
-    return ids
-
-
-def _quantized(model: nn.Module, config: EngineConfig) -> None:
-    """Quantize the model's base weights as the config asks, in place (before it is patched); a model already
-    quantized with that scheme is left as it is."""
-    scheme = config.quantization
-    if scheme is None:
-        return
-    schemes = {m.scheme for m in model.modules() if isinstance(m, QuantizedLinear)}
-    if schemes:
-        if schemes != {scheme}:
-            raise ValueError(f"the model's layers are already quantized as {sorted(schemes)}, but the engine config "
-                             f"asks for quantization={scheme!r}; give the engine an unquantized model, or that scheme")
-        return
-    if getattr(model, "_lorakit_handle", None) is not None:
-        raise ValueError(f"quantization={scheme!r} needs an unpatched model (the LoRA wrappers must wrap the "
-                         f"quantized layers): give the engine the model before lorakit.patch, or quantize it with "
-                         f"lorakit.quantize before patching")
-    count = quantize(model, scheme)
-    size = weight_bytes(model)
-    logger.info("quantization %s: %d linear layers, %.2f GiB of weights (%.2f GiB quantized, %.2f GiB in %s)", scheme,
-                count, sum(size.values()) / 2**30, size["quantized"] / 2**30, size["other"] / 2**30,
-                str(next(model.parameters()).dtype).removeprefix("torch."))
-
-
-def _patched(model: nn.Module, config: EngineConfig) -> LoraHandle:
-    """The model's handle: patched now with the config's layout, or already patched with the same one."""
-    handle = getattr(model, "_lorakit_handle", None)
-    if handle is None:
-        return patch(model, config.max_loras, max_rank=config.max_rank)
-    if not isinstance(handle, LoraHandle):
-        raise TypeError("the model's lorakit handle is not a LoraHandle")
-    have = (handle.config.max_loras, handle.config.max_rank)
-    if have != (config.max_loras, config.max_rank):
-        raise ValueError(f"the model is already patched with max_loras={have[0]}, max_rank={have[1]}, but the engine "
-                         f"config asks for max_loras={config.max_loras}, max_rank={config.max_rank}; give the engine "
-                         f"the values the model was patched with, or an unpatched model")
-    return handle
-
-
-# The device memory free after the weights is one budget: the KV cache and the adapter slots (at max_rank) together
-# take at most KV_SHARE of it by default, and slots chosen automatically at most ADAPTER_SHARE (the rest is
-# activations, CUDA graphs and the allocator's slack). On the CPU, CPU_MEMORY stands for the free memory.
-KV_SHARE, ADAPTER_SHARE, CPU_MEMORY = 0.5, 0.1, 4 << 30
-AUTO_MAX_LORAS = 64  # the most slots "auto" gives: past it an adapter's slot would rarely be used before eviction
-
-
-def _free_memory(device: torch.device) -> int:
-    """The free memory sizing reads: the GPU's; on the CPU, CPU_MEMORY (or less where less is available), so that
-    the KV cache and slots stay the size one model needs, not a share of the machine's memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return min(CPU_MEMORY, _available_cpu_memory() or CPU_MEMORY)
-
-
-def _available_cpu_memory() -> int | None:
-    """The machine's available memory (Linux's MemAvailable), in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _slot_count(model: nn.Module, config: EngineConfig) -> EngineConfig:
-    """The config with ``max_loras`` "auto" (None) resolved: the slots of a model already patched, else as many as
-    ADAPTER_SHARE of the free memory holds at max_rank, from 1 to AUTO_MAX_LORAS."""
-    if config.max_loras is not None:
-        return config
-    handle = getattr(model, "_lorakit_handle", None)
-    if isinstance(handle, LoraHandle):
-        return dataclasses.replace(config, max_loras=handle.num_slots)
-    per_slot = max(slot_bytes(model, config.max_rank), 1)
-    free = _free_memory(next(model.parameters()).device)
-    count = max(1, min(AUTO_MAX_LORAS, int(ADAPTER_SHARE * free) // per_slot))
-    logger.info("max_loras auto: %d slots of %.1f MiB at max_rank=%d (%s)", count, per_slot / 2**20,
-                config.max_rank, _free_text(free, next(model.parameters()).device))
-    return dataclasses.replace(config, max_loras=count)
-
-
-def _free_text(free: int, device: torch.device) -> str:
-    """The log's words for ``free`` (what sizing read): on the CPU, the machine's available memory beside it."""
-    if device.type == "cuda":
-        return f"{free / 2**30:.1f} GiB free"
-    available = _available_cpu_memory()
-    shown = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
-    return f"{shown} available on the CPU, sized from {free / 2**30:.1f} GiB"
-
-
-def _resolve(config: EngineConfig, model: nn.Module, text_config, device: torch.device) -> EngineConfig:
-    """The config with max_seq_len and num_blocks resolved from the model and the device, checked against them."""
-    limit = getattr(text_config, "max_position_embeddings", None) or 4096
-    max_seq_len = min(limit, 4096) if config.max_seq_len is None else config.max_seq_len
-    if max_seq_len > limit:
-        raise ValueError(f"max_seq_len must be in [2, {limit}] (the model's max_position_embeddings), "
-                         f"got {max_seq_len}")
-    block_size = config.block_size
-    blocks_per_seq = cdiv(max_seq_len, block_size)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        layers, kv_heads, head_dim = kv_shape(model)
-        per_block = 2 * layers * block_size * kv_heads * head_dim * next(model.parameters()).element_size()
-        handle = model._lorakit_handle  # the slot buffers still to grow to max_rank come out of the same budget
-        slots = max(0, handle.slot_bytes(config.max_rank) - handle.memory()["slot_buffers"])
-        budget = int(KV_SHARE * _free_memory(device)) - slots
-        num_blocks = max(min(config.max_num_seqs * blocks_per_seq, budget // per_block), blocks_per_seq)
-    if num_blocks < blocks_per_seq:
-        raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_seq_len={max_seq_len} "
-                         f"({blocks_per_seq} blocks of {block_size}); raise num_blocks or lower max_seq_len")
-    return dataclasses.replace(config, max_seq_len=max_seq_len, num_blocks=num_blocks)
-
-
-class LLM:
-    """Offline generation with adapters: a model (a path, a Hugging Face hub id ``ORG/NAME[@REVISION]``, or a
-    loaded transformers model) and a tokenizer."""
-
-    def __init__(self, model: str | Path | nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
-                 adapters: dict[str, str | Path] | None = None, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None, **options):
-        """``config`` / ``options``: the engine's settings, as ``Engine`` takes them. A model or adapter given by
-        hub id is downloaded once into the hub cache as ``lorakit serve`` does (``lorakit.adapters.hub``: a local
-        folder of that spelling wins; safetensors, configs and tokenizer files only)."""
-        from lorakit.adapters.hub import ADAPTER_FILES, MODEL_FILES, local_or_hub
-
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(model, str):
-            model = local_or_hub(model, "model", MODEL_FILES)
-        if adapters:
-            adapters = {name: local_or_hub(path, f"adapter {name}", ADAPTER_FILES) if isinstance(path, str) else path
-                        for name, path in adapters.items()}
-        if isinstance(model, (str, Path)):
-            import transformers
-
-            from lorakit.layers.checkpoint import load_causal_lm
-
-            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-            tokenizer = tokenizer or transformers.AutoTokenizer.from_pretrained(model)
-            quantization = options.get("quantization", config.quantization if config is not None else None)
-            model = load_causal_lm(model, dtype, device, quantization)
-        self.engine = Engine(model, tokenizer, config, adapters=adapters, **options)
-
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapters: str | None | Sequence[str | None] = None) -> list[CompletionOutput]:
-        """One CompletionOutput per prompt, in order. ``adapters``: one name (or None) per prompt, or one for all."""
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
-        n = len(prompts)
-        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * n
-        names = adapters if isinstance(adapters, Sequence) and not isinstance(adapters, str) else [adapters] * n
-        if len(params) != n or len(names) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(names)} adapters")
-        engine, processors = self.engine, {}
-        ids = []
-        try:
-            for prompt, p, name in zip(prompts, params, names):
-                ids.append(engine.add_request(prompt, p, name))
-                request = engine._requests[ids[-1]]
-                processors[ids[-1]] = OutputProcessor(ids[-1], request.prompt_ids, request.params,
-                                                      engine.tokenizer_for(name))
-        except Exception:
-            for request_id in ids:
-                engine.abort(request_id)
-            engine.step()
-            raise
-        results = {request_id: CompletionOutput(request_id, name, engine._requests[request_id].prompt_ids, "", [],
-                                                None) for request_id, name in zip(ids, names)}
-        while any(r.finish_reason is None for r in results.values()):
-            for raw in engine.step():
-                processed = processors[raw.request_id].process(raw)
-                out = processed.output
-                if out is None:
-                    continue
-                if processed.abort:  # a stop string ended it
-                    engine.abort(out.request_id)
-                result = results[out.request_id]
-                result.text += out.text
-                result.token_ids += out.token_ids
-                if out.logprobs is not None:
-                    result.logprobs = (result.logprobs or []) + out.logprobs
-                if out.prompt_logprobs is not None:
-                    result.prompt_logprobs = out.prompt_logprobs
-                if out.finished:
-                    result.finish_reason = out.finish_reason
-        return [results[request_id] for request_id in ids]

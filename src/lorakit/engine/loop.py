@@ -17,6 +17,7 @@ Its homes differ only in the transport around it (``lorakit.frontend``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Protocol
 from lorakit.engine.engine import Engine
 from lorakit.engine.errors import FatalEngineError
 from lorakit.engine.outputs import RequestOutput
+from lorakit.engine.stats import EngineStats
 
 __all__ = ["EngineLoop", "Inbox", "ThreadInbox"]
 
@@ -99,6 +101,10 @@ class EngineLoop:
         """Stop taking new work: the running requests get ``seconds`` to finish, then those left are aborted, their
         last outputs emitted, ``then()`` called, and ``run`` returns."""
         self._deadline, self._drained = time.monotonic() + seconds, then
+
+    def stats(self) -> EngineStats:
+        """The engine's stats with this loop's step counters (safe from any thread)."""
+        return dataclasses.replace(self.engine.stats(), steps=self.steps, step_seconds=self.step_seconds)
 
     @property
     def busy(self) -> bool:

@@ -21,6 +21,7 @@ from lorakit.engine.loop import EngineLoop, ThreadInbox
 from lorakit.engine.outputs import OutputProcessor, RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
+from lorakit.engine.stats import EngineStats
 from lorakit.frontend.streams import RequestStream
 
 __all__ = ["AsyncEngine"]
@@ -47,13 +48,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="lorakit-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def steps(self) -> int:
-        return self._loop.steps
-
-    @property
-    def step_seconds(self) -> float:
-        return self._loop.step_seconds
+    def stats(self) -> EngineStats:
+        """The engine's stats and the loop's step counters (from any thread: read without a lock)."""
+        return self._loop.stats()
 
     def _post(self, fn: Callable, *args, wait: bool = True) -> concurrent.futures.Future | None:
         call = _Call(fn, args, concurrent.futures.Future() if wait else None)
@@ -79,8 +76,8 @@ class AsyncEngine:
 
         def add():  # the stream exists before the request can step: its first output finds it
             rid = self.engine.add_request(prompt, params, adapter, request_id, grammar)
-            request = self.engine._requests[rid]
-            processor = OutputProcessor(rid, request.prompt_ids, request.params, tokenizer)
+            prompt_ids, admitted = self.engine.admitted(rid)
+            processor = OutputProcessor(rid, prompt_ids, admitted, tokenizer)
             outs.append(RequestStream(processor, lambda: self.abort(rid)))
             self._queues[rid] = (loop, outs[0])
 

@@ -21,9 +21,8 @@ is called once. One request's failure while its outputs are delivered is that re
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -33,36 +32,10 @@ from lorakit.adapters.pool import AdapterRef
 from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.frontend.streams import RequestStream
 from lorakit.engine.sampling import SamplingParams
+from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
 
-__all__ = ["Adapter", "EngineClient", "EngineStats", "InProcessClient", "kv_tokens"]
-
-
-@dataclass
-class EngineStats:
-    """The engine's gauges and counters, as of its last step (``gpu_seconds``: device time of the steps' forwards,
-    0 where it is not measured)."""
-
-    pid: int = 0
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-    gpu_seconds: float = 0.0
-    loads_by_adapter: dict[str, int] = field(default_factory=dict)
-    evictions_by_adapter: dict[str, int] = field(default_factory=dict)
-    residency: dict[str, str] = field(default_factory=dict)  # adapter -> "gpu", "cpu" or "disk"
-    # the prefix cache, by adapter ("" for the base model): prompt tokens admitted, of them served from the cache
-    prefix_prompt_tokens: dict[str, int] = field(default_factory=dict)
-    prefix_cached_tokens: dict[str, int] = field(default_factory=dict)
-    prefix_cached_blocks: int = 0  # KV blocks registered in the prefix cache (held or not)
-    prefix_evictions: int = 0  # cached blocks evicted to make room
-    # the requests running and waiting, by adapter ("" for the base model); the share of KV blocks requests hold; the
-    # GPU adapter slots (max_loras): what routers that read vLLM's metrics ask of a server
-    running_by_adapter: dict[str, int] = field(default_factory=dict)
-    waiting_by_adapter: dict[str, int] = field(default_factory=dict)
-    kv_usage: float = 0.0
-    max_loras: int = 0
+__all__ = ["Adapter", "EngineClient", "InProcessClient", "kv_tokens"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,11 +74,7 @@ class EngineClient(Protocol):
     @property
     def versions(self) -> dict[str, tuple[int, str]]: ...  # registered names -> (version number, sha256)
 
-    def resolve(self, name: str) -> Adapter:
-        engine = self.engine
-        ref = engine.pool.ref(name)
-        info, tokenizer = engine.pool.resolve(ref).info, engine.tokenizer_for(ref)
-        return Adapter(ref, str(info.path), info.added_tokens, None if tokenizer is engine.tokenizer else tokenizer)
+    def resolve(self, name: str) -> Adapter: ...  # the registered adapter's current version (AdapterError: none)
 
     def tokenizer_for(self, adapter: Adapter | None): ...
 
@@ -217,42 +186,10 @@ class InProcessClient:
         await self.async_engine.call(self.engine.unregister_adapter, name)
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.engine, self.async_engine)
+        return self.engine.stats() if self.async_engine is None else self.async_engine.stats()
 
 
 def kv_tokens(engine: Engine) -> int:
     """The tokens an engine's KV cache holds at once: every block full."""
     return engine.config.num_blocks * engine.config.block_size
 
-
-def engine_stats(engine: Engine, async_engine: AsyncEngine | None = None, steps: int = 0,
-                 step_seconds: float = 0.0) -> EngineStats:
-    """An engine's stats, read without a lock (plain ints and copies of dicts); the step counters from
-    ``async_engine`` when given. Per-adapter figures only for the adapters registered now (and the base model):
-    their number is bounded by those, however many came and went."""
-    if async_engine is not None:
-        steps, step_seconds = async_engine.steps, async_engine.step_seconds
-    pool = engine.pool
-    residency = pool.residency()
-    prefix = {name or "": list(counts) for name, counts in engine.scheduler.prefix_stats.copy().items()
-              if name is None or name in residency}
-    loads, evictions = ({k: v for k, v in counts.copy().items() if k in residency}
-                        for counts in (pool.stats.loads_by_adapter, pool.stats.evictions_by_adapter))
-    running, waiting = list(engine.scheduler.running), list(engine.scheduler.waiting)  # copies: the engine's change
-    blocks = engine.blocks
-    return EngineStats(os.getpid(), len(running), len(waiting), steps,
-                       step_seconds, float(getattr(engine.runner, "gpu_seconds", 0.0)), loads, evictions, residency,
-                       {k: v[0] for k, v in prefix.items()}, {k: v[1] for k, v in prefix.items()},
-                       blocks.num_cached, blocks.evictions, _by_adapter(running, residency),
-                       _by_adapter(waiting, residency), 1.0 - blocks.num_free / blocks.num_blocks,
-                       engine.config.max_loras or 0)
-
-
-def _by_adapter(requests, registered) -> dict[str, int]:
-    """How many of ``requests`` use each adapter registered now ("": the base model)."""
-    counts: dict[str, int] = {}
-    for request in requests:
-        name = request.adapter_name or ""
-        if not name or name in registered:
-            counts[name] = counts.get(name, 0) + 1
-    return counts

@@ -5,7 +5,7 @@ do), so the model's steps never wait for the GIL behind HTTP parsing, tokenizing
 reverse::
 
     server process (asyncio, one or more)                   core process
-    HTTP, validation, tokenizing, chat templates  Add, Abort, Call   EngineLoop: scheduler, adapter pool,
+    HTTP, validation, tokenizing, chat templates  Add, Abort, calls  EngineLoop: scheduler, adapter pool,
     CoreClient: streams, text (OutputProcessor)   ----------------> model runner, sampling
                                                   <----------------
                                                   Step (a step's outputs, at once), Reply, Adapters, Beat
@@ -23,8 +23,8 @@ each step's outputs go to the servers they belong to; a call's reply goes to its
 or unregistered through one server is announced to the others (``Adapters``).
 
 A request's grammar (structured output) is compiled in the core, by the engine's grammar worker threads, while the
-loop keeps stepping: the server asks for it first (a "grammar" call, answered once it compiled or with why it is
-refused) and only then sends the request's Adds, which find it compiled; an Add whose grammar is still compiling
+loop keeps stepping: the server asks for it first (a ``CompileGrammar`` call, answered once it compiled or with why
+it is refused) and only then sends the request's Adds, which find it compiled; an Add whose grammar is still compiling
 waits outside the scheduler (``EngineLoop.after``). Adapter folders are read on a worker thread of the core while it
 keeps stepping, then installed between steps (``after`` too).
 
@@ -34,7 +34,7 @@ server why (``Failed``) and exit with status 1. A thread of the core sends every
 ``BEAT_SECONDS`` whatever the loop is doing, so a server's ``health`` tells a core that stopped running from a busy
 one. A core whose parent is gone exits within a fraction of a second (``lifeline``), and so do its tensor-parallel
 workers. The core ignores SIGINT and SIGTERM (the whole process group gets Ctrl-C): the server lets the requests in
-flight finish, then stops it (a "shutdown" call: the loop drains).
+flight finish, then stops it (a ``Shutdown`` call: the loop drains).
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ from lorakit.engine.errors import FatalEngineError, Overloaded
 from lorakit.engine.lifeline import die_with_parent, name_process
 from lorakit.engine.loop import EngineLoop
 from lorakit.engine.outputs import RequestOutput
-from lorakit.adapters.pool import AdapterRef
+from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
-from lorakit.frontend.client import EngineStats, engine_stats, kv_tokens
-from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, Failed, FromCore, Ready, Reply, \
-    Step, ToCore
+from lorakit.frontend.client import kv_tokens
+from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, CompileGrammar, Failed, FromCore, \
+    Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
 
 __all__ = ["facts", "freeze_heap", "run_core"]
 
@@ -201,6 +201,9 @@ class _Core:
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
         self.stats_at = 0.0
         self.compiling: set[str] = set()  # requests waiting for their grammars (an abort takes one out)
+        self.handlers: dict[type, Callable] = {Add: self.add_request, Abort: self.abort, Register: self.register,
+                                               Unregister: self.unregister, CompileGrammar: self.compile_grammar,
+                                               Shutdown: self.shutdown}
 
     def run(self) -> None:
         """Until a shutdown call has been answered; raises a ``FatalEngineError`` from a step."""
@@ -224,39 +227,36 @@ class _Core:
             commands.append(lambda message=message: self.handle(message))
 
     def handle(self, message: ToCore) -> None:
-        engine, loop = self.engine, self.loop
-        if isinstance(message, Add):
-            spec = message.params.structured_output
-            if spec is None:
-                self.add(message)
-            else:  # waits outside the scheduler while a worker compiles its grammar (at once if it is cached)
-                self.compile(message, spec)
-        elif isinstance(message, Abort):
-            for request_id in message.request_ids:
-                engine.abort(request_id)
-                self.compiling.discard(request_id)
-        elif message.method == "grammar":
-            try:
-                spec = msgspec.convert(message.args[0], StructuredOutput)
-                adapter = msgspec.convert(message.args[1], AdapterRef | None)
-                client = msgspec.convert(message.args[2], str | None) if len(message.args) > 2 else None
-            except (msgspec.ValidationError, ValueError) as e:
-                self.send(Reply(message.call_id, error=("ValueError", str(e))), message.server)
-            else:
-                self.compile(message, spec, adapter, client)
-        elif message.method == "register":
-            name, path, roots = message.args
-            loop.after(self.reader.submit(engine.read_adapter, name, path, roots),
-                       lambda read, call=message: self.answer(call, lambda: self.install(call, read.result())))
-        elif message.method == "unregister":
-            def unregister():
-                engine.unregister_adapter(*message.args)
-                self.broadcast(Adapters(None, message.args[0]), but=message.server)
-            self.answer(message, unregister)
-        elif message.method == "shutdown":
-            loop.drain(float(message.args[0]), lambda: self.send(Reply(message.call_id), message.server))
-        else:
-            self.send(Reply(message.call_id, error=("ValueError", f"unknown call {message.method!r}")), message.server)
+        self.handlers[type(message)](message)
+
+    def add_request(self, message: Add) -> None:
+        spec = message.params.structured_output
+        if spec is None:
+            self.add(message)
+        else:  # waits outside the scheduler while a worker compiles its grammar (at once if it is cached)
+            self.compile(message, spec)
+
+    def abort(self, message: Abort) -> None:
+        for request_id in message.request_ids:
+            self.engine.abort(request_id)
+            self.compiling.discard(request_id)
+
+    def compile_grammar(self, call: CompileGrammar) -> None:
+        self.compile(call, call.spec, call.adapter, call.client)
+
+    def register(self, call: Register) -> None:
+        """The folder read on the reader thread while the loop steps, installed between steps."""
+        read = self.reader.submit(self.engine.read_adapter, call.name, call.path, call.roots)
+        self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
+
+    def unregister(self, call: Unregister) -> None:
+        def unregister():
+            self.engine.unregister_adapter(call.name)
+            self.broadcast(Adapters(None, call.name), but=call.server)
+        self.answer(call, unregister)
+
+    def shutdown(self, call: Shutdown) -> None:
+        self.loop.drain(call.seconds, lambda: self.send(Reply(call.call_id), call.server))
 
     def add(self, message: Add, grammar=None) -> None:
         try:
@@ -265,7 +265,8 @@ class _Core:
             self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
                                         error=str(e)))
 
-    def compile(self, message: Add | Call, spec: StructuredOutput, adapter=None, client: str | None = None) -> None:
+    def compile(self, message: Add | CompileGrammar, spec: StructuredOutput, adapter=None, client: str | None = None
+                ) -> None:
         """Have ``spec`` compiled on a worker; ``message`` waits for it outside the scheduler."""
         if isinstance(message, Add):
             adapter = message.adapter
@@ -279,14 +280,14 @@ class _Core:
         else:
             self.loop.after(pending, lambda pending, message=message: self.compiled(message, pending))
 
-    def compiled(self, message: Add | Call, pending: Pending) -> None:
+    def compiled(self, message: Add | CompileGrammar, pending: Pending) -> None:
         """A grammar compiled (or refused, or past its budget of seconds): the request queued (or its error), or the
         call answered."""
         try:
             grammar, error = pending.result(), None
         except ValueError as e:  # GrammarError, Overloaded
             grammar, error = None, (type(e).__name__ if isinstance(e, Overloaded) else "ValueError", str(e))
-        if isinstance(message, Call):
+        if isinstance(message, CompileGrammar):
             self.send(Reply(message.call_id, error=error), message.server)
         elif message.request_id not in self.compiling:  # aborted while it compiled
             return
@@ -298,10 +299,10 @@ class _Core:
         if isinstance(message, Add):
             self.compiling.discard(message.request_id)
 
-    def install(self, call: Call, checked) -> AdapterFacts:
+    def install(self, call: Register, checked) -> AdapterFacts:
         self.engine.install_adapter(checked)
         found = facts(self.engine, checked.snapshot.name)
-        self.broadcast(Adapters(found, roots=call.args[2]), but=call.server)
+        self.broadcast(Adapters(found, roots=call.roots), but=call.server)
         return found
 
     def answer(self, call: Call, fn: Callable[[], Any]) -> None:
@@ -315,7 +316,7 @@ class _Core:
             self.send(Reply(call.call_id, result), call.server)
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.engine, steps=self.loop.steps, step_seconds=self.loop.step_seconds)
+        return self.loop.stats()
 
     def idle(self) -> None:
         """The loop has nothing to do: the last numbers, once."""

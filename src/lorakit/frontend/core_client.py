@@ -31,7 +31,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from lorakit.engine.engine import Engine, check_prompt
+from lorakit.engine.checks import check_prompt
+from lorakit.engine.engine import Engine
 from lorakit.engine.lengths import fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
@@ -40,11 +41,12 @@ from lorakit.adapters.pool import resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.engine.structured import StructuredOutput
-from lorakit.frontend.client import Adapter, EngineStats
+from lorakit.engine.stats import EngineStats
+from lorakit.frontend.client import Adapter
 from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import RequestStream
-from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, Failed, FromCore, Reply, \
-    Step, ToCore
+from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, CompileGrammar, Failed, \
+    FromCore, Register, Reply, Shutdown, Step, ToCore, Unregister
 
 __all__ = ["CoreClient"]
 
@@ -204,7 +206,7 @@ class CoreClient:
                 asyncio.get_running_loop().remove_reader(self.process.sentinel)
             except RuntimeError:
                 pass
-            self._send(Call(next(self._call_ids), "shutdown", [timeout], self.index))
+            self._send(Shutdown(next(self._call_ids), timeout, self.index))
             self.process.join(timeout + 10)
         elif self.crashed:  # it said it cannot step any more, and is exiting
             self.process.join(5)
@@ -348,27 +350,27 @@ class CoreClient:
         """Have the core compile ``spec``'s grammar for ``adapter`` (on a worker there, while it steps): returns
         once it is compiled, and the requests that use it then find it so, in ``client``'s turn; ValueError naming why
         it is refused (Overloaded: no room now)."""
-        await self._call("grammar", {"json": spec.json, "regex": spec.regex, "choice": spec.choice, "lark": spec.lark},
-                         None if adapter is None else adapter.ref, client)
+        await self._call(CompileGrammar, spec=spec, adapter=None if adapter is None else adapter.ref, client=client)
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         """Read the adapter's tokenizer here, then have the core read, check and install the adapter."""
         tokenizer = await asyncio.to_thread(read_tokenizer, name, path, roots)
-        facts = msgspec.convert(await self._call("register", name, str(path), [str(r) for r in roots or []] or None),
-                                AdapterFacts)
+        found = await self._call(Register, name=name, path=str(path), roots=[str(r) for r in roots or []] or None)
+        facts = msgspec.convert(found, AdapterFacts)
         self._adapters[name] = Adapter.of(facts, tokenizer)
         return facts.ref.version
 
     async def unregister_adapter(self, name: str) -> None:
-        await self._call("unregister", name)
+        await self._call(Unregister, name=name)
         self._adapters.pop(name, None)
 
-    async def _call(self, method: str, *args) -> Any:
+    async def _call(self, kind: type[Call], **fields) -> Any:
+        """Send the call ``kind(**fields)``; its reply's result (its error raised as the type the core raised)."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(Call(call_id, method, list(args), self.index))
+        self._send(kind(call_id=call_id, server=self.index, **fields))
         return await future
 
     def _send(self, message: ToCore) -> None:

@@ -3,8 +3,9 @@
 Each side decodes with a typed schema (``ToCore`` in the core, ``FromCore`` in a server), so a request's parameters
 arrive as a ``SamplingParams``, checked again there, and a step's outputs as the engine's own ``RequestOutput``s.
 
-    server -> core     Add (a request), Abort (requests), Call (register, unregister, grammar, shutdown)
-    core -> server     Ready | Failed (at start), Step (each step's outputs, stats), Reply (to a Call),
+    server -> core     Add (a request), Abort (requests); calls, each answered by a Reply: Register,
+                       Unregister, CompileGrammar, Shutdown
+    core -> server     Ready | Failed (at start), Step (each step's outputs, stats), Reply (to a call),
                        Adapters (another server registered or removed one), Failed (cannot step any more), Beat
 """
 
@@ -18,11 +19,12 @@ from lorakit.engine.errors import Overloaded
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
-from lorakit.frontend.client import EngineStats
+from lorakit.engine.stats import EngineStats
+from lorakit.engine.structured import StructuredOutput
 from lorakit.peft import AdapterError
 
-__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "Failed", "FromCore", "Ready",
-           "Reply", "Step", "ToCore"]
+__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "CompileGrammar", "Failed", "FromCore",
+           "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore", "Unregister"]
 
 # What a server sends ...
 
@@ -39,15 +41,45 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
-class Call(msgspec.Struct, tag=True, array_like=True):
-    """A call answered by a ``Reply`` to server ``server``: "register" (name, path, roots), "unregister" (name),
-    "shutdown" (seconds the running requests get to finish), "grammar" (a StructuredOutput's fields, adapter: its
-    grammar compiled, or the reason it is refused)."""
+# The calls: each is answered by a ``Reply`` with its ``call_id``, to server ``server``.
+
+class Register(msgspec.Struct, tag=True, array_like=True):
+    """Read, check and install the adapter folder ``path`` as ``name`` (every file inside ``roots`` when given);
+    the reply's result: its ``AdapterFacts``."""
 
     call_id: int
-    method: str
-    args: list[Any]
+    name: str
+    path: str
+    roots: list[str] | None = None
     server: int = 0
+
+
+class Unregister(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    name: str
+    server: int = 0
+
+
+class CompileGrammar(msgspec.Struct, tag=True, array_like=True):
+    """Compile ``spec``'s grammar for ``adapter``'s tokenizer, in ``client``'s turn: answered once it is compiled,
+    or with the reason it is refused."""
+
+    call_id: int
+    spec: StructuredOutput
+    adapter: AdapterRef | None = None
+    client: str | None = None
+    server: int = 0
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Stop: the running requests get ``seconds`` to finish; answered once the loop has drained."""
+
+    call_id: int
+    seconds: float
+    server: int = 0
+
+
+Call = Register | Unregister | CompileGrammar | Shutdown
 
 
 # ... and what the core sends.
