@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import msgspec
 
 from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.finish import FinishReason
 from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "OutputProcessor", "RequestOutput", "TokenLogprob", "stop_token_ids", "token_finish"]
+__all__ = ["CompletionOutput", "FinishReason", "OutputProcessor", "RequestOutput", "TokenLogprob", "stop_token_ids",
+           "token_finish"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -44,14 +46,21 @@ class RequestOutput(msgspec.Struct, array_like=True):
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error: str | None = None  # why, when finish_reason is "error" (or an "abort" the server caused)
+    error: str | None = None  # why, when finish_reason is ERROR (or an ABORT the server caused)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with SamplingParams.prompt_logprobs, on the request's first output: one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @classmethod
+    def ended(cls, request_id: str, reason: FinishReason, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0,
+              error: str | None = None) -> RequestOutput:
+        """A request's last output that brings no token: it ended with ``reason`` (``error``: why)."""
+        return cls(request_id, "", [], True, reason, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=num_output_tokens, error=error)
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output and the same request's next one, as one."""
@@ -72,7 +81,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
@@ -84,12 +93,12 @@ def stop_token_ids(params: SamplingParams, eos_token_id: int | list[int] | None)
     return frozenset(params.stop_token_ids) | frozenset(eos)
 
 
-def token_finish(params: SamplingParams, stop_ids: frozenset[int], count: int, token: int) -> str | None:
-    """Why a request ends at its ``count``-th output token ``token``: "stop" for a stop token past ``min_tokens``
-    (as in vLLM: it counts from token min_tokens + 1 on), "length" at ``max_tokens``; None while it runs."""
+def token_finish(params: SamplingParams, stop_ids: frozenset[int], count: int, token: int) -> FinishReason | None:
+    """Why a request ends at its ``count``-th output token ``token``: STOP for a stop token past ``min_tokens``
+    (as in vLLM: it counts from token min_tokens + 1 on), LENGTH at ``max_tokens``; None while it runs."""
     if count > params.min_tokens and token in stop_ids:
-        return "stop"
-    return "length" if count >= params.max_tokens else None
+        return FinishReason.STOP
+    return FinishReason.LENGTH if count >= params.max_tokens else None
 
 
 @dataclass
@@ -125,10 +134,9 @@ class OutputProcessor:
         abort = reason is not None and out.finish_reason is None  # a stop string: the engine does not know yet
         reason = reason or out.finish_reason
         self.finished = reason is not None
-        if taken < len(out.token_ids):
-            return Processed(RequestOutput(out.request_id, text, out.token_ids[:taken], True, reason,
-                                           out.logprobs[:taken] if out.logprobs is not None else None,
-                                           out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken,
-                                           out.error, out.num_cached_tokens, out.prompt_logprobs), abort)
-        out.text, out.finished, out.finish_reason = text, self.finished, reason
-        return Processed(out, abort)
+        if taken < len(out.token_ids):  # a stop string ended it before its last token: the rest is dropped
+            out = msgspec.structs.replace(out, token_ids=out.token_ids[:taken],
+                                          logprobs=out.logprobs[:taken] if out.logprobs is not None else None,
+                                          num_output_tokens=out.num_output_tokens - len(out.token_ids) + taken)
+        # a new output, never the engine's changed: that one stays what the engine said (no text, its own finish)
+        return Processed(msgspec.structs.replace(out, text=text, finished=self.finished, finish_reason=reason), abort)

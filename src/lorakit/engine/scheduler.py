@@ -46,6 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lorakit.engine.finish import FinishReason
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
 from lorakit.adapters.pool import PoolFull
 from lorakit.layers.adapter import AdapterError
@@ -102,7 +103,7 @@ class Request:
     computing: list[bytes] = field(default_factory=list)  # keys of the blocks it computes, not registered yet
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     state: Any = None  # the engine's per-request state (detokenizer, ...)
 
     @property
@@ -438,8 +439,8 @@ class Scheduler:
             self.pool.release([request.slot])
             request.slot = -1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str] | None = None,
-                    pending: bool = False) -> None:
+    def postprocess(self, plan: StepPlan, sampled: dict[Request, int],
+                    finished: dict[Request, FinishReason] | None = None, pending: bool = False) -> None:
         """After the step ran: count the fed tokens as computed, append sampled tokens, retire finished ones
         (``finished`` maps a request to its finish reason, decided by the engine from the new token). ``pending``:
         the sampled tokens are placeholders for tokens still on the device (``resolve`` puts each in place later)."""
@@ -459,7 +460,7 @@ class Scheduler:
         request.output_ids[index] = token
         request.num_pending -= 1
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         """A request ended (the engine decided it from its new token, or it failed): dropped wherever it is (running,
         or preempted by the step after the one that finished it)."""
         request.finish_reason = reason

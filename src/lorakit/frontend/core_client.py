@@ -34,7 +34,7 @@ import zmq.asyncio
 from lorakit.engine.engine import Engine, check_prompt, fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
-from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput
 from lorakit.adapters.pool import resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
@@ -279,7 +279,7 @@ class CoreClient:
         if self.dead is None:
             self._send(Abort(list(queues)))
         for request_id, outs in queues.items():
-            outs.put(RequestOutput(request_id, "", [], True, "abort", error=reason))
+            outs.put(RequestOutput.ended(request_id, FinishReason.ABORT, error=reason))
 
     def _fail_all(self, error: Exception) -> None:
         queues, self._queues = self._queues, {}

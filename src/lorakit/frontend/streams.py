@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Union
 
-from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput
 
 __all__ = ["Listener", "RequestStream", "undeliverable"]
 
@@ -82,8 +82,8 @@ class RequestStream:
         logger.error("request %s: delivering its output failed (%s); it ends with an error, the other requests go on",
                      request_id, type(error).__name__, exc_info=error)
         self._done = True
-        self._quietly(self._give, RequestOutput(request_id, "", [], True, "error",
-                                                error=undeliverable(request_id, error)))
+        self._quietly(self._give, RequestOutput.ended(request_id, FinishReason.ERROR,
+                                                      error=undeliverable(request_id, error)))
         self._quietly(self._abort)  # nothing when the engine had finished it already
 
     def fail(self, error: BaseException) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead, Overloaded
+from lorakit.engine.outputs import FinishReason
 from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
@@ -163,7 +164,7 @@ class Result:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs = "", [], []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.prompt_logprobs = None  # with prompt_logprobs: one per prompt token (None for the first)
 
@@ -422,7 +423,7 @@ class ServerState:
                 try:
                     stream = await self.engine.submit(prompt, params, adapter)
                 except BaseException as e:
-                    watched.end("error" if isinstance(e, Exception) else "abort")
+                    watched.end(FinishReason.ERROR if isinstance(e, Exception) else FinishReason.ABORT)
                     told = _api_error(e)
                     if told is e:
                         raise
@@ -476,16 +477,16 @@ class _Watched:
         if self.ended:
             return
         if isinstance(item, BaseException):
-            self.end("error")
+            self.end(FinishReason.ERROR)
             self.listener(self.index, _api_error(item))
             return
         self.measured.update(item)
         reason = item.finish_reason
-        if reason == "error":
-            self.end("error")
+        if reason == FinishReason.ERROR:
+            self.end(FinishReason.ERROR)
             self.listener(self.index, ApiError(400, item.error or "the request failed", "model"))
-        elif reason == "abort":
-            self.end("error")
+        elif reason == FinishReason.ABORT:
+            self.end(FinishReason.ERROR)
             why = f" ({item.error})" if item.error else ""
             self.listener(self.index, ApiError(503, f"the server ended this request before it finished{why}; send "
                                                     f"it again"))
@@ -494,7 +495,7 @@ class _Watched:
                 self.end(reason)
             self.listener(self.index, item)
 
-    def end(self, reason: str | None) -> None:
+    def end(self, reason: FinishReason | None) -> None:
         if not self.ended:
             self.ended = True
             self.measured.end(reason)
@@ -512,5 +513,5 @@ class Submitted:
 
     def close(self) -> None:
         for stream, watched in self._jobs:
-            watched.end("abort")
+            watched.end(FinishReason.ABORT)
             stream.close()

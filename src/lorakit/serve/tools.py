@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from lorakit.engine.outputs import FinishReason
 from lorakit.engine.structured import StructuredOutput
 from lorakit.serve.protocol import (MAX_JSON_DEPTH, ApiError, NamedToolChoice, Tool, deeper_than, json_value, read_json,
                                     shown)
@@ -272,15 +273,15 @@ class ToolCalls:
             content, calls = text, []
         return content or None, _openai_calls(calls)
 
-    def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    def answer(self, text: str, finish_reason: FinishReason | None) -> tuple[str | None, list[dict], str | None]:
         """(content or None, tool_calls, finish_reason) of a finished output: ``split``'s, but an output that
-        "required" or a named function held to calls and ``max_tokens`` cut ("length") keeps the calls begun so far
-        whose name is known (``begun``): content None, finish_reason "length"."""
+        "required" or a named function held to calls and ``max_tokens`` cut (LENGTH) keeps the calls begun so far
+        whose name is known (``begun``): content None, finish_reason LENGTH."""
         content, calls = self.split(text)
-        if calls or finish_reason != "length" or self.choice not in ("named", "required"):
+        if calls or finish_reason != FinishReason.LENGTH or self.choice not in ("named", "required"):
             return content, calls, self.finish(calls, finish_reason)
         begun = self.begun(text)
-        return (None, begun, "length") if begun else (content, calls, finish_reason)
+        return (None, begun, FinishReason.LENGTH) if begun else (content, calls, finish_reason)
 
     def begun(self, text: str) -> list[dict]:
         """OpenAI's tool_calls of an enforced output cut short: for a named function, the call with the text as its
@@ -306,9 +307,10 @@ class ToolCalls:
         return self.parse(text)
 
     @staticmethod
-    def finish(calls: list[dict], finish_reason: str | None) -> str | None:
-        """OpenAI's finish_reason: "tool_calls" for a finished answer that holds calls."""
-        return "tool_calls" if calls and finish_reason in ("stop", "length") else finish_reason
+    def finish(calls: list[dict], finish_reason: FinishReason | None) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" (OpenAI's alone, not the engine's) for a finished answer that holds
+        calls."""
+        return "tool_calls" if calls and finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else finish_reason
 
 
 def _openai_calls(calls: list[tuple[str, dict | str]]) -> list[dict]:
