@@ -1,20 +1,8 @@
 """What a request gains, from the engine's step to the client's stream: one ``RequestOutput`` type, two floors.
 
-The engine decides everything a token decides (``token_finish``): an eos or stop token ends the request ("stop",
-counted from token ``min_tokens + 1`` on), its ``max_tokens``-th token ends it ("length"). Its outputs carry token
-ids, logprobs and that finish, never text.
-
-``OutputProcessor`` decides everything text decides, in one place: each request's tokens are detokenized once
-(``IncrementalDetokenizer``), stop strings are looked for there, and the output gets its text (a stop string cuts
-the tokens after the one that completes it: finish_reason "stop"). It runs in the process that streams to the user,
-not beside the model: detokenizing costs about 4 us a token of the interpreter's time (``bench/bench_outputs.py``;
-0.4 us for the wire that carries the token ids instead), which the process that steps the model would lose from
-every step: 0.25 s of each second at 60k tokens/s. A request a stop string ends is still running
-in the engine; the processor says so (``Processed.abort``) and its owner aborts it there (one message, and at most
-the tokens of the steps in flight, which are dropped).
-
-Who runs it: ``LLM.generate`` (offline, on its own thread), ``InProcessClient`` (on the event loop, for the engine
-thread's outputs) and ``CoreClient`` (in each API server process, for the core's).
+The engine decides what a token decides (``token_finish``: STOP, LENGTH) and sends token ids, never text;
+``OutputProcessor``, in the process that streams to the user, decides what text decides (detokenizing, stop
+strings), once per token. Why it lives there, and what it costs: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,8 +15,8 @@ from lorakit.engine.detokenize import IncrementalDetokenizer
 from lorakit.engine.finish import FinishReason
 from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "FinishReason", "OutputProcessor", "RequestOutput", "TokenLogprob", "stop_token_ids",
-           "token_finish"]
+__all__ = ["CompletionOutput", "FinishReason", "OutputProcessor", "RequestOutput", "TokenLogprob", "Unread",
+           "stop_token_ids", "token_finish"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -62,14 +50,47 @@ class RequestOutput(msgspec.Struct, array_like=True):
         return cls(request_id, "", [], True, reason, num_prompt_tokens=num_prompt_tokens,
                    num_output_tokens=num_output_tokens, error=error)
 
-    def merged(self, later: RequestOutput) -> RequestOutput:
-        """This output and the same request's next one, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                             later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
-                             later.error, later.num_cached_tokens,
-                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+
+class Unread:
+    """Outputs not read yet, each key's (a request, a job) merged into one as they come: a reader that fell behind
+    catches up with one output, not one per step. The one place a stream's outputs are merged, for every reader (the
+    core client's, ``RequestStream``'s, the server's pushed and pulled streams)."""
+
+    __slots__ = ("_outputs",)
+
+    def __init__(self):
+        self._outputs: dict = {}
+
+    def add(self, key, out: RequestOutput) -> None:
+        earlier = self._outputs.get(key)
+        self._outputs[key] = out if earlier is None else _merged(earlier, out)
+
+    def pop(self) -> tuple:
+        """(key, output) of the key that came first."""
+        key = next(iter(self._outputs))
+        return key, self._outputs.pop(key)
+
+    def take(self) -> list[tuple]:
+        """Every (key, output), in the order the keys came; none left."""
+        items, self._outputs = list(self._outputs.items()), {}
+        return items
+
+    def __bool__(self) -> bool:
+        return bool(self._outputs)
+
+    def __iter__(self):
+        """The keys that have an output waiting."""
+        return iter(self._outputs)
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """A request's output and its next one, as one."""
+    logprobs = None if earlier.logprobs is None and later.logprobs is None else \
+        (earlier.logprobs or []) + (later.logprobs or [])
+    return RequestOutput(earlier.request_id, earlier.text + later.text, earlier.token_ids + later.token_ids,
+                         later.finished, later.finish_reason, logprobs, later.num_prompt_tokens,
+                         later.num_output_tokens, later.error, later.num_cached_tokens,
+                         earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 @dataclass

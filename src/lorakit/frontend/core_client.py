@@ -34,7 +34,7 @@ import zmq.asyncio
 from lorakit.engine.engine import Engine, check_prompt, fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
-from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput, Unread
 from lorakit.adapters.pool import resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
@@ -390,7 +390,7 @@ class CoreClient:
         catches up with one output (one detokenizing pass, one event) per request, not one per step it missed. A
         long pass is followed by a pause of as long again (READ_SHARE), so that streams never take the whole event
         loop from the requests that arrive."""
-        sock, outputs = self._from_core, {}
+        sock, outputs = self._from_core, Unread()
         rest = 1 / READ_SHARE - 1
         while True:
             batch = [await sock.recv()]
@@ -405,8 +405,7 @@ class CoreClient:
                 message = self._decode(data)
                 if isinstance(message, Step):
                     for out in message.outputs:
-                        earlier = outputs.get(out.request_id)
-                        outputs[out.request_id] = out if earlier is None else earlier.merged(out)
+                        outputs.add(out.request_id, out)
                     if message.stats is not None:
                         self._stats = message.stats
                 else:
@@ -445,15 +444,14 @@ class CoreClient:
                 kind, text = message.error
                 future.set_exception(ERRORS.get(kind, RuntimeError)(text))
 
-    def _deliver(self, outputs: dict[str, RequestOutput]) -> None:
+    def _deliver(self, outputs: Unread) -> None:
         """Each request's new tokens to its stream (their text is made there), ``outputs`` emptied; none for a
         request aborted here."""
         queues = self._queues
-        for request_id, out in outputs.items():
+        for request_id, out in outputs.take():
             outs = queues.get(request_id)
             if outs is None:
                 continue
             if out.finished:
                 del queues[request_id]
             outs.put(out)
-        outputs.clear()

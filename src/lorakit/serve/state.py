@@ -71,7 +71,7 @@ class ServeConfig:
     max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
     chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
     max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
-    the output at every token, on the engine thread); max_template_seconds and max_template_bytes, the time and the
+    the output at every token, as it is detokenized on this process's event loop); max_template_seconds and max_template_bytes, the time and the
     memory one chat template's render may take (the model's or an adapter's: untrusted input, rendered in a worker
     process that is killed past them), which may render at most twice max_prompt_chars.
 
