@@ -53,9 +53,7 @@ CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``
 # A pass over the streams longer than PACE_ABOVE seconds is followed by a pause of as long again (its share of the
 # event loop is then READ_SHARE), in which the loop's other work runs: new requests (their HTTP, chat templates and
 # tokenizing), slow clients' writes. Steps that come meanwhile wait, and the next pass merges them (one event per
-# stream for all of them). Measured with bench/bench_frontend.py (256 streams, 2 cores): a share of 1 (no pause) gave
-# 38.9k tokens/s and 1.03 tokens an event, 0.75 gave 44.7k, 0.6 54.9k, 0.5 57.6k (6.2 tokens an event, TTFT p50
-# 42 ms against 340).
+# stream for all of them). Why 0.5: docs/serve-internals.md.
 READ_SHARE = 0.5
 PACE_ABOVE = 0.001
 

@@ -1,25 +1,9 @@
 """OpenAI tool calling on ``/v1/chat/completions``, for the base model and every adapter alike.
 
-The tools are rendered by the model's own chat template (``apply_chat_template(tools=...)``); a template that
-does not mention them cannot render them, and a request with tools is refused by name. What the model answers:
-
-- ``tool_choice: "required"`` or a named function: the output is constrained by the structured-output machinery,
-  so a call always parses whatever the model (random weights included): for "required" a JSON array of
-  ``{"name": ..., "arguments": {...}}`` whose arguments match that tool's JSON schema (at most one item unless
-  ``parallel_tool_calls``), for a named function the arguments object itself.
-- ``"auto"`` (the default with tools): the output is free and parsed by the parser of the model's family
-  (``PARSERS``, chosen from the chat template, or ``--tool-call-parser``); text that is not a call stays content.
-- ``"none"``: the tools are rendered, the output is content.
-
-Whatever the choice, a call is one of an offered function whose arguments are a JSON object in strict JSON (no NaN
-or Infinity, nested at most ``MAX_JSON_DEPTH``); an output where anything else stands for a call is content whole.
-Parsing is linear in the output and never raises: it runs on the path that delivers every stream's output.
-
-A call comes back as OpenAI gives it: ``message.tool_calls`` (``id``, ``type: "function"``, ``function.name`` and
-``function.arguments`` as a JSON string), ``finish_reason: "tool_calls"``; streamed, a choice's output is held until
-it ends and then sent as ``delta.tool_calls`` (each call's index, id and name first, then its arguments) after any
-content. An enforced output cut by ``max_tokens`` keeps the calls begun whose name is known, the last one's arguments
-as generated (partial JSON), with ``finish_reason: "length"`` and no content.
+The tools are rendered by the model's own chat template; "required" and a named function constrain the output
+(structured output), "auto" parses it with the model family's parser (``PARSERS``). A call is an offered function
+with strict-JSON object arguments, else the output is content; parsing is linear and never raises (it runs on the
+path that delivers every stream's output). What a client gets, streamed and not: docs/serve.md.
 """
 
 from __future__ import annotations
