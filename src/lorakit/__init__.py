@@ -1,9 +1,9 @@
 """lorakit: serve many LoRA adapters on one base LLM at once.
 
-Layers, from the bottom up: ``lorakit.peft`` (reading and checking PEFT adapter folders), ``lorakit.ops`` (custom
-ops: shrink and expand), ``lorakit.layers`` (modules that call them, and ``patch``), ``lorakit.engine`` (pool,
-scheduler, runner: ``Engine``, and ``LLM`` for offline generation) and ``lorakit.serve`` (the OpenAI-compatible HTTP
-server that ``lorakit serve`` starts).
+Layers, from the bottom up: ``peft`` (reading and checking PEFT adapter folders), ``ops`` (custom ops), ``layers``
+(modules that call them, and ``patch``), ``adapters`` (the adapter pool), ``engine`` (scheduler, runner: ``Engine``,
+and ``LLM`` offline), ``parallel`` (tensor-parallel ranks), ``frontend`` (the engine's clients: in-process, or a core
+process) and ``serve`` (the HTTP server).
 
 The names below are imported when first used (PEP 562), so that ``import lorakit`` (and ``lorakit --version``) does
 not import torch.

@@ -18,9 +18,8 @@ from lorakit.layers.patch import PatchConfig
 from lorakit.layers.quant import SCHEMES, check_scheme
 
 
-# Prompt tokens a step takes beside decodes by default. On the H200 a Llama-3-8B decode step of 64 takes 8.4 ms and a
-# prompt token adds ~27 us (16 GFLOP a token at ~600 TFLOP/s; the measurement: docs/engine.md): 384 keep a mixed
-# step within ~2.3x a decode step, so the decodes' ITL p99 stays under 3x their p50 (docs/engine.md#chunked-prefill).
+# Prompt tokens a step takes beside decodes by default: few enough that the decodes keep their pace (why 384, and
+# what it was measured on: docs/engine.md#chunked-prefill).
 MAX_PREFILL_TOKENS = 384
 
 

@@ -13,6 +13,7 @@ try:
 except ImportError:  # tokenizers < 0.21
     DecodeStream = None
 
+from lorakit.engine.finish import FinishReason
 from lorakit.engine.sampling import SamplingParams
 
 __all__ = ["IncrementalDetokenizer", "rust_tokenizer"]
@@ -31,8 +32,8 @@ class IncrementalDetokenizer:
     """Decodes one request's generated tokens as they come and finds its stop strings.
 
     ``append(token_id, finish_reason)`` takes the next token and the engine's finish for it (``token_finish``:
-    "stop" for a stop token, "length" at max_tokens, None while it runs) and returns the text that became final
-    with it and the request's finish reason: the engine's, or "stop" for a ``params.stop`` string. A stop token is
+    STOP for a stop token, LENGTH at max_tokens, None while it runs) and returns the text that became final
+    with it and the request's ``FinishReason``: the engine's, or STOP for a ``params.stop`` string. A stop token is
     kept in ``token_ids`` but its text is not emitted; a stop string and everything after it are dropped. Stop
     strings are looked for from token ``params.min_tokens`` on. On finishing, all held-back text not cut by a stop
     string is emitted, an incomplete character as "\\ufffd". ``tokenizer`` None: no text, no stop strings.
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
         self._taken = 0  # characters of window[read:]'s text already in self._decoded
         self._decoded = ""  # final text of the output so far (incomplete characters excluded)
         self._emitted = 0  # self._decoded[:emitted] has been returned
-        self._finish_reason: str | None = None
+        self._finish_reason: FinishReason | None = None
         # The streaming decoder, while it is used: (the Rust tokenizer, its DecodeStream); the window then holds the
         # last _PROMPT_CONTEXT tokens turned into text and, from read on, those it has not turned into text yet.
         self._stream = _stream_decoder(tokenizer, self._window)
@@ -77,24 +78,24 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     @property
-    def finish_reason(self) -> str | None:
-        """"stop", "length", or None while the request runs."""
+    def finish_reason(self) -> FinishReason | None:
+        """STOP, LENGTH, or None while the request runs."""
         return self._finish_reason
 
-    def append(self, token_id: int, finish_reason: str | None = None) -> tuple[str, str | None]:
+    def append(self, token_id: int, finish_reason: FinishReason | None = None) -> tuple[str, FinishReason | None]:
         """Add the next generated token and the engine's finish for it; return (text delta safe to emit now, finish
         reason or None)."""
         if self._finish_reason is not None:
             raise RuntimeError(
                 f"IncrementalDetokenizer.append({token_id}) after the request finished "
-                f"({self._finish_reason!r}); start a new detokenizer for a new request"
+                f"({str(self._finish_reason)!r}); start a new detokenizer for a new request"
             )
         self._ids.append(token_id)
         reason = finish_reason
         if self._decode is None:
             self._finish_reason = reason
             return "", reason
-        if reason != "stop":  # a stop token's text is never shown
+        if reason != FinishReason.STOP:  # a stop token's text is never shown
             self._window.append(token_id)
             if self._stream is not None:
                 self._decoded += self._stream_new(token_id)
@@ -105,7 +106,7 @@ class IncrementalDetokenizer:
         if self._params.stop and len(self._ids) >= self._params.min_tokens:
             cut = self._find_stop_string()
             if cut is not None:
-                end, reason = cut, "stop"
+                end, reason = cut, FinishReason.STOP
                 self._decoded = self._decoded[:cut]
         if reason is None and self._params.stop:
             end -= self._stop_prefix_len()

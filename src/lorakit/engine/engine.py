@@ -25,8 +25,8 @@ from lorakit.engine.checks import check_logit_bias, check_prompt, lora_start
 from lorakit.engine.build import build_runner, eos_token_id, load_model, patch_model, start_workers
 from lorakit.engine.config import EngineConfig
 from lorakit.engine.errors import FatalEngineError
-from lorakit.engine.outputs import RequestOutput, TokenLogprob, stop_token_ids, token_finish
 from lorakit.engine.lengths import fit_params
+from lorakit.engine.outputs import FinishReason, RequestOutput, TokenLogprob, stop_token_ids, token_finish
 from lorakit.adapters.pool import AdapterPool, AdapterRef
 from lorakit.engine.prompt_logprobs import score_prompts
 from lorakit.engine.runner import Fill
@@ -237,9 +237,9 @@ class Engine:
         if request is None:
             return
         self.scheduler.abort(request)
-        self._aborted.append(RequestOutput(request.request_id, "", [], True, "abort",
-                                           num_prompt_tokens=len(request.prompt_ids),
-                                           num_output_tokens=len(request.output_ids)))
+        self._aborted.append(RequestOutput.ended(request.request_id, FinishReason.ABORT,
+                                                 num_prompt_tokens=len(request.prompt_ids),
+                                                 num_output_tokens=len(request.output_ids)))
 
     def abort_all(self) -> None:
         """Abort every request (a shutdown's end); their last outputs come with the next step."""
@@ -249,8 +249,9 @@ class Engine:
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every request now with ``reason`` (a step failed and no request was found to cause it): their last
         outputs, finish_reason "abort" (the server's fault, not theirs), returned here rather than by a step."""
-        outputs = [RequestOutput(r.request_id, "", [], True, "abort", num_prompt_tokens=len(r.prompt_ids),
-                                 num_output_tokens=len(r.output_ids), error=reason) for r in self._requests.values()]
+        outputs = [RequestOutput.ended(r.request_id, FinishReason.ABORT, num_prompt_tokens=len(r.prompt_ids),
+                                       num_output_tokens=len(r.output_ids), error=reason)
+                   for r in self._requests.values()]
         for request in list(self._requests.values()):
             self.scheduler.abort(request)
         self._requests.clear()
@@ -463,8 +464,8 @@ class Engine:
         """The last output of a request that ends with an error (it alone)."""
         logger.warning("request %s failed: %s", request.request_id, reason)
         self._requests.pop(request.request_id, None)
-        return RequestOutput(request.request_id, "", [], True, "error", error=reason,
-                             num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids))
+        return RequestOutput.ended(request.request_id, FinishReason.ERROR, error=reason,
+                                   num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids))
 
     # Adapters at run time (the server's load/unload endpoints).
 

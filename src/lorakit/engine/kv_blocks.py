@@ -1,21 +1,8 @@
 """The KV cache's blocks, and the prefix cache over them.
 
-Each block is held by the requests whose sequences use it (a reference count). With the prefix cache on, a full
-block is also *registered* under a key, a hash chain over everything its keys and values depend on:
-
-    key(block i) = blake2b(key(block i - 1), who computed it, its tokens)
-
-where "who" is ``BASE`` or the adapter's content hash: the sha256 of its files as registered (``Snapshot.sha256``),
-never its name. A request admitted later with the same tokens under the same weights finds the blocks by key and
-starts after them. Since the key names the weights' content, a hot-swap or a re-registration under the same name
-cannot reach the old version's blocks: its content hash differs, so its keys do. Tokens before an activated
-LoRA's invocation run as the base model, so their blocks are keyed as the base model's, and the base and every
-aLoRA adapter share them. The block an invocation starts inside is computed partly by each, so its "who" is the
-adapter's hash with the offset the adapter starts at: two prompts with the same tokens and different activation
-points never share it, nor (the key being a chain) any block after it.
-
-A registered block nobody holds keeps its contents until a new block is needed and no unregistered free block is
-left; then the least recently released one is evicted (a chain's later blocks go before its earlier ones).
+Each block is held by the requests that use it (a reference count); with the prefix cache on, a full block is also
+registered under a hash chain over its tokens and the content hash of the weights that computed it (never a name),
+so a hot-swap never reaches an old version's blocks. Keys, aLoRA's shared blocks, eviction: docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The engine loop: the one place an ``Engine`` is driven, wherever it lives.
 
-Between steps the loop runs the commands its inbox holds (add a request, abort one, install an adapter, ...) and
-the work that waited on a future (a grammar compiled, an adapter's files read by a worker thread); then it steps
-and hands the step's outputs to ``emit``. A failure inside a step that no request is found to cause (``Engine.step``
-isolates those) ends every request with an error output, and the loop goes on; a ``FatalEngineError`` (a
-tensor-parallel worker gone) leaves ``run``: the engine cannot step any more, and the loop's owner says so to
-everyone waiting.
-
-Its homes differ only in the transport around it (``lorakit.frontend``):
-
-    AsyncEngine (a thread of the server, Ray replicas)   inbox: commands posted by the event loop (``ThreadInbox``)
-                                                         emit: each output to its event loop's stream
-    the engine core process (``lorakit serve``)          inbox: the server processes' messages (a ZeroMQ socket)
-                                                         emit: one message per step to each server process
+Between steps it runs its inbox's commands and the work that waited on a future, then steps and hands the outputs
+to ``emit``. A step's failure no request is found to cause ends every request with an error; a
+``FatalEngineError`` leaves ``run``. Its homes (a thread: ``AsyncEngine``; the core process) differ only in the
+inbox and ``emit`` around it (``lorakit.frontend``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """What a request gains, from the engine's step to the client's stream: one ``RequestOutput`` type, two floors.
 
-The engine decides everything a token decides (``token_finish``): an eos or stop token ends the request ("stop",
-counted from token ``min_tokens + 1`` on), its ``max_tokens``-th token ends it ("length"). Its outputs carry token
-ids, logprobs and that finish, never text.
-
-``OutputProcessor`` decides everything text decides, in one place: each request's tokens are detokenized once
-(``IncrementalDetokenizer``), stop strings are looked for there, and the output gets its text (a stop string cuts
-the tokens after the one that completes it: finish_reason "stop"). It runs in the process that streams to the user,
-not beside the model: detokenizing costs about 4 us a token of the interpreter's time (``bench/bench_outputs.py``;
-0.4 us for the wire that carries the token ids instead), which the process that steps the model would lose from
-every step: 0.25 s of each second at 60k tokens/s. A request a stop string ends is still running
-in the engine; the processor says so (``Processed.abort``) and its owner aborts it there (one message, and at most
-the tokens of the steps in flight, which are dropped).
-
-Who runs it: ``LLM.generate`` (offline, on its own thread), ``InProcessClient`` (on the event loop, for the engine
-thread's outputs) and ``CoreClient`` (in each API server process, for the core's).
+The engine decides what a token decides (``token_finish``: STOP, LENGTH) and sends token ids, never text;
+``OutputProcessor``, in the process that streams to the user, decides what text decides (detokenizing, stop
+strings), once per token. Why it lives there, and what it costs: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -24,9 +12,11 @@ from dataclasses import dataclass
 import msgspec
 
 from lorakit.engine.detokenize import IncrementalDetokenizer
+from lorakit.engine.finish import FinishReason
 from lorakit.engine.sampling import SamplingParams
 
-__all__ = ["CompletionOutput", "OutputProcessor", "RequestOutput", "TokenLogprob", "stop_token_ids", "token_finish"]
+__all__ = ["CompletionOutput", "FinishReason", "OutputProcessor", "RequestOutput", "TokenLogprob", "Unread",
+           "stop_token_ids", "token_finish"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -44,23 +34,63 @@ class RequestOutput(msgspec.Struct, array_like=True):
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    error: str | None = None  # why, when finish_reason is "error" (or an "abort" the server caused)
+    error: str | None = None  # why, when finish_reason is ERROR (or an ABORT the server caused)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with SamplingParams.prompt_logprobs, on the request's first output: one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
-    def merged(self, later: RequestOutput) -> RequestOutput:
-        """This output and the same request's next one, as one."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                             later.finish_reason, logprobs, later.num_prompt_tokens, later.num_output_tokens,
-                             later.error, later.num_cached_tokens,
-                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+    @classmethod
+    def ended(cls, request_id: str, reason: FinishReason, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0,
+              error: str | None = None) -> RequestOutput:
+        """A request's last output that brings no token: it ended with ``reason`` (``error``: why)."""
+        return cls(request_id, "", [], True, reason, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=num_output_tokens, error=error)
+
+
+class Unread:
+    """Outputs not read yet, each key's (a request, a job) merged into one as they come: a reader that fell behind
+    catches up with one output, not one per step. The one place a stream's outputs are merged, for every reader (the
+    core client's, ``RequestStream``'s, the server's pushed and pulled streams)."""
+
+    __slots__ = ("_outputs",)
+
+    def __init__(self):
+        self._outputs: dict = {}
+
+    def add(self, key, out: RequestOutput) -> None:
+        earlier = self._outputs.get(key)
+        self._outputs[key] = out if earlier is None else _merged(earlier, out)
+
+    def pop(self) -> tuple:
+        """(key, output) of the key that came first."""
+        key = next(iter(self._outputs))
+        return key, self._outputs.pop(key)
+
+    def take(self) -> list[tuple]:
+        """Every (key, output), in the order the keys came; none left."""
+        items, self._outputs = list(self._outputs.items()), {}
+        return items
+
+    def __bool__(self) -> bool:
+        return bool(self._outputs)
+
+    def __iter__(self):
+        """The keys that have an output waiting."""
+        return iter(self._outputs)
+
+
+def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """A request's output and its next one, as one."""
+    logprobs = None if earlier.logprobs is None and later.logprobs is None else \
+        (earlier.logprobs or []) + (later.logprobs or [])
+    return RequestOutput(earlier.request_id, earlier.text + later.text, earlier.token_ids + later.token_ids,
+                         later.finished, later.finish_reason, logprobs, later.num_prompt_tokens,
+                         later.num_output_tokens, later.error, later.num_cached_tokens,
+                         earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 @dataclass
@@ -72,7 +102,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
@@ -84,12 +114,12 @@ def stop_token_ids(params: SamplingParams, eos_token_id: int | list[int] | None)
     return frozenset(params.stop_token_ids) | frozenset(eos)
 
 
-def token_finish(params: SamplingParams, stop_ids: frozenset[int], count: int, token: int) -> str | None:
-    """Why a request ends at its ``count``-th output token ``token``: "stop" for a stop token past ``min_tokens``
-    (as in vLLM: it counts from token min_tokens + 1 on), "length" at ``max_tokens``; None while it runs."""
+def token_finish(params: SamplingParams, stop_ids: frozenset[int], count: int, token: int) -> FinishReason | None:
+    """Why a request ends at its ``count``-th output token ``token``: STOP for a stop token past ``min_tokens``
+    (as in vLLM: it counts from token min_tokens + 1 on), LENGTH at ``max_tokens``; None while it runs."""
     if count > params.min_tokens and token in stop_ids:
-        return "stop"
-    return "length" if count >= params.max_tokens else None
+        return FinishReason.STOP
+    return FinishReason.LENGTH if count >= params.max_tokens else None
 
 
 @dataclass
@@ -125,10 +155,9 @@ class OutputProcessor:
         abort = reason is not None and out.finish_reason is None  # a stop string: the engine does not know yet
         reason = reason or out.finish_reason
         self.finished = reason is not None
-        if taken < len(out.token_ids):
-            return Processed(RequestOutput(out.request_id, text, out.token_ids[:taken], True, reason,
-                                           out.logprobs[:taken] if out.logprobs is not None else None,
-                                           out.num_prompt_tokens, out.num_output_tokens - len(out.token_ids) + taken,
-                                           out.error, out.num_cached_tokens, out.prompt_logprobs), abort)
-        out.text, out.finished, out.finish_reason = text, self.finished, reason
-        return Processed(out, abort)
+        if taken < len(out.token_ids):  # a stop string ended it before its last token: the rest is dropped
+            out = msgspec.structs.replace(out, token_ids=out.token_ids[:taken],
+                                          logprobs=out.logprobs[:taken] if out.logprobs is not None else None,
+                                          num_output_tokens=out.num_output_tokens - len(out.token_ids) + taken)
+        # a new output, never the engine's changed: that one stays what the engine said (no text, its own finish)
+        return Processed(msgspec.structs.replace(out, text=text, finished=self.finished, finish_reason=reason), abort)

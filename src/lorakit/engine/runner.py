@@ -1,38 +1,9 @@
-"""The model runner: lorakit's paged KV cache and attention inside any transformers causal LM.
+"""The model runner: lorakit's paged KV cache and attention inside any transformers causal LM, unchanged.
 
-The model is not changed: lorakit registers an attention function with transformers' attention interface
-("lorakit") and switches the model to it. Each step's tokens, from every scheduled request, go through the
-model as one packed sequence ``[1, T]`` with their own positions, and one ``PagedStep`` passed as the model's
-``lorakit_step`` keyword: the LoRA layers read its adapter ids, and the attention function (to which
-transformers passes the keyword on) writes each layer's new keys and values into the paged cache
-(``lorakit::write_kv``) and attends over each request's cached tokens (``lorakit::paged_attention``). No
-per-architecture code: the layer index comes from the attention module's ``layer_idx``, and scaling, softcap
-and sliding window from the arguments transformers passes.
-
-Every step replays a CUDA graph when one fits. A step whose requests all decode one token replays the decode
-graph of the smallest batch bucket that holds it (T = S = the bucket: the logits of every token). A mixed step
-(any prompt chunk) replays the mixed graph of the smallest token bucket that holds it, with S fixed at
-``max_num_seqs`` sequences (T - 1 for a smaller T: a mixed step has fewer sequences than tokens), whose logits
-are those of each sequence's last token (``query_start[1:] - 1``, gathered on the device): [S, vocab], not
-[T, vocab]. The step is padded to its bucket: padded tokens have input id 0, position 0, adapter -1 and KV
-index -1 (never written), padded sequences seq_len 0 and an empty query range, so they attend to nothing and
-their logits rows are dropped. The attention grid depends on T and S only, so a graph replays any step of its
-bucket. A step past the largest bucket, or of more sequences than ``max_num_seqs``, runs eagerly. A step without
-adapter tokens (every id -1: base-model traffic) runs with no LoRA kernel at all (``ops.no_adapter_tokens``):
-eagerly, or in its decode bucket's base twin, a second graph captured with the LoRA ops silenced (mixed buckets
-have none: a mixed step of base requests alone is rare in multi-LoRA traffic, and each twin costs a capture).
-The runner owns its model, so it fuses the base GEMMs of sibling projections (q/k/v, gate/up: one GEMM over weights
-moved into one buffer per group, ``LoraHandle.fuse_sibling_gemms``). Graphs are captured when the runner starts,
-largest first into one memory pool, and all again whenever the adapters' slot buffers are reallocated. With ``compile=True`` the decode graphs capture a ``torch.compile``'d forward and the
-mixed graphs do not: a request has one mixed step per prompt chunk and one decode step per generated token, so
-compiling the mixed buckets too (~20 s each at startup) would double the startup for the few steps it could
-speed up (not measured).
-
-Host work per step does not grow with Python objects per token: the metadata is built with numpy from a few
-scalars per scheduled request, into one of two reused pinned buffers (a buffer is rewritten only once the copy
-that last read it has run), and goes to the device in one copy, straight into the graphs' static buffer. Each
-request's block-table row is kept in a runner-owned array and extended as its blocks grow. The only host sync
-is reading the sampled tokens; the device time of each step is measured with CUDA events read once complete.
+Each step's tokens go through the model as one packed ``[1, T]`` sequence with one ``PagedStep`` (the model's
+``lorakit_step`` keyword), which the LoRA layers and the registered "lorakit" attention function read. The runner
+owns the KV cache and the CUDA graphs (decode buckets, mixed token buckets, base twins) and syncs with the host
+once a step, to read the sampled tokens. How and why: docs/engine.md ("CUDA graphs, and one host sync").
 """
 
 from __future__ import annotations

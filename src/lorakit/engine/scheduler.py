@@ -1,41 +1,8 @@
 """Continuous batching with adapters: which requests run each step, and with how many tokens.
 
-Each step, ``schedule()`` gives every running request its next tokens (one to decode, or the next chunk of
-its prompt), then admits waiting requests in arrival order while the token budget, the sequence limit, the
-KV cache and the adapter slots allow. The runner executes the batch; ``postprocess()`` appends the sampled
-tokens and retires finished requests.
-
-Adapters: a request holds its adapter slot from admission to its end, so the running requests never
-use more than ``max_loras`` distinct adapters (base requests need no slot). Each step the adapters of the first
-``LOOKAHEAD`` waiting requests start their uploads (``pool.prefetch``, in queue order, into free slots or slots no
-running request holds), and a request is admitted once its adapter has landed (``pool.ready``), so a load never
-stalls the batch already running. Readiness is asked once per adapter per step, not once per waiting request.
-
-No starvation: a waiting request may be bypassed by later ones (so resident adapters keep the GPU busy)
-only while the oldest waiting request (the head) has waited fewer than ``patience`` steps. After that, what may
-pass it depends on what it waits for:
-
-- KV blocks (or its turn in the token budget): nothing passes it; running requests drain (each finishes within
-  its max_tokens, or is preempted behind it), blocks free up, and it starts.
-- a slot, every slot held by running requests: one adapter is chosen to drain (among those running requests
-  hold, not pinned, the one whose requests end soonest), and no new request of that adapter starts; everything
-  else (base requests, other resident adapters) may still pass the head, as long as it leaves the head the KV
-  blocks of its first chunk and one place among ``max_num_seqs``. The drained slot frees within that adapter's
-  longest remaining output; the head's adapter is loaded into it and the head starts. So the batch stays full
-  while the head waits, and its wait stays bounded: with one slot and arrivals A, B, A, A, ..., B waits at most
-  ``patience`` steps plus the time the running A requests take to finish, while base requests keep running.
-
-Preemption: when a running request needs a KV block and none is free, the most recently admitted running
-request is preempted: its blocks and slot are released and it goes back to the queue in arrival order; it
-later recomputes its prompt and the tokens it had generated (kept), then continues.
-
-Prefix cache (``BlockManager(prefix_cache=True)``, see kv_blocks.py): each full block a request computes is
-registered under its key once its tokens are known on the host; an admitted request takes the cached blocks of
-its longest cached prefix and starts after them. At least one token is always computed (its logits sample the
-next token), in a block of its own: a cached block is never written again. A waiting request whose next blocks a
-running request is computing right now (the same tokens under the same weights: N adapters reading one
-conversation, a burst on one system prompt) waits until they are registered, then takes them: a shared prefix
-arriving N times at once is computed once.
+``schedule()`` gives each running request its next tokens, then admits waiting ones while the token budget, the
+sequence limit, the KV cache and the adapter slots allow; ``postprocess()`` retires the finished. It knows nothing
+about tensors. Admission, no starvation, preemption and the prefix cache: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -46,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lorakit.engine.admission import Verdict, WaitingQueue
+from lorakit.engine.finish import FinishReason
 from lorakit.engine.kv_blocks import BASE, BlockManager, block_key
 from lorakit.adapters.pool import AdapterRef, PoolFull
 from lorakit.peft import AdapterError
@@ -98,8 +66,8 @@ class Request:
     computing: list[bytes] = field(default_factory=list)  # keys of the blocks it computes, not registered yet
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
-    finish_reason: str | None = None
-    state: Any = None  # the engine's per-request state (detokenizer, ...)
+    finish_reason: FinishReason | None = None
+    state: Any = None  # the engine's per-request state (stop ids, logprobs, grammar)
 
     @property
     def adapter_name(self) -> str | None:
@@ -139,10 +107,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(i.tokens) for i in self.items)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(len(i.tokens) == 1 for i in self.items)
 
 
 class Scheduler:
@@ -429,8 +393,8 @@ class Scheduler:
             self.pool.release([request.slot])
             request.slot = -1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[Request, int], finished: dict[Request, str] | None = None,
-                    pending: bool = False) -> None:
+    def postprocess(self, plan: StepPlan, sampled: dict[Request, int],
+                    finished: dict[Request, FinishReason] | None = None, pending: bool = False) -> None:
         """After the step ran: count the fed tokens as computed, append sampled tokens, retire finished ones
         (``finished`` maps a request to its finish reason, decided by the engine from the new token). ``pending``:
         the sampled tokens are placeholders for tokens still on the device (``resolve`` puts each in place later)."""
@@ -450,7 +414,7 @@ class Scheduler:
         request.output_ids[index] = token
         request.num_pending -= 1
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         """A request ended (the engine decided it from its new token, or it failed): dropped wherever it is (running,
         or preempted by the step after the one that finished it)."""
         request.finish_reason = reason

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from lorakit.engine.engine import Engine
 from lorakit.engine.errors import EngineDead, FatalEngineError
 from lorakit.engine.loop import EngineLoop, ThreadInbox
-from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput
 from lorakit.adapters.pool import AdapterRef
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
@@ -122,7 +122,7 @@ class AsyncEngine:
         with ``reason`` as its error, and the engine drops them between steps."""
         queues, self._queues = self._queues, {}
         for request_id, (loop, outs) in queues.items():
-            loop.call_soon_threadsafe(outs.put, RequestOutput(request_id, "", [], True, "abort", error=reason))
+            loop.call_soon_threadsafe(outs.put, RequestOutput.ended(request_id, FinishReason.ABORT, error=reason))
 
         def abort():
             for request_id in queues:

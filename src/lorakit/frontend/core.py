@@ -58,7 +58,7 @@ from lorakit.engine.engine import Engine
 from lorakit.engine.errors import FatalEngineError, Overloaded
 from lorakit.engine.lifeline import die_with_parent, name_process
 from lorakit.engine.loop import EngineLoop
-from lorakit.engine.outputs import RequestOutput
+from lorakit.engine.outputs import FinishReason, RequestOutput
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.frontend.client import kv_tokens
@@ -262,8 +262,8 @@ class _Core:
         try:
             self.engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id, grammar)
         except (ValueError, TypeError) as e:  # AdapterError too: unloaded or replaced since the server resolved it
-            self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
-                                        error=str(e)))
+            self.loop.put(RequestOutput.ended(message.request_id, FinishReason.ERROR,
+                                              num_prompt_tokens=len(message.prompt_ids), error=str(e)))
 
     def compile(self, message: Add | CompileGrammar, spec: StructuredOutput, adapter=None, client: str | None = None
                 ) -> None:
@@ -292,8 +292,8 @@ class _Core:
         elif message.request_id not in self.compiling:  # aborted while it compiled
             return
         elif error is not None:
-            self.loop.put(RequestOutput(message.request_id, "", [], True, "error", None, len(message.prompt_ids),
-                                        error=error[1]))
+            self.loop.put(RequestOutput.ended(message.request_id, FinishReason.ERROR,
+                                              num_prompt_tokens=len(message.prompt_ids), error=error[1]))
         else:
             self.add(message, grammar)
         if isinstance(message, Add):

@@ -36,7 +36,7 @@ from lorakit.engine.engine import Engine
 from lorakit.engine.lengths import fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
-from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput, Unread
 from lorakit.adapters.pool import resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
@@ -56,9 +56,7 @@ CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``
 # A pass over the streams longer than PACE_ABOVE seconds is followed by a pause of as long again (its share of the
 # event loop is then READ_SHARE), in which the loop's other work runs: new requests (their HTTP, chat templates and
 # tokenizing), slow clients' writes. Steps that come meanwhile wait, and the next pass merges them (one event per
-# stream for all of them). Measured with bench/bench_frontend.py (256 streams, 2 cores): a share of 1 (no pause) gave
-# 38.9k tokens/s and 1.03 tokens an event, 0.75 gave 44.7k, 0.6 54.9k, 0.5 57.6k (6.2 tokens an event, TTFT p50
-# 42 ms against 340).
+# stream for all of them). Why 0.5: docs/serve-internals.md.
 READ_SHARE = 0.5
 PACE_ABOVE = 0.001
 
@@ -282,7 +280,7 @@ class CoreClient:
         if self.dead is None:
             self._send(Abort(list(queues)))
         for request_id, outs in queues.items():
-            outs.put(RequestOutput(request_id, "", [], True, "abort", error=reason))
+            outs.put(RequestOutput.ended(request_id, FinishReason.ABORT, error=reason))
 
     def _fail_all(self, error: Exception) -> None:
         queues, self._queues = self._queues, {}
@@ -393,7 +391,7 @@ class CoreClient:
         catches up with one output (one detokenizing pass, one event) per request, not one per step it missed. A
         long pass is followed by a pause of as long again (READ_SHARE), so that streams never take the whole event
         loop from the requests that arrive."""
-        sock, outputs = self._from_core, {}
+        sock, outputs = self._from_core, Unread()
         rest = 1 / READ_SHARE - 1
         while True:
             batch = [await sock.recv()]
@@ -408,8 +406,7 @@ class CoreClient:
                 message = self._decode(data)
                 if isinstance(message, Step):
                     for out in message.outputs:
-                        earlier = outputs.get(out.request_id)
-                        outputs[out.request_id] = out if earlier is None else earlier.merged(out)
+                        outputs.add(out.request_id, out)
                     if message.stats is not None:
                         self._stats = message.stats
                 else:
@@ -448,15 +445,14 @@ class CoreClient:
                 kind, text = message.error
                 future.set_exception(ERRORS.get(kind, RuntimeError)(text))
 
-    def _deliver(self, outputs: dict[str, RequestOutput]) -> None:
+    def _deliver(self, outputs: Unread) -> None:
         """Each request's new tokens to its stream (their text is made there), ``outputs`` emptied; none for a
         request aborted here."""
         queues = self._queues
-        for request_id, out in outputs.items():
+        for request_id, out in outputs.take():
             outs = queues.get(request_id)
             if outs is None:
                 continue
             if out.finished:
                 del queues[request_id]
             outs.put(out)
-        outputs.clear()

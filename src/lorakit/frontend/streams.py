@@ -1,20 +1,8 @@
-"""One request's stream, as a server's coroutine reads it: the engine's outputs, given their text as they arrive.
+"""One request's stream on a server's event loop: the engine's raw outputs in, given their text (``OutputProcessor``).
 
-Both homes of the engine hand each request's raw outputs (token ids, the engine's finish) to its ``RequestStream``
-on the server's event loop, every output of a step in one pass: ``AsyncEngine`` once per step for the engine
-thread's outputs, ``CoreClient`` once per ``Step`` message of the core. ``put`` runs the output through the request's
-``OutputProcessor`` there and then (text, stop strings) and wakes the stream's reader only if it waits; outputs that
-come while it is busy wait merged into one (a stream that fell behind catches up in one output, not one per token).
-The stream aborts the request in the engine when a stop string ended it, or when its reader closes it before the
-end (a client gone).
-
-Or it is not read at all: ``listen`` hands each processed output (and a failure) to a callable at once, on the pass
-that delivers it, with no wake-up and no task: how the server streams (``serve.state.ServerState.submit``).
-
-A failure while one request's output is delivered (its detokenizing, its listener: a tool parser, a writer) is that
-request's alone: ``put`` never raises. The request ends there with a last output of finish_reason "error" (a 400 for
-its client: ``undeliverable``), is aborted in the engine, and the failure is logged with its id; the pass that
-delivers the other requests' outputs goes on.
+A stream is read with ``async for`` (outputs that come while its reader is busy wait merged, in an ``Unread``) or
+handed to a listener at once (``listen``: how the server streams). A failure while one request's output is
+delivered is that request's alone: it ends with an ERROR output (``undeliverable``) and is aborted in the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Union
 
-from lorakit.engine.outputs import OutputProcessor, RequestOutput
+from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput, Unread
 
 __all__ = ["Listener", "RequestStream", "undeliverable"]
 
@@ -42,7 +30,7 @@ class RequestStream:
 
     def __init__(self, processor: OutputProcessor, abort: Callable[[], None]):
         self.processor, self._abort = processor, abort
-        self._pending: RequestOutput | None = None  # processed, not read yet (merged)
+        self._pending = Unread()  # processed, not read yet
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits
         self._done = False  # the engine has nothing more for it (finished, failed, aborted)
@@ -72,7 +60,7 @@ class RequestStream:
         if self._listener is not None:
             self._listener(out)
             return
-        self._pending = out if self._pending is None else self._pending.merged(out)
+        self._pending.add(None, out)
         self._wake()
 
     def _broke(self, error: Exception) -> None:
@@ -82,8 +70,8 @@ class RequestStream:
         logger.error("request %s: delivering its output failed (%s); it ends with an error, the other requests go on",
                      request_id, type(error).__name__, exc_info=error)
         self._done = True
-        self._quietly(self._give, RequestOutput(request_id, "", [], True, "error",
-                                                error=undeliverable(request_id, error)))
+        self._quietly(self._give, RequestOutput.ended(request_id, FinishReason.ERROR,
+                                                      error=undeliverable(request_id, error)))
         self._quietly(self._abort)  # nothing when the engine had finished it already
 
     def fail(self, error: BaseException) -> None:
@@ -107,9 +95,9 @@ class RequestStream:
         """From now on every processed output, and the error of ``fail``, goes to ``listener`` as it comes instead of
         waiting to be read; what came before is given to it first. It is not read with ``async for`` then."""
         self._listener = listener
-        pending, error, self._pending, self._error = self._pending, self._error, None, None
-        if pending is not None:
-            listener(pending)
+        pending, error, self._error = self._pending.take(), self._error, None
+        for _, out in pending:
+            listener(out)
         if error is not None:
             listener(error)
 
@@ -128,7 +116,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        while self._pending is None:
+        while not self._pending:
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
@@ -136,8 +124,7 @@ class RequestStream:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        out, self._pending = self._pending, None
-        return out
+        return self._pending.pop()[1]
 
 
 def undeliverable(request_id: str | None, error: BaseException) -> str:

@@ -4,7 +4,7 @@
 as adapters come and go lives here and changes only through ``put`` and ``vacate``: the tenant (adapter and
 version) in each slot, what its write left in the stores (ranks, scales, A and B rows, token rows), the
 padded rank the stores have grown to (``layout_version`` counts reallocations). The adapter pool
-(``lorakit.engine``) is the usual manager of a table; ``LoraHandle.load_adapter`` is a thin one without a
+(``lorakit.adapters.pool``) is the usual manager of a table; ``LoraHandle.load_adapter`` is a thin one without a
 CPU tier. A table has at most one manager.
 """
 

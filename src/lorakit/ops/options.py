@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 PDL_KERNELS = ("shrink", "expand")  # the kernels that may launch with programmatic dependent launch
 
-# The measured default: the expand alone. It then starts while the shrink runs, 0.4-1.2 us sooner a call; a PDL
-# shrink gains ~1 us after a GEMM but, after an expand, takes SMs from it: 4-22 us slower where grids are large
-# (bench/NOTES.md, PDL). LORAKIT_PDL=0 in the environment at import turns it off in the default options.
+# The expand alone: it starts while the shrink runs, and a PDL shrink after an expand would take SMs from it (the
+# measurements: docs/ops.md). LORAKIT_PDL=0 in the environment at import turns it off in the default options.
 DEFAULT_PDL = frozenset() if os.environ.get("LORAKIT_PDL") == "0" else frozenset({"expand"})
 
 # Decode-sized calls as one launch (ops/fused.py); LORAKIT_FUSED_MAX_TOKENS at import sets it (0: off).

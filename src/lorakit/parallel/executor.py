@@ -1,38 +1,9 @@
 """The engine at ``tensor_parallel_size`` N > 1: one process per rank, one call protocol between them.
 
-``Engine(factory, tensor_parallel_size=N)`` starts an ``Executor``, which spawns N - 1 worker processes
-(``torch.multiprocessing``, spawn; ``lorakit.parallel.worker``), so the user runs one command. Every rank joins one
-``torch.distributed`` group (NCCL on CUDA, gloo on the CPU, through a rendezvous file in a private folder), builds
-the full model with the same picklable ``factory``, keeps its shard (``shard_model``), moves it to its device
-(``cuda:rank``) and patches it with the same slot layout. Rank 0 is the engine: requests, scheduler, prefix cache,
-adapter pool, sampling. Every rank has the same objects (a slot table, a ``ModelRunner``), and the workers do what
-rank 0 does, in its order, as calls: ``call(target, method, *args)`` runs ``target.method(*args)`` on every worker,
-which calls that method of its own object (nano-vllm's ``ModelRunner.call``). Rank 0's slot table and runner make
-these calls themselves, through one hook each sets before acting (``mirror``, set by ``mirror_slots`` and
-``mirror_runner``)::
-
-    rank 0                                             every worker
-    pool -> slots.put / vacate / reserve  ------------>  slots.put / vacate / reserve: the same write of its own
-                                                         shard (the adapter's files read again, checked against the
-                                                         sha256 rank 0 read); a put waits for every worker's answer
-    runner.execute -> runner.run_packed(step) -------->  runner.run_packed: the same packed step metadata (one
-                                                         pickled message) through its shard, the same graph bucket
-                                                         or eager shape; its logits are dropped
-    runner.capture_graphs  --------------------------->  runner.capture_graphs (the slots grew)
-
-A call is pickled once for every pipe. Objects each rank holds its own of go by reference (``Sender``): a slot store
-by its index, a slot's tenant as its snapshot, a slot image not at all (each rank packs its own shard). The
-collectives inside the forward (the row-parallel layers' all-reduces, the head's all-gather) are what make the ranks
-meet; with async scheduling a step's placeholder tokens (sampled by the step before, on rank 0's device) follow on
-the device, by a broadcast (``ModelRunner._send_step`` / ``run_packed``).
-
-Failure: a worker that raises reports the traceback on its pipe and exits; rank 0 checks its workers before each
-call and raises ``TensorParallelError``, a ``FatalEngineError``: the engine cannot step any more, it is never taken
-for a request's fault (the server's core exits non-zero and a supervisor restarts it). So does a pipe that breaks,
-and anything that fails on rank 0 once a step has gone to the workers (``ModelRunner``): the ranks are then out of
-step, whatever the cause (a peer gone mid-collective shows up as a gloo ``RuntimeError``). Workers exit when rank 0's
-end of the pipe closes (rank 0 exited or the engine was collected), and within a fraction of a second of rank 0's
-process dying, a SIGKILL too (``lifeline.die_with_parent``), even inside a collective.
+Rank 0 is the engine; the ``Executor`` spawns N - 1 workers that hold the same objects (a slot table, a
+``ModelRunner``) on their shard and do what rank 0 does, in its order, as calls (``call(target, method, *args)``, as
+nano-vllm's ``ModelRunner.call``). A worker that fails makes rank 0 raise ``TensorParallelError`` (a
+``FatalEngineError``). Which calls, what crosses the pipes, and failures: docs/tensor-parallel.md.
 """
 
 from __future__ import annotations

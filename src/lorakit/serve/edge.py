@@ -1,23 +1,9 @@
 """The HTTP edge: what a connection may cost the server before a handler sees its request, and what a client sees.
 
-- A client may half-close its side once its request is sent (``shutdown(SHUT_WR)``): it still reads the answer; one
-  that closed its socket altogether is told apart by the reset its system answers to an interim 100, and its request
-  ends.
-- Headers: a connection must deliver a request's headers within ``header_timeout`` seconds of opening (or of its
-  previous response) and in at most ``MAX_HEADER_BYTES``, else it gets a 408 / 431 and is closed (an idle one is
-  closed without a word). ``guarded_protocol`` subclasses uvicorn's HTTP protocol for this: before a request exists,
-  no ASGI middleware runs, and uvicorn times out only a kept-alive connection that sends nothing at all (a header
-  sent a byte at a time, or a fresh connection that sends nothing, was held forever; httptools buffers headers
-  without a bound).
-- A body (``BodyGate``, ASGI): at most ``max_body_bytes`` (413), all of it within ``body_timeout`` seconds of its
-  headers (408).
-- All bodies together (``BodyBudget``): the bytes of request bodies this process holds at once. A body that would
-  pass the budget is refused at once with a 503 (by its Content-Length, before any of it is read; a chunked body when
-  its bytes would), and what a request held is given back when it ends, however it ends. A body being received lives
-  in anonymous memory (mmap) that is unmapped as soon as the request ends: the memory goes back to the system, not to
-  the allocator's free lists (64 KiB chunks kept in a list stayed in the process after their connections closed).
-
-Every refusal is in OpenAI's error shape, with ``connection: close``.
+Headers in time and size (``guarded_protocol``, a subclass of uvicorn's protocol: no middleware runs before a
+request exists), a body's size and time (``BodyGate``), all bodies in flight (``BodyBudget``), a half-close told
+apart from a client gone. Every refusal is in OpenAI's error shape, with ``connection: close``. Limits and why:
+docs/serve.md.
 """
 
 from __future__ import annotations

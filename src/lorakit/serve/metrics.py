@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from lorakit.engine import RequestOutput
+from lorakit.engine.outputs import FinishReason
 from lorakit.frontend.client import EngineClient
 from lorakit.serve.protocol import error_status
 from lorakit.serve.streaming import ERROR_EVENT
@@ -116,7 +117,7 @@ class _Only:
 
 class RequestMetrics:
     """A context manager around one generation request: feed it each RequestOutput (``update``); on exit it counts
-    how the request ended (its finish reason; "error" on an exception; "abort" when cancelled or closed early)."""
+    how the request ended (its finish reason; ERROR on an exception; ABORT when cancelled or closed early)."""
 
     def __init__(self, metrics: Metrics, adapter: str):
         self._metrics, self._adapter = metrics, adapter  # an adapter's series all appear at its first request
@@ -125,7 +126,7 @@ class RequestMetrics:
                                          for kind in ("prompt", "generation"))
         self._last = time.monotonic()
         self._first = True
-        self._finish_reason: str | None = None
+        self._finish_reason: FinishReason | None = None
 
     def update(self, out: RequestOutput) -> None:
         if out.token_ids:
@@ -146,11 +147,12 @@ class RequestMetrics:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        self.end(self._finish_reason if kind is None else "error" if issubclass(kind, Exception) else "abort")
+        self.end(self._finish_reason if kind is None else
+                 FinishReason.ERROR if issubclass(kind, Exception) else FinishReason.ABORT)
 
-    def end(self, reason: str | None) -> None:
-        """Count the request as ended with ``reason`` (None: it did not finish, "abort"); once."""
-        self._metrics.labels(self._metrics.finished, self._adapter, reason or "abort").inc()
+    def end(self, reason: FinishReason | None) -> None:
+        """Count the request as ended with ``reason`` (None: it did not finish, ABORT); once."""
+        self._metrics.labels(self._metrics.finished, self._adapter, str(reason or FinishReason.ABORT)).inc()
 
 
 class _EngineCollector:

@@ -22,7 +22,7 @@ import msgspec
 from starlette.responses import Response
 
 from lorakit import __version__
-from lorakit.engine.outputs import RequestOutput, TokenLogprob
+from lorakit.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import (ApiError, ChatBody, CompletionBody, chat_messages, nth_sample, samples, shown,
                                    structured_param)
@@ -83,7 +83,7 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
         shown = [] if none else out.logprobs
         prompt = (prompts[i // n], out.prompt_logprobs) if scored and out.prompt_logprobs is not None else None
         entry = {"index": i, "text": text, "logprobs": logprobs.completion(i, shown, prompt),
-                 "finish_reason": "length" if none and out.finish_reason else out.finish_reason}
+                 "finish_reason": FinishReason.LENGTH if none and out.finish_reason else out.finish_reason}
         if body.prompt_logprobs is not None and out.prompt_logprobs is not None:  # vLLM's shape
             entry["prompt_logprobs"] = logprobs.vllm(out.prompt_logprobs, body.prompt_logprobs)
         return entry

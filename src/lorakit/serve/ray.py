@@ -2,26 +2,9 @@
 
     lorakit serve-ray --replicas 2 --model DIR --lora-root /adapters --adapters-per-replica 8
 
-    client --HTTP--> Ray's proxy --> Router                         reads the body's "model" (or /generate's lora_path)
-                                         |  handle.options(multiplexed_model_id=adapter, stream=True)
-                                         v
-                                    Replica x N: an in-process Engine and lorakit's own FastAPI app, called in-process
-                                    through ASGI: the same routes, checks and errors as ``lorakit serve``
-
-Ray Serve routes a request whose adapter some replica already holds to that replica, and loads it on another one
-when none does, up to ``adapters_per_replica`` per replica (least recently used out). A replica loads an adapter
-by name through a resolver (``lorakit.serve.resolver``: folders under ``--lora-root``, optionally through a cache
-folder that every replica shares), registers it with its pool, and unregisters it when Ray evicts it; everything
-one replica serves is batched together by its engine. Base-model requests, and requests for the ``--lora`` adapters
-every replica registers at start, go to any replica.
-
-Runtime loading by path (``/v1/load_lora_adapter``) is refused here: in a fleet, adapters are fetched by name.
-A replica that dies mid-request: a request that had no byte of its answer yet is retried once on another replica;
-one that was streaming ends with an error event (503), as ``lorakit serve`` ends streams whose engine died.
-
-Metrics: every replica's lorakit series go to one prometheus_client multiprocess folder on the node, so
-``GET /metrics`` (answered by any replica) adds up the replicas of that node; Ray exports its own series
-(``ray_serve_*``: requests, latencies, replica health, multiplexed model loads) on its metrics port.
+A ``Router`` reads each request's adapter and sends it, through Ray's multiplexing, to a replica that holds it (or
+loads it by name, ``lorakit.serve.resolver``); each replica runs an in-process engine behind lorakit's own FastAPI
+app, so the routes, checks and errors are those of ``lorakit serve``. Routing, failures, metrics: docs/scale-out.md.
 """
 
 from __future__ import annotations

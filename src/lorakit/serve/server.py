@@ -1,18 +1,9 @@
 """The uvicorn server ``lorakit serve`` runs, and how it stops.
 
-At SIGINT (Ctrl-C) or SIGTERM it stops accepting connections and lets the requests in flight run for ``grace``
-seconds; then it ends every one still running through the engine client (``end_requests``): each gets a 503, a
-stream an error event and then ``[DONE]``, written before its connection closes. uvicorn's own graceful timeout,
-which cancels the request tasks and so cuts a stream without a word, is left as a backstop ``END_SECONDS`` later.
-Then the app's lifespan stops the engine. A second Ctrl-C stops waiting at once: the requests still running end
-then, and the engine is stopped here (uvicorn skips the lifespan's shutdown then, and the interpreter's exit would
-wait forever for a core process that ignores SIGINT and SIGTERM).
-
-Unlike ``uvicorn.Server``, it does not raise the signal it handled again once it has stopped: ``run`` returns, and
-``lorakit serve`` exits with its own status (0, or 1 for an engine that died). uvicorn's re-raise lands in asyncio's
-runner, which cancels the main task and turns the CancelledError into a KeyboardInterrupt only when that task's
-count of cancel requests comes back to exactly zero: a traceback at every Ctrl-C, and exit status 1 (a bare
-CancelledError) when anything else cancelled it too.
+At SIGINT or SIGTERM it stops accepting connections, gives the requests in flight ``grace`` seconds, then ends each
+one still running with a 503 (a stream: an error event, then ``[DONE]``); a second Ctrl-C stops waiting. Unlike
+``uvicorn.Server`` it does not raise the signal again: ``run`` returns and ``lorakit serve`` exits with its own
+status. Why: docs/serve.md (shutdown).
 """
 
 from __future__ import annotations

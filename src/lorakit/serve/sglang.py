@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from lorakit.engine import SamplingParams
 from lorakit.engine.lengths import ContextOverflow, fit_max_tokens
+from lorakit.engine.outputs import FinishReason, stop_token_ids
 from lorakit.engine.structured import StructuredOutput
 from lorakit.frontend.client import Adapter
 from lorakit.serve.protocol import MAX_ITEMS, MAX_N, ApiError, _ids_kind, _list, nth_sample, shown, token_id
@@ -228,9 +229,7 @@ class Output(Result):
                  text: Callable[[list[int]], str]):
         super().__init__()
         self.job, self.prompt_ids, self._text = job, prompt_ids, text
-        eos = [] if eos_token_id is None or job.params.ignore_eos else (
-            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self._stop_ids = {*job.params.stop_token_ids, *eos}
+        self._stop_ids = stop_token_ids(job.params, eos_token_id)
         self._start = time.monotonic()
 
     def as_dict(self, index: int | None = None) -> dict:
@@ -246,9 +245,9 @@ class Output(Result):
 
     def _finish(self) -> dict | None:
         reason = self.finish_reason
-        if reason == "length":
+        if reason == FinishReason.LENGTH:
             return {"type": "length", "length": len(self.token_ids)}
-        if reason != "stop":
+        if reason != FinishReason.STOP:
             return None if reason is None else {"type": "abort", "message": f"the request ended: {reason}"}
         if self.token_ids and self.token_ids[-1] in self._stop_ids:
             return {"type": "stop", "matched": self.token_ids[-1]}

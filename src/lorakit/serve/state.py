@@ -25,6 +25,7 @@ from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead, Overloaded
 from lorakit.engine.lengths import fit_max_tokens
+from lorakit.engine.outputs import FinishReason
 from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
 from lorakit.frontend.client import Adapter, EngineClient, InProcessClient
 from lorakit.engine.structured import StructuredOutput
@@ -71,7 +72,7 @@ class ServeConfig:
     max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
     chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
     max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
-    the output at every token, on the engine thread); max_template_seconds and max_template_bytes, the time and the
+    the output at every token, as it is detokenized on this process's event loop); max_template_seconds and max_template_bytes, the time and the
     memory one chat template's render may take (the model's or an adapter's: untrusted input, rendered in a worker
     process that is killed past them), which may render at most twice max_prompt_chars.
 
@@ -164,7 +165,7 @@ class Result:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs = "", [], []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.prompt_logprobs = None  # with prompt_logprobs: one per prompt token (None for the first)
 
@@ -423,7 +424,7 @@ class ServerState:
                 try:
                     stream = await self.engine.submit(prompt, params, adapter)
                 except BaseException as e:
-                    watched.end("error" if isinstance(e, Exception) else "abort")
+                    watched.end(FinishReason.ERROR if isinstance(e, Exception) else FinishReason.ABORT)
                     told = _api_error(e)
                     if told is e:
                         raise
@@ -478,16 +479,16 @@ class _Watched:
         if self.ended:
             return
         if isinstance(item, BaseException):
-            self.end("error")
+            self.end(FinishReason.ERROR)
             self.listener(self.index, _api_error(item))
             return
         self.measured.update(item)
         reason = item.finish_reason
-        if reason == "error":
-            self.end("error")
+        if reason == FinishReason.ERROR:
+            self.end(FinishReason.ERROR)
             self.listener(self.index, ApiError(400, item.error or "the request failed", "model"))
-        elif reason == "abort":
-            self.end("error")
+        elif reason == FinishReason.ABORT:
+            self.end(FinishReason.ERROR)
             why = f" ({item.error})" if item.error else ""
             self.listener(self.index, ApiError(503, f"the server ended this request before it finished{why}; send "
                                                     f"it again"))
@@ -496,7 +497,7 @@ class _Watched:
                 self.end(reason)
             self.listener(self.index, item)
 
-    def end(self, reason: str | None) -> None:
+    def end(self, reason: FinishReason | None) -> None:
         if not self.ended:
             self.ended = True
             self.measured.end(reason)
@@ -514,5 +515,5 @@ class Submitted:
 
     def close(self) -> None:
         for stream, watched in self._jobs:
-            watched.end("abort")
+            watched.end(FinishReason.ABORT)
             stream.close()

@@ -1,24 +1,9 @@
 """How a handler's reply reaches the client, within the limits on what is in flight.
 
-A handler checks its request and returns a ``Reply``: its body, a coroutine (one JSON response; a client that
-disconnects cancels it, which aborts its requests) or an async iterator of chunks (server-sent events ``data: {...}``,
-then ``data: [DONE]``; an error once the stream has started, whatever it is, is an error event in OpenAI's shape),
-the number of sequences it runs and the tokens they can occupy in the KV cache. ``ConcurrencyLimit`` bounds both,
-for all the requests in flight together: the engine queues what it cannot run yet, so the limits are set to what
-its queue should hold, and past them a request is refused at once with a 429 and a Retry-After, never queued here;
-one that alone passes a limit, with a 400.
-
-A stream's reply may also say how its events are made (``Push``): then ``EventStream`` writes each output's event
-on the pass that delivers the engine's step, straight to the connection (``edge``'s WRITE_BODY: uvicorn's httptools
-protocol), with no task woken and no async generator per event; only a client that reads slower than the stream is
-fed by the stream's own task, its outputs merged meanwhile (one event for all it missed, as ``RequestStream``
-merges them for a reader that falls behind). ``outputs`` reads submitted jobs with ``async for`` instead (a test, a
-server without WRITE_BODY, the non-streamed answers).
-
-An output whose events cannot be made or written (``Push.chunk`` raised: a tool parser on what the model wrote) ends
-its stream alone, on either path: an error event, a 400 as vLLM sends for a stream that fails, then ``[DONE]``; the
-failure is logged with the engine's request id, which the message names. A JSON answer that cannot be made from its
-outputs is the same 400.
+A ``Reply`` is one JSON response or a stream of server-sent events; ``ConcurrencyLimit`` refuses (429, never
+queued here) what would pass the sequences or tokens in flight. A ``Push`` stream writes each output's events on the
+pass that delivers the engine's step; only a client that reads slowly is fed by a task, what it missed merged. An
+output whose events cannot be made ends its stream alone with a 400 error event. Details: docs/serve-internals.md.
 """
 
 from __future__ import annotations
@@ -38,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from lorakit.engine.outputs import Unread
 from lorakit.frontend.streams import undeliverable
 from lorakit.serve.protocol import ApiError
 
@@ -95,7 +81,7 @@ class _Gathered:
     error."""
 
     def __init__(self, jobs: int, direct: Callable[[int, Any], bool] | None = None):
-        self.pending: dict[int, Any] = {}
+        self.pending = Unread()
         self.errors: list[BaseException] = []
         self.left, self.direct, self._waiter = jobs, direct, None
 
@@ -110,7 +96,7 @@ class _Gathered:
                 self.errors.append(_failed(item.request_id, e))
             else:
                 if not taken:
-                    self.pending[i] = item if i not in self.pending else self.pending[i].merged(item)
+                    self.pending.add(i, item)
                 elif self.left > 0:
                     return  # taken, and more to come: nothing for the reader
         waiter, self._waiter = self._waiter, None
@@ -122,8 +108,7 @@ class _Gathered:
         the outputs before it."""
         while True:
             if self.pending:
-                i = next(iter(self.pending))
-                yield i, self.pending.pop(i)
+                yield self.pending.pop()
             elif self.errors:
                 raise self.errors[0]
             elif self.left <= 0:

@@ -1,25 +1,9 @@
 """OpenAI tool calling on ``/v1/chat/completions``, for the base model and every adapter alike.
 
-The tools are rendered by the model's own chat template (``apply_chat_template(tools=...)``); a template that
-does not mention them cannot render them, and a request with tools is refused by name. What the model answers:
-
-- ``tool_choice: "required"`` or a named function: the output is constrained by the structured-output machinery,
-  so a call always parses whatever the model (random weights included): for "required" a JSON array of
-  ``{"name": ..., "arguments": {...}}`` whose arguments match that tool's JSON schema (at most one item unless
-  ``parallel_tool_calls``), for a named function the arguments object itself.
-- ``"auto"`` (the default with tools): the output is free and parsed by the parser of the model's family
-  (``PARSERS``, chosen from the chat template, or ``--tool-call-parser``); text that is not a call stays content.
-- ``"none"``: the tools are rendered, the output is content.
-
-Whatever the choice, a call is one of an offered function whose arguments are a JSON object in strict JSON (no NaN
-or Infinity, nested at most ``MAX_JSON_DEPTH``); an output where anything else stands for a call is content whole.
-Parsing is linear in the output and never raises: it runs on the path that delivers every stream's output.
-
-A call comes back as OpenAI gives it: ``message.tool_calls`` (``id``, ``type: "function"``, ``function.name`` and
-``function.arguments`` as a JSON string), ``finish_reason: "tool_calls"``; streamed, a choice's output is held until
-it ends and then sent as ``delta.tool_calls`` (each call's index, id and name first, then its arguments) after any
-content. An enforced output cut by ``max_tokens`` keeps the calls begun whose name is known, the last one's arguments
-as generated (partial JSON), with ``finish_reason: "length"`` and no content.
+The tools are rendered by the model's own chat template; "required" and a named function constrain the output
+(structured output), "auto" parses it with the model family's parser (``PARSERS``). A call is an offered function
+with strict-JSON object arguments, else the output is content; parsing is linear and never raises (it runs on the
+path that delivers every stream's output). What a client gets, streamed and not: docs/serve.md.
 """
 
 from __future__ import annotations
@@ -31,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from lorakit.engine.outputs import FinishReason
 from lorakit.engine.structured import StructuredOutput
 from lorakit.serve.protocol import (MAX_JSON_DEPTH, ApiError, NamedToolChoice, Tool, deeper_than, json_value, read_json,
                                     shown)
@@ -272,15 +257,15 @@ class ToolCalls:
             content, calls = text, []
         return content or None, _openai_calls(calls)
 
-    def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    def answer(self, text: str, finish_reason: FinishReason | None) -> tuple[str | None, list[dict], str | None]:
         """(content or None, tool_calls, finish_reason) of a finished output: ``split``'s, but an output that
-        "required" or a named function held to calls and ``max_tokens`` cut ("length") keeps the calls begun so far
-        whose name is known (``begun``): content None, finish_reason "length"."""
+        "required" or a named function held to calls and ``max_tokens`` cut (LENGTH) keeps the calls begun so far
+        whose name is known (``begun``): content None, finish_reason LENGTH."""
         content, calls = self.split(text)
-        if calls or finish_reason != "length" or self.choice not in ("named", "required"):
+        if calls or finish_reason != FinishReason.LENGTH or self.choice not in ("named", "required"):
             return content, calls, self.finish(calls, finish_reason)
         begun = self.begun(text)
-        return (None, begun, "length") if begun else (content, calls, finish_reason)
+        return (None, begun, FinishReason.LENGTH) if begun else (content, calls, finish_reason)
 
     def begun(self, text: str) -> list[dict]:
         """OpenAI's tool_calls of an enforced output cut short: for a named function, the call with the text as its
@@ -306,9 +291,10 @@ class ToolCalls:
         return self.parse(text)
 
     @staticmethod
-    def finish(calls: list[dict], finish_reason: str | None) -> str | None:
-        """OpenAI's finish_reason: "tool_calls" for a finished answer that holds calls."""
-        return "tool_calls" if calls and finish_reason in ("stop", "length") else finish_reason
+    def finish(calls: list[dict], finish_reason: FinishReason | None) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" (OpenAI's alone, not the engine's) for a finished answer that holds
+        calls."""
+        return "tool_calls" if calls and finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else finish_reason
 
 
 def _openai_calls(calls: list[tuple[str, dict | str]]) -> list[dict]:
