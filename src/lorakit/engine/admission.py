@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Hashable
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lorakit.engine.scheduler import Request
+__all__ = ["Request", "Turn", "Verdict", "WaitingQueue"]
 
-__all__ = ["Turn", "Verdict", "WaitingQueue"]
+
+class Request(Protocol):
+    """What the policy reads of a waiting request (``scheduler.Request`` has it)."""
+
+    seq: int  # its place in arrival order
+    waited: int  # steps waited since arrival or preemption
+    adapter: Hashable | None
+
+    @property
+    def adapter_name(self) -> str | None: ...
 
 
 class Verdict(enum.Enum):
