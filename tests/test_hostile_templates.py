@@ -263,3 +263,31 @@ def test_a_busy_template_worker_dies_with_its_server():
         wait_gone([worker], within=2.0)
     finally:
         parent.kill()
+
+
+def test_taking_a_tokenizer_is_not_the_renders_memory():
+    """The memory budget bounds a render, not what the worker maps to take a tokenizer (transformers 5.17 imports
+    torch as it unpickles one: gigabytes of address space with a CUDA build, every chat request a 500 on a GPU
+    machine when the limit was set once at the worker's start). A tokenizer carrying twice the budget is taken and
+    renders; a template that allocates past the budget is still refused."""
+    import asyncio
+
+    from _serve_helpers import make_tokenizer
+    from lorakit.frontend.chat_templates import ChatTemplates, TemplateBudget, TemplateError
+
+    budget = 32 << 20
+    tokenizer = make_tokenizer()
+    tokenizer.ballast = bytearray(2 * budget)  # unpickled in the worker before it renders
+    templates = ChatTemplates(TemplateBudget(seconds=30, memory_bytes=budget))
+
+    async def render(template):
+        tokenizer.chat_template = template
+        return await templates.render(tokenizer, MESSAGES, None, 10_000, "the model's chat template")
+
+    try:
+        assert asyncio.run(render("{% for m in messages %}{{ m['content'] }}{% endfor %}")) == "hello world"
+        with pytest.raises(TemplateError, match="needed more than 32 MiB of memory to render"):
+            asyncio.run(render("{% set s = 'x' * 300000000 %}{{ s|length }}"))
+        assert asyncio.run(render("{{ messages|length }}")) == "1"  # a fresh worker took it again
+    finally:
+        templates.close()

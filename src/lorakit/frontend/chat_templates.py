@@ -9,6 +9,7 @@ for as long as it runs. The caller's event loop only waits, on the thread of a `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -44,7 +45,8 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True)
 class TemplateBudget:
-    """seconds: the longest one render may run; memory_bytes: what the worker may allocate beyond its imports."""
+    """seconds: the longest one render may run; memory_bytes: what one render may allocate beyond what the worker
+    holds before it (its imports and tokenizers)."""
 
     seconds: float = 1.0
     memory_bytes: int = 2 << 30
@@ -175,17 +177,17 @@ def _write(fd: int, kind: int, payload: bytes) -> None:
 
 def _read(fd: int, deadline: float | None = None) -> tuple[int, bytes] | None:
     """One frame (kind, payload) from ``fd``; None at its end, or at ``deadline`` (time.monotonic)."""
-    data, need = b"", _HEADER.size
+    data, need = bytearray(), _HEADER.size  # (extended in place: a tokenizer's frame is megabytes)
     while len(data) < need:
         if deadline is not None and not select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0]:
             return None
-        chunk = os.read(fd, need - len(data))
+        chunk = os.read(fd, min(need - len(data), 1 << 20))
         if not chunk:
             return None
         data += chunk
         if need == _HEADER.size and len(data) == need:
             need += _HEADER.unpack(data)[0]
-    return data[4], data[_HEADER.size:]
+    return data[4], bytes(data[_HEADER.size:])
 
 
 # The worker.
@@ -206,16 +208,25 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _limit_memory(extra: int) -> None:
-    """This process may map at most ``extra`` bytes beyond what it maps now (a MemoryError past them)."""
+@contextlib.contextmanager
+def _memory_limit(extra: int):
+    """Inside, this process may map at most ``extra`` bytes beyond what it maps on entry (a MemoryError past them).
+    Set per render, not once at the start: what taking a tokenizer imports is not the template's (transformers 5.17
+    imports torch as it unpickles one, gigabytes of address space with a CUDA build)."""
     import resource
 
     size = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("VmSize:"))
-    resource.setrlimit(resource.RLIMIT_AS, (size + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + extra if soft == resource.RLIM_INFINITY else min(size + extra, soft)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
+def _answer(job: bytes, tokenizers: OrderedDict, memory_bytes: int) -> tuple[int, bytes]:
     """A render's answer: TEXT, or why there is none (FAILED: what follows the template's name in the message)."""
     import jinja2
 
@@ -226,7 +237,8 @@ def _answer(job: bytes, tokenizers: OrderedDict) -> tuple[int, bytes]:
     tokenizers.move_to_end(key)
     tokenizer.chat_template = template
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        with _memory_limit(memory_bytes):
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except MemoryError:
         return NO_MEMORY, b""
     except jinja2.TemplateSyntaxError as e:
@@ -248,10 +260,10 @@ def main() -> None:
     setproctitle.setproctitle("lorakit chat-templates")  # as lifeline.name_process names lorakit's other processes
     out = os.dup(1)
     os.dup2(2, 1)  # whatever else writes to stdout (an import, a template's print) goes to the log, not the answers
-    import transformers  # noqa: F401 - imported before the memory limit: the budget is the template's
+    import transformers  # noqa: F401 - imported outside the memory limit: the budget is the template's
     import transformers.utils.chat_template_utils  # noqa: F401
 
-    _limit_memory(int(sys.argv[1]))
+    memory_bytes = int(sys.argv[1])
     inp = sys.stdin.fileno()
     tokenizers: OrderedDict = OrderedDict()
     _write(out, READY, b"")
@@ -267,7 +279,7 @@ def main() -> None:
                 tokenizers.popitem(last=False)
             _write(out, READY, b"")
         else:
-            answer = _answer(payload, tokenizers)
+            answer = _answer(payload, tokenizers, memory_bytes)
             _write(out, *answer)
             if answer[0] == NO_MEMORY:
                 return  # a fresh worker for the next render
