@@ -4,7 +4,6 @@ template passed which; a prompt_logprobs answer of megabytes is built and encode
 attack a greedy Bystander streams, and must never wait BYSTANDER_GAP s for a chunk."""
 
 import contextlib
-import copy
 import json
 import shutil
 import threading
