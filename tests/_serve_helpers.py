@@ -77,7 +77,9 @@ class LiveServer:
                                                     timeout_graceful_shutdown=10))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        while not self.server.started:
+        deadline = time.monotonic() + 60
+        while not self.server.started:  # uvicorn's thread ends without `started` if the app cannot start
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the live server did not start"
             time.sleep(0.01)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
