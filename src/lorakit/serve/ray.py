@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ __all__ = ["FleetConfig", "build_app", "run_fleet"]
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 REPLICA_HEADER = "x-lorakit-replica"  # on every response: the Ray Serve replica that answered
 REPLICA_FAILED = "the replica serving this request failed; retry"
+STOP_S = 60  # after Ctrl-C: how long Serve and Ray get to stop before the process leaves without them
 
 
 @dataclass
@@ -368,5 +370,18 @@ def run_fleet(config: FleetConfig, host: str = "127.0.0.1", port: int = 8000, *,
     try:
         return serve.run(build_app(config), name="lorakit", route_prefix="/", blocking=blocking)
     except KeyboardInterrupt:  # Ctrl-C, once the fleet runs or while it still starts: stopped, without a traceback
-        serve.shutdown()
+        _stop()
         return None
+
+
+def _stop() -> None:
+    """Serve and Ray (the local cluster ``run_fleet`` started, or the connection to RAY_ADDRESS's) stopped within
+    STOP_S; past it, the process leaves without them: Ray retries a dead controller's graceful shutdown forever, and
+    Ctrl-C reaches every process of the cluster it started at once."""
+    stopper = threading.Thread(target=lambda: (serve.shutdown(), ray.shutdown()), name="lorakit-stop", daemon=True)
+    stopper.start()
+    stopper.join(STOP_S)
+    if stopper.is_alive():
+        logger.warning("Ray Serve did not stop within %d s of Ctrl-C; leaving without it", STOP_S)
+        logging.shutdown()
+        os._exit(130)
