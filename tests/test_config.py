@@ -90,9 +90,9 @@ def test_an_adapters_tokenizer_is_read_at_registration_only(tmp_path):
                           tmp_path, seed=0).path)
     engine = Engine(copy.deepcopy(base), word_tokenizer(), max_loras=1, adapters={"a": folder})
     word_tokenizer(["<x>"]).save_pretrained(folder)  # added after registration: not read
-    assert engine.tokenizer_for("a") is engine.tokenizer
+    assert engine.registry.tokenizer_for("a") is engine.tokenizer
     engine.register_adapter("a", folder)  # a new version reads it
-    assert engine.tokenizer_for("a") is not engine.tokenizer and "<x>" in engine.tokenizer_for("a").get_vocab()
+    assert engine.registry.tokenizer_for("a") is not engine.tokenizer and "<x>" in engine.registry.tokenizer_for("a").get_vocab()
     (folder / "tokenizer.json").write_text("{ not json")
     with pytest.raises(lorakit.AdapterError, match="adapter 'b' at .*its tokenizer cannot be read"):
         engine.register_adapter("b", folder)

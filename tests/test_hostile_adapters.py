@@ -216,12 +216,13 @@ def test_work_on_adapter_files_is_bounded_and_off_the_engine_thread(world, serve
             message = error_of(load(server, name, folder), 400, "lora_path")
             assert "adapter_config.json is larger than 1048576 bytes" in message
             assert time.perf_counter() - start < 1.0
-        read, install = engine.read_adapter, engine.install_adapter
-        engine.read_adapter, engine.install_adapter = slow_read, recorded_install
+        registry = engine.registry
+        read, install = registry.read, registry.install
+        registry.read, registry.install = slow_read, recorded_install
         try:
             assert load(server, "late", copy_of(world, "late", "chat")).status_code == 200
         finally:
-            engine.read_adapter, engine.install_adapter = read, install
+            del registry.read, registry.install
     assert threads["read"] != "lorakit-engine" and threads["install"] == "lorakit-engine"
     assert set(models(server)) == {"tiny", "sql", "chat", "late"}
 

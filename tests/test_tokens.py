@@ -218,7 +218,7 @@ def test_an_adapters_own_tokenizer_reads_and_writes_its_added_tokens(tmp_path):
     assert V not in llm.engine.prompt_ids("w1 <sql> w2")
     out = llm.generate(["w1 <sql> w2"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                        adapters=["sql"])[0]
-    own = llm.engine.tokenizer_for("sql")
+    own = llm.engine.registry.tokenizer_for("sql")
     prompt = [1, V, 2]
     assert out.text == own.decode(prompt + out.token_ids)[len(own.decode(prompt)):]
     ref = PeftModel.from_pretrained(resized(base), folder)

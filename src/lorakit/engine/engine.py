@@ -32,21 +32,13 @@ from lorakit.engine.prompt_logprobs import score_prompts
 from lorakit.engine.runner import Fill
 from lorakit.engine.sampling import SamplingBatch, SamplingParams, sample
 from lorakit.engine.scheduler import BlockManager, Request, Scheduler, StepPlan
-from lorakit.adapters.snapshot import Snapshot, read_tokenizer
+from lorakit.engine.registry import AdapterRegistry
 from lorakit.engine.stats import EngineStats, collect
 from lorakit.engine.structured import Constraint, Grammar, Grammars, Pending, StructuredOutput
 
 logger = logging.getLogger("lorakit.engine")
 
-__all__ = ["CheckedAdapter", "Engine"]
-
-
-@dataclass(frozen=True)
-class CheckedAdapter:
-    """An adapter folder read and checked in full by ``Engine.read_adapter``, ready for ``install_adapter``."""
-
-    snapshot: Snapshot
-    tokenizer: object  # the folder's tokenizer, False when it has none
+__all__ = ["Engine"]
 
 
 PLACEHOLDER = 0  # an output token sampled by the step still on the device: filled in there, then on the host
@@ -122,9 +114,9 @@ class Engine:
         manager = self.handle.slots.manager
         self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
             self.handle, cpu_budget_bytes=config.cpu_budget_bytes, strict=config.lora_strict)
-        self._tokenizers: dict[Snapshot, object] = {}  # an adapter version -> its folder's tokenizer, or False
+        self.registry = AdapterRegistry(self.pool, tokenizer)
         for name, path in (adapters or {}).items():
-            self.register_adapter(name, path)
+            self.registry.register(name, path)
         self.pool.reserve(self.pool.adapters)  # slot buffers at these adapters' ranks before the graphs are captured
         self.blocks = BlockManager(config.num_blocks, config.block_size, prefix_cache=config.prefix_cache)
         self.scheduler = Scheduler(self.pool, self.blocks, max_num_seqs=config.max_num_seqs,
@@ -173,7 +165,7 @@ class Engine:
         snapshot = None if ref is None else self.pool.resolve(ref)
         name = None if ref is None else ref.name
         info = None if snapshot is None else snapshot.info
-        tokenizer = self._tokenizer_of(snapshot)
+        tokenizer = self.registry.tokenizer_of(snapshot)
         added = frozenset() if info is None else info.added_tokens
         prompt_ids = check_prompt(prompt, tokenizer, self.vocab_size, added, self.max_seq_len, name)
         constraint = self._check_logits_params(params, added, tokenizer, grammar, name)
@@ -205,30 +197,17 @@ class Engine:
                 ) -> Pending:
         """``spec`` compiled for ``adapter``'s tokenizer, on a worker thread (see ``Grammars.compile``): returns at
         once, safe from any thread, in ``client``'s turn; ValueError if the engine has no tokenizer."""
-        tokenizer = self.tokenizer_for(adapter)
+        tokenizer = self.registry.tokenizer_for(adapter)
         if tokenizer is None:
             raise ValueError("structured output needs a tokenizer; give the engine one")
         return self.grammars.compile(spec, tokenizer, self.vocab_size, client)
-
-    def tokenizer_for(self, adapter: AdapterRef | str | None):
-        """The tokenizer of an adapter whose folder carries one (it may add tokens), else the engine's: a lookup,
-        safe from any thread (``read_adapter`` reads an adapter's tokenizer when it is registered)."""
-        return self._tokenizer_of(None if adapter is None else self.pool.resolve(adapter))
-
-    def _tokenizer_of(self, snapshot: Snapshot | None):
-        if snapshot is None:
-            return self.tokenizer
-        tokenizer = self._tokenizers.get(snapshot)
-        if tokenizer is None:  # registered on the pool directly: read it now
-            tokenizer = self._tokenizers[snapshot] = read_tokenizer(snapshot.name, snapshot.info.path)
-        return tokenizer or self.tokenizer
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: AdapterRef | str | None = None) -> list[int]:
         """The prompt's token ids (text: by the adapter's tokenizer where its folder has one), checked by
         ``check_prompt``."""
         snapshot = None if adapter is None else self.pool.resolve(adapter)
         added = frozenset() if snapshot is None else snapshot.info.added_tokens
-        return check_prompt(prompt, self._tokenizer_of(snapshot), self.vocab_size, added, self.max_seq_len,
+        return check_prompt(prompt, self.registry.tokenizer_of(snapshot), self.vocab_size, added, self.max_seq_len,
                             None if snapshot is None else snapshot.name)
 
     def abort(self, request_id: str) -> None:
@@ -467,49 +446,18 @@ class Engine:
         return RequestOutput.ended(request.request_id, FinishReason.ERROR, error=reason,
                                    num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids))
 
-    # Adapters at run time (the server's load/unload endpoints).
+    # Adapters at run time (the server's load/unload endpoints; reading and installing: ``self.registry``).
 
     def register_adapter(self, name: str, path: str | Path) -> int:
-        """Register (or hot-swap) an adapter, with the tokenizer its folder carries if any: ``install_adapter(
-        read_adapter(name, path))``. Returns its version number."""
-        return self.install_adapter(self.read_adapter(name, path))
-
-    def read_adapter(self, name: str, path: str | Path, roots: Sequence[str | Path] | None = None) -> CheckedAdapter:
-        """Read an adapter folder once and check it in full: the pool's snapshot of its config and weights
-        (``AdapterPool.read``), and its tokenizer (``read_tokenizer``), every file inside ``roots`` when given. Changes
-        nothing and touches only what never changes, so any thread may call it (the server reads off the engine
-        thread). Raises AdapterError (ValueError for a bad name)."""
-        snapshot = self.pool.read(name, path, roots)
-        return CheckedAdapter(snapshot, read_tokenizer(name, snapshot.info.path, roots))
-
-    def install_adapter(self, checked: CheckedAdapter) -> int:
-        """Make a checked adapter the current version of its name (cheap: reads nothing); its version number."""
-        snapshot = checked.snapshot
-        self._tokenizers[snapshot] = checked.tokenizer  # first: the new version is never found without it
-        try:
-            version = self.pool.install(snapshot)
-        except BaseException:
-            self._tokenizers.pop(snapshot, None)
-            raise
-        self._forget_tokenizers(snapshot.name)
-        return version
-
-    def _forget_tokenizers(self, name: str) -> None:
-        """Drop the tokenizers of ``name``'s versions but the current one (running requests keep theirs: their
-        output processor holds it)."""
-        current = self.pool.snapshot(name)
-        for snapshot in [s for s in list(self._tokenizers) if s.name == name and s is not current]:
-            self._tokenizers.pop(snapshot, None)
+        """Register (or hot-swap) an adapter, with the tokenizer its folder carries if any; its version number."""
+        return self.registry.register(name, path)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter: running requests finish on it; waiting ones end now with an error their client sees
         (finish_reason "error", not an empty "abort")."""
-        self.pool.unregister(name)
-        self._forget_tokenizers(name)
+        self.registry.unregister(name)
         self.scheduler.prefix_stats.pop(name, None)
         for request in [r for r in self.scheduler.waiting if r.adapter_name == name]:
             self.scheduler.abort(request)
             self._aborted.append(self._fail(request, f"adapter {name!r} was unloaded before this request could run "
                                                      f"on it; send it again with a model that is loaded"))
-
-

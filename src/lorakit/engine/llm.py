@@ -66,7 +66,7 @@ class LLM:
             for prompt, p, name in zip(prompts, params, names):
                 ids.append(engine.add_request(prompt, p, name))
                 prompt_ids, admitted = engine.admitted(ids[-1])
-                processors[ids[-1]] = OutputProcessor(ids[-1], prompt_ids, admitted, engine.tokenizer_for(name))
+                processors[ids[-1]] = OutputProcessor(ids[-1], prompt_ids, admitted, engine.registry.tokenizer_for(name))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)

@@ -71,7 +71,7 @@ class AsyncEngine:
         grammar = None
         if params is not None and params.structured_output is not None:  # compiled first, off the engine thread
             grammar = await self.engine.grammar(params.structured_output, adapter).wait_async()
-        tokenizer = self.engine.tokenizer_for(adapter)
+        tokenizer = self.engine.registry.tokenizer_for(adapter)
         outs: list[RequestStream] = []
 
         def add():  # the stream exists before the request can step: its first output finds it

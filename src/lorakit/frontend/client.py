@@ -109,7 +109,7 @@ class EngineClient(Protocol):
 
 class InProcessClient:
     """The engine on a thread of this process (``AsyncEngine``). Lookups read the engine directly (the pool's maps
-    are copied, never locked); an adapter's files are read and checked on a worker thread (``Engine.read_adapter``
+    are copied, never locked); an adapter's files are read and checked on a worker thread (``AdapterRegistry.read``
     changes nothing) and only installed on the engine thread."""
 
     def __init__(self, engine: Engine):
@@ -134,7 +134,7 @@ class InProcessClient:
         pool = self.engine.pool
         ref = pool.ref(name)
         info = pool.resolve(ref).info
-        tokenizer = self.engine.tokenizer_for(ref)
+        tokenizer = self.engine.registry.tokenizer_for(ref)
         return Adapter(ref, str(info.path), info.added_tokens, None if tokenizer is self.engine.tokenizer else tokenizer)
 
     def tokenizer_for(self, adapter: Adapter | None):
@@ -179,8 +179,8 @@ class InProcessClient:
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
-            checked = await asyncio.to_thread(self.engine.read_adapter, name, path, roots)
-        return await self.async_engine.call(self.engine.install_adapter, checked)
+            checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
+        return await self.async_engine.call(self.engine.registry.install, checked)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.async_engine.call(self.engine.unregister_adapter, name)

@@ -246,7 +246,7 @@ class _Core:
 
     def register(self, call: Register) -> None:
         """The folder read on the reader thread while the loop steps, installed between steps."""
-        read = self.reader.submit(self.engine.read_adapter, call.name, call.path, call.roots)
+        read = self.reader.submit(self.engine.registry.read, call.name, call.path, call.roots)
         self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
 
     def unregister(self, call: Unregister) -> None:
@@ -300,7 +300,7 @@ class _Core:
             self.compiling.discard(message.request_id)
 
     def install(self, call: Register, checked) -> AdapterFacts:
-        self.engine.install_adapter(checked)
+        self.engine.registry.install(checked)
         found = facts(self.engine, checked.snapshot.name)
         self.broadcast(Adapters(found, roots=call.roots), but=call.server)
         return found
