@@ -1,33 +1,10 @@
-"""The adapter pool: many registered adapters, a CPU cache of some, and the model's few GPU slots.
+"""The adapter pool: many registered adapters, a CPU cache of some, and the model's few GPU slots (S-LoRA's tiers).
 
-Three tiers, as S-LoRA has them:
-
-- **disk**: ``register(name, path)`` records a PEFT folder under a name: ``read`` (any thread) reads its files
-  once into a private copy, hashes them and checks everything (config, keys, shapes, rank, every value), so a
-  bad adapter is refused at registration; ``install`` (cheap) makes that snapshot the name's current version.
-  Registering an existing name again is a hot-swap: a new version.
-- **CPU**: ``SlotImage``s (the adapter packed as a slot holds it, in the model's dtype, in pinned memory
-  on a GPU machine), least-recently-used first out under a byte budget. A version's first image is its
-  snapshot's: what is served is what was checked. Read again after an eviction, the files must give the
-  same sha256 at the same real paths, or that adapter fails closed (``AdapterError``) until registered again.
-  A ``prefetch`` does that read on a reader thread, so a scheduler's steps never wait for a disk.
-- **GPU**: the patched model's ``max_loras`` slots. ``acquire(names)`` returns slot ids for a batch,
-  loading what is missing into free slots or evicting the least recently used adapter that no running
-  request holds and nobody pinned; ``release(slots)`` gives them back.
-
-What is fixed at start (the model's modules, slot count, layout, dtype: the ``LoraHandle``) is kept apart
-from what changes: the registry of versions, the CPU cache and its LRU order, reference counts and pins live
-here, behind one lock; which version is in which slot is the handle's ``SlotTable``, which the pool claims
-and is then the one writer of.
-
-Uploads are asynchronous: one host-to-device copy and a few batched device copies on a side stream,
-after the slot's last reader (an event recorded when its last holder released it), with an event that
-the compute stream waits on before any later work. So a load overlaps the forward pass already queued,
-and nothing on the compute stream can read a half-written slot. ``prefetch`` starts uploads without
-taking references, for adapters a scheduler knows it will need.
-
-Versions: a running request keeps the version it acquired. A hot-swap or unregister retires the old
-version; its slot is freed when its last holder releases it.
+disk: ``read`` (any thread) checks a PEFT folder in full into a ``Snapshot``, ``install`` makes it the name's current
+version (registering a name again is a hot-swap). CPU: packed ``SlotImage``s under a byte budget, LRU. GPU:
+``acquire(refs)`` gives a batch its slots, uploading on a side stream that the compute stream waits on, and evicting
+what nobody holds or pinned; ``release`` gives them back. A running request keeps the version it acquired. The pool is
+the one writer of the handle's ``SlotTable``; its own state sits behind one lock. How and why: docs/pool.md.
 """
 
 from __future__ import annotations

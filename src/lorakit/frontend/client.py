@@ -1,21 +1,11 @@
 """How a server talks to an engine: ``EngineClient``, one interface with two homes for the engine.
 
-``InProcessClient`` runs the engine on a thread of the server's own process (``AsyncEngine``): what tests and
-embedding code use, and what ``create_app(engine)`` gets. ``CoreClient`` (``lorakit.frontend.core_client``) runs it in a
-process of its own, so the model's steps and the server's HTTP, tokenizing and detokenizing never share a GIL:
-what ``lorakit serve`` uses. Both give the same answers: the server (``serve.state.ServerState``) cannot tell
-which one it holds.
-
-The client answers lookups at once, from the caller's thread (registered adapters, a tokenizer, the context),
-and everything that changes the engine (a request, an abort, a load, an unload) goes to the engine's own thread
-or process. ``compile_grammar`` has a request's structured-output grammar compiled by the engine's grammar workers
-(never on its thread or its loop) before the request is sent, so that a grammar it refuses is the request's 400.
-``stats()`` is what the metrics read: plain numbers, as of the last step.
-
-Failure: an engine that cannot step any more (its core process exited, a tensor-parallel worker died), or a client
-that can no longer read its outputs (a bug ended its reader), fails every request in flight with ``EngineDead`` and
-every later one too; ``health`` says why, ``crashed`` turns true and ``on_death`` (the server's: it exits non-zero)
-is called once. One request's failure while its outputs are delivered is that request's alone (``RequestStream``).
+``InProcessClient`` runs it on a thread of this process (``AsyncEngine``: tests, embedding code, ``create_app(engine)``);
+``CoreClient`` (``frontend.core_client``) in a process of its own (``lorakit serve``). Both give the same answers.
+Lookups are answered at once from the caller's thread; whatever changes the engine goes to its thread or process.
+An engine that cannot step any more fails every request with ``EngineDead``, turns ``health`` and ``crashed``, and
+calls ``on_death`` once; one request's failure to be delivered is its own (``RequestStream``). More:
+docs/serve-internals.md#two-processes.
 """
 
 from __future__ import annotations

@@ -1,40 +1,11 @@
-"""The engine core process: the engine loop in a process of its own, with its transport around it.
+"""The engine core process: the engine loop (``lorakit.engine.loop``) in a process of its own, and its transport.
 
-``lorakit serve`` runs the engine in a process of its own (as vLLM's engine core and SGLang's scheduler process
-do), so the model's steps never wait for the GIL behind HTTP parsing, tokenizing or detokenizing, and the
-reverse::
-
-    server process (asyncio, one or more)                   core process
-    HTTP, validation, tokenizing, chat templates  Add, Abort, calls  EngineLoop: scheduler, adapter pool,
-    CoreClient: streams, text (OutputProcessor)   ----------------> model runner, sampling
-                                                  <----------------
-                                                  Step (a step's outputs, at once), Reply, Adapters, Beat
-
-The two talk over ZeroMQ PUSH/PULL sockets (``ipc://`` in a folder only this user can enter) in the messages of
-``frontend.wire``. This module is only the transport: ``_Core`` turns each message into work for the one engine
-loop (``lorakit.engine.loop``, the same loop ``AsyncEngine`` runs on a thread) and each step's outputs into one
-message per server. The core sends token ids; each server's ``CoreClient`` makes their text and finds stop strings
-(one output processor per request, in the server process: ``engine.outputs``), and aborts a request a stop string
-ended.
-
-Several server processes (``lorakit serve --api-servers N``) can share one core: each pushes to the core's one
-inbox and binds its own socket for the core's messages. A request id starts with its server's index ("s2-r17"), so
-each step's outputs go to the servers they belong to; a call's reply goes to its caller, and an adapter registered
-or unregistered through one server is announced to the others (``Adapters``).
-
-A request's grammar (structured output) is compiled in the core, by the engine's grammar worker threads, while the
-loop keeps stepping: the server asks for it first (a ``CompileGrammar`` call, answered once it compiled or with why
-it is refused) and only then sends the request's Adds, which find it compiled; an Add whose grammar is still compiling
-waits outside the scheduler (``EngineLoop.after``). Adapter folders are read on a worker thread of the core while it
-keeps stepping, then installed between steps (``after`` too).
-
-The core is built in the child from a picklable factory, and reports ``Ready`` (the facts the clients answer
-lookups with) or ``Failed``. An engine that cannot step any more (a ``FatalEngineError``) makes the core tell every
-server why (``Failed``) and exit with status 1. A thread of the core sends every server a ``Beat`` every
-``BEAT_SECONDS`` whatever the loop is doing, so a server's ``health`` tells a core that stopped running from a busy
-one. A core whose parent is gone exits within a fraction of a second (``lifeline``), and so do its tensor-parallel
-workers. The core ignores SIGINT and SIGTERM (the whole process group gets Ctrl-C): the server lets the requests in
-flight finish, then stops it (a ``Shutdown`` call: the loop drains).
+``_Core`` turns each message of ``frontend.wire`` (ZeroMQ PUSH/PULL over ``ipc://``) into work for the one loop, and
+each step's outputs into one ``Step`` message per server (token ids: the servers make the text). Grammars compile and
+adapter folders are read on worker threads while the loop steps; both are taken up between steps. The core reports
+``Ready`` or ``Failed``, beats every ``BEAT_SECONDS`` from a thread of its own, exits 1 when the engine cannot step,
+dies with its parent (``lifeline``) and ignores SIGINT/SIGTERM (the server stops it with a ``Shutdown`` call). Why two
+processes, the messages, health and shutdown: docs/serve-internals.md#two-processes.
 """
 
 from __future__ import annotations
