@@ -1,8 +1,8 @@
 """Structured-output grammars can never stall other requests (lorakit issue 29): each hostile grammar of the issue
 runs beside greedy bystander streams, on the engine core process (what ``lorakit serve`` runs) and with the engine
 in-process, and is refused (a 400 in OpenAI's shape, before anything is queued) or compiled off every loop, while
-the bystanders keep their solo text and never wait 2 s for a chunk. A grammar is compiled once per request, whatever
-its prompts x n, and what is logged about one is bounded."""
+the bystanders keep their solo text and never wait MAX_GAP for a chunk. A grammar is compiled once per request,
+whatever its prompts x n, and what is logged about one is bounded."""
 
 import asyncio
 import concurrent.futures
@@ -29,7 +29,7 @@ from lorakit.serve import ServeConfig, create_app
 from lorakit.serve.model import load_engine, load_tokenizer
 
 PROMPT = "What is the capital of France?"
-MAX_GAP = 2.0
+MAX_GAP = 5.0  # the stalls guarded against took 7 to 31 s; at 2 s, CI's 2-core machine failed these tests once
 
 
 pytestmark = pytest.mark.world(save_model=True)  # the module's `world` (tests/conftest.py), saved for a server
