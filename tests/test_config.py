@@ -92,7 +92,8 @@ def test_an_adapters_tokenizer_is_read_at_registration_only(tmp_path):
     word_tokenizer(["<x>"]).save_pretrained(folder)  # added after registration: not read
     assert engine.registry.tokenizer_for("a") is engine.tokenizer
     engine.register_adapter("a", folder)  # a new version reads it
-    assert engine.registry.tokenizer_for("a") is not engine.tokenizer and "<x>" in engine.registry.tokenizer_for("a").get_vocab()
+    own = engine.registry.tokenizer_for("a")
+    assert own is not engine.tokenizer and "<x>" in own.get_vocab()
     (folder / "tokenizer.json").write_text("{ not json")
     with pytest.raises(lorakit.AdapterError, match="adapter 'b' at .*its tokenizer cannot be read"):
         engine.register_adapter("b", folder)

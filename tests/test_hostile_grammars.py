@@ -29,7 +29,7 @@ from lorakit.serve import ServeConfig, create_app
 from lorakit.serve.model import load_engine, load_tokenizer
 
 PROMPT = "What is the capital of France?"
-MAX_GAP = 5.0  # the stalls guarded against took 7 to 31 s; at 2 s, CI's 2-core machine failed these tests once
+MAX_GAP = 5.0  # the stalls guarded against took 7 to 31 s; CI failed these tests once with 2 s (cause not logged)
 
 
 pytestmark = pytest.mark.world(save_model=True)  # the module's `world` (tests/conftest.py), saved for a server

@@ -66,7 +66,8 @@ class LLM:
             for prompt, p, name in zip(prompts, params, names):
                 ids.append(engine.add_request(prompt, p, name))
                 prompt_ids, admitted = engine.admitted(ids[-1])
-                processors[ids[-1]] = OutputProcessor(ids[-1], prompt_ids, admitted, engine.registry.tokenizer_for(name))
+                tokenizer = engine.registry.tokenizer_for(name)
+                processors[ids[-1]] = OutputProcessor(ids[-1], prompt_ids, admitted, tokenizer)
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)

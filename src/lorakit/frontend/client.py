@@ -1,7 +1,7 @@
 """How a server talks to an engine: ``EngineClient``, one interface with two homes for the engine.
 
-``InProcessClient`` runs it on a thread of this process (``AsyncEngine``: tests, embedding code, ``create_app(engine)``);
-``CoreClient`` (``frontend.core_client``) in a process of its own (``lorakit serve``). Both give the same answers.
+``InProcessClient`` runs it on a thread of this process (``AsyncEngine``: tests, embedding code,
+``create_app(engine)``); ``CoreClient`` (``frontend.core_client``) in a process of its own (``lorakit serve``). Both give the same answers.
 Lookups are answered at once from the caller's thread; whatever changes the engine goes to its thread or process.
 An engine that cannot step any more fails every request with ``EngineDead``, turns ``health`` and ``crashed``, and
 calls ``on_death`` once; one request's failure to be delivered is its own (``RequestStream``). More:
