@@ -251,6 +251,36 @@ def test_unregistering_an_adapter_ends_its_waiting_requests_only(setup):
     assert "adapter 'r8' was unloaded before this request could run" in finished[waiting].error  # not an empty end
 
 
+def test_a_request_runs_on_the_version_it_was_admitted_with_to_its_last_token(setup):
+    """A hot-swap while requests of the name run and wait: each ends on the version it was admitted with, token for
+    token as PEFT with that version's weights; the new request gets the new weights. The old version goes (its image
+    and slot) once its last request ends."""
+    base, saved = setup
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_num_seqs=1, block_size=4, adapters={"x": saved["r4"].path})
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = {"running": [1, 2, 3], "waiting": [4, 5], "new": [6, 7, 8, 9]}
+    engine.add_request(prompts["running"], greedy, "x", request_id="running")
+    engine.add_request(prompts["waiting"], greedy, "x", request_id="waiting")
+    got = {k: [] for k in prompts}
+    for out in engine.step():  # "running" runs; "waiting" waits (one sequence at a time)
+        got[out.request_id] += out.token_ids
+    assert engine.register_adapter("x", saved["r16"].path) == 2
+    engine.add_request(prompts["new"], greedy, "x", request_id="new")
+    assert engine.pool.memory()["claimed_old_versions"] == 1
+    ends = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+            if out.finished:
+                ends[out.request_id] = out.finish_reason
+    assert ends == dict.fromkeys(prompts, "length")
+    for rid, folder in (("running", "r4"), ("waiting", "r4"), ("new", "r16")):
+        assert got[rid] == reference(base, saved, prompts[rid], folder, 5), rid
+    memory = engine.pool.memory()
+    assert memory["claimed_old_versions"] == 0 and memory["kept_bytes"] == 0
+    assert [s["version"] for s in memory["slots"] if s is not None] == [2]
+
+
 def test_a_request_that_breaks_a_step_fails_alone(setup):
     """A value that slips past validation and breaks the step (top_k past int64, as a client once sent) ends its
     own request with an error; the step runs again without it, and every other request gets exactly the tokens

@@ -130,6 +130,36 @@ def test_hot_swap_keeps_running_requests_on_their_version(folders):
     assert all(s is None for s in pool.memory()["slots"])
 
 
+def test_a_claimed_version_outlives_its_replacement_until_its_last_claim(folders):
+    """A version a request claimed is served after a hot-swap and an unregister (its image kept out of the CPU
+    cache's reach, however full the cache gets); the last unclaim frees it, and a reference to it fails then."""
+    base, saved, _ = folders
+    _, handle, pool = fresh_pool(base, max_loras=2, budget=1 << 20)
+    pool.register("x", saved["q4"].path)
+    old, snapshot = pool.claim("x")
+    assert (old.name, old.version, old.sha256) == ("x", 1, snapshot.sha256)
+    assert pool.register("x", saved["all8"].path) == 2
+    for name in ("mlp2", "emb6"):  # fill the CPU cache: the old version's image is not in it to drop
+        pool.register(name, saved[name].path)
+    assert pool.memory()["claimed_old_versions"] == 1 and pool.memory()["kept_bytes"] > 0
+    (slot,) = pool.acquire([old])
+    check_slot(handle, slot, saved["q4"].path)
+    pool.unregister("x")
+    again, _ = pool.claim(old)  # a reference to a claimed version may claim it again
+    assert again == old
+    pool.release([slot])
+    pool.unclaim(old)
+    check_slot(handle, slot, saved["q4"].path)  # one claim left: still in its slot
+    pool.unclaim(old)
+    assert pool.memory()["claimed_old_versions"] == 0 and pool.memory()["kept_bytes"] == 0
+    assert pool.memory()["slots"][slot] is None
+    with pytest.raises(AdapterError, match="version 1 was removed after this request was prepared"):
+        pool.claim(old)
+    with pytest.raises(ValueError, match="not claimed"):
+        pool.register("x", saved["q4"].path)
+        pool.unclaim(pool.ref("x"))
+
+
 def test_pins_are_never_evicted(folders):
     base, saved, _ = folders
     _, handle, pool = fresh_pool(base, max_loras=2)
@@ -464,8 +494,9 @@ FOLDERS = tuple(SPECS) + ("nan",)
 
 class PoolMachine(RuleBasedStateMachine):
     """Drives the pool against a model: the registry (name -> version), who holds what, and the pins. After
-    every step: each held slot holds exactly the version that was current when it was acquired, no slot holds
-    two versions, reference counts match, budgets hold, pinned adapters are resident."""
+    every step: each held slot holds exactly the version that was current when it was acquired (or the claimed
+    version it was acquired for), no slot holds two versions, reference counts match, budgets hold, pinned adapters
+    are resident, and a replaced version lives exactly while it is claimed."""
 
     SLOTS = 2
 
@@ -478,6 +509,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.leases: list[tuple[list[int], list]] = []  # (slots, [(version id, folder) or None])
         self.pins: set[str] = set()
         self.kept: set[int] = set()  # pinned versions seen resident: they must stay
+        self.claims: list[tuple] = []  # (AdapterRef, (version id, folder)) of each claim held
         for name, folder in zip(NAMES, ("all8", "q4", "big")):  # start with work to do
             self.register(name, folder)
 
@@ -559,6 +591,35 @@ class PoolMachine(RuleBasedStateMachine):
             with pytest.raises(AdapterError, match="not pinned"):
                 self.pool.unpin(name)
 
+    @rule(name=st.sampled_from(NAMES))
+    def claim(self, name):
+        if name not in self.current:
+            with pytest.raises(AdapterError, match="unknown adapter"):
+                self.pool.claim(name)
+            return
+        ref, _ = self.pool.claim(name)
+        self.claims.append((ref, self.current[name]))
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data())
+    def acquire_claimed(self, data):
+        """A request's acquire: the version it claimed, whatever replaced it since."""
+        ref, version = self.claims[data.draw(st.integers(0, len(self.claims) - 1))]
+        full = len({version[0]} | self.busy()) > self.SLOTS
+        try:
+            slots = self.pool.acquire([ref])
+        except PoolFull:
+            assert full
+            return
+        assert not full
+        self.leases.append((slots, [version]))
+
+    @precondition(lambda self: self.claims)
+    @rule(data=st.data())
+    def unclaim(self, data):
+        ref, _ = self.claims.pop(data.draw(st.integers(0, len(self.claims) - 1)))
+        self.pool.unclaim(ref)
+
     @rule(names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=3))
     def prefetch(self, names):
         try:
@@ -583,8 +644,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert (info["holders"] if info else 0) == holders.get(slot, 0)
         occupants = [v for v in self.pool.slots if v is not None]
         assert len(set(map(id, occupants))) == len(occupants)
+        current = {v[0] for v in self.current.values()}
+        assert mem["claimed_old_versions"] == len({v[0] for _, v in self.claims} - current)
         assert all(self.pool.slots[v.slot] is v for v in occupants)
-        assert all(v.refs > 0 or self.pool._current.get(v.name) is v for v in occupants)  # retired: freed
+        assert all(v.refs > 0 or v.claims > 0 or self.pool._current.get(v.name) is v for v in occupants)  # retired: freed
         assert mem["cpu_bytes"] <= mem["cpu_budget"]
         for name in self.pins:
             version = self.current[name][0]

@@ -20,12 +20,14 @@ def ref(name: str | None, version: int = 1) -> AdapterRef | None:
 
 
 class FakePool:
-    """max_loras slots; an upload takes ``delay`` steps to land (``tick`` advances time). Every adapter is at version 1
-    unless ``current`` says otherwise; a request for another version fails, as the real pool's."""
+    """max_loras slots; an upload takes ``delay`` steps to land (``tick`` advances time). Each version is an adapter
+    of its own; one in ``gone`` cannot be served (its weights changed on disk), as the real pool's. ``claims``: the
+    claims requests hold (the engine takes them, the scheduler gives them back)."""
 
     def __init__(self, slots: int, delay: int = 0):
         self.slots: list[AdapterRef | None] = [None] * slots
-        self.current: dict[str, int] = {}
+        self.gone: dict[AdapterRef, str] = {}
+        self.claims: dict[AdapterRef, int] = {}
         self.refs = [0] * slots
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.landing: dict[int, int] = {}  # slot -> step its upload lands
@@ -36,9 +38,15 @@ class FakePool:
         self.now += 1
 
     def check(self, adapter):
-        now = self.current.get(adapter.name, 1)
-        if adapter.version != now:
-            raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was replaced by version {now}")
+        if adapter in self.gone:
+            raise AdapterError(self.gone[adapter])
+
+    def claim(self, adapter):
+        self.claims[adapter] = self.claims.get(adapter, 0) + 1
+
+    def unclaim(self, adapter):
+        assert self.claims.get(adapter, 0) > 0, f"{adapter} unclaimed more often than claimed"
+        self.claims[adapter] -= 1
 
     def ready(self, name):
         self.check(name)
@@ -101,7 +109,10 @@ def simulate(arrivals, *, slots, num_blocks, block_size=4, max_num_seqs=4, budge
         assert step < max_steps, "did not finish"
         while pending and pending[0][1][0] <= step:
             i, (_, adapter, prompt_len, max_tokens) = pending.pop(0)
-            r = Request(f"r{i}", list(range(prompt_len)), ref(adapter), max_tokens, sched.next_seq())
+            r = Request(f"r{i}", list(range(prompt_len)), ref(adapter), max_tokens, sched.next_seq(),
+                        claimed=adapter is not None)
+            if adapter is not None:
+                pool.claim(r.adapter)
             requests.append(r)
             arrived_at[r] = step
             sched.add(r)
@@ -133,6 +144,7 @@ def simulate(arrivals, *, slots, num_blocks, block_size=4, max_num_seqs=4, budge
         pool.tick()
         step += 1
     assert blocks.num_free == num_blocks and all(n == 0 for n in pool.refs)  # nothing leaked
+    assert all(n == 0 for n in pool.claims.values())  # every claim given back, once
     return requests, started, arrived_at, step
 
 
@@ -265,22 +277,26 @@ def test_a_real_failure_in_acquire_surfaces_and_pool_full_only_waits():
     assert not issubclass(PoolFull, RuntimeError)
 
 
-def test_a_request_prepared_for_a_replaced_version_fails_and_the_current_one_runs():
-    """The version a request was prepared for (its tokens checked against that adapter's added tokens, its grammar
-    compiled for its tokenizer) is the one it runs on: one replaced by other files while it waited fails with the
-    pool's why, a request for the current version beside it runs, and so does a base request. The scheduler hands
-    the pool each request's ``AdapterRef`` unchanged; the pool alone checks the version."""
-    pool = FakePool(2)
-    pool.current["x"] = 2
-    pool.prefetch([ref("x", 2)])
+def test_each_request_runs_on_its_version_and_one_that_cannot_be_served_fails_alone():
+    """The version a request was admitted with (its tokens checked against that adapter's added tokens, its grammar
+    compiled for its tokenizer) is the one it runs on: two versions of one name run side by side, each in a slot of
+    its own, keyed apart in the prefix cache. A version the pool cannot serve fails its request alone, with the
+    pool's why, and gives its claim back. The scheduler hands the pool each request's ``AdapterRef`` unchanged."""
+    pool = FakePool(3)
+    pool.gone[ref("y")] = "adapter 'y' at /a: changed on disk since it was registered"
     sched = Scheduler(pool, BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
-    sched.add(old := Request("old", [1, 2], ref("x", 1), 2, sched.next_seq()))
-    sched.add(new := Request("new", [1, 2], ref("x", 2), 2, sched.next_seq()))
-    sched.add(base := Request("base", [1, 2], None, 2, sched.next_seq()))
-    items = sched.schedule().items
-    assert [i.request for i in items] == [new, base]
-    assert [(r, why) for r, why in sched.failed] == [(old, "adapter 'x' version 1 was replaced by version 2")]
-    assert new.adapter_key == b"sha-of-x-v2" and base.adapter_key is None  # the prefix cache's key: the version's
+    made = [Request(r, [1, 2], a, 2, sched.next_seq(), claimed=a is not None)
+            for r, a in (("old", ref("x", 1)), ("new", ref("x", 2)), ("bad", ref("y")), ("base", None))]
+    old, new, bad, base = made
+    for r in made:
+        if r.claimed:
+            pool.claim(r.adapter)
+        sched.add(r)
+    sched.schedule()
+    items = sched.schedule().items  # the uploads started by the first schedule have landed
+    assert [i.request for i in items] == [old, new, base] and old.slot != new.slot
+    assert [(r, why) for r, why in sched.failed] == [(bad, pool.gone[ref("y")])] and pool.claims[ref("y")] == 0
+    assert (old.adapter_key, new.adapter_key, base.adapter_key) == (b"sha-of-x-v1", b"sha-of-x-v2", None)
 
 
 def test_prompts_are_chunked_to_max_prefill_tokens_while_others_decode():

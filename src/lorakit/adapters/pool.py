@@ -1,10 +1,11 @@
 """The adapter pool: many registered adapters, a CPU cache of some, and the model's few GPU slots (S-LoRA's tiers).
 
 disk: ``read`` (any thread) checks a PEFT folder in full into a ``Snapshot``, ``install`` makes it the name's current
-version (registering a name again is a hot-swap). CPU: packed ``SlotImage``s under a byte budget, LRU. GPU:
-``acquire(refs)`` gives a batch its slots, uploading on a side stream that the compute stream waits on, and evicting
-what nobody holds or pinned; ``release`` gives them back. A running request keeps the version it acquired. The pool is
-the one writer of the handle's ``SlotTable``; its own state sits behind one lock. How and why: docs/pool.md.
+version (registering a name again is a hot-swap). A request ``claim``s the version it was resolved to, once, and
+runs on it to its end (``unclaim``): a replaced version lives on while claimed. CPU: packed ``SlotImage``s under a byte
+budget, LRU. GPU: ``acquire(refs)`` gives a batch its slots, uploading on a side stream that the compute stream waits
+on, and evicting what nobody holds or pinned; ``release`` gives them back. The pool is the one writer of the handle's
+``SlotTable``; its own state sits behind one lock. How and why: docs/pool.md.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def check_name(name) -> str:
 
 class AdapterRef(msgspec.Struct, frozen=True, array_like=True):
     """A registered adapter's version, as the server resolved a request's ``model`` to it once, at the edge: every
-    floor below carries this, not the name (``AdapterPool.resolve`` checks it is still the current version)."""
+    floor below carries this, not the name (``AdapterPool.claim`` checks once that the version still lives)."""
 
     name: str
     version: int
@@ -78,18 +79,22 @@ def resolve(registry: Mapping[str, T], name: str) -> T:
     return found
 
 
-def _version(current: Mapping[str, _Version], adapter: AdapterRef | str) -> _Version:
-    """A name's current version; for an ``AdapterRef``, that version, which must still be the current one
-    (AdapterError when it was replaced or removed since the ref was made: what a request prepared for it, its
-    tokens, its grammar, may not fit the new one)."""
+def _version(current: Mapping[str, _Version], claimed: Mapping[tuple[str, int], _Version],
+             adapter: AdapterRef | str) -> _Version:
+    """A name's current version; for an ``AdapterRef``, that version: the current one, or a replaced one that
+    requests still claim (AdapterError when it is gone: what a request prepared for it, its tokens, its grammar,
+    may not fit the new one)."""
     if isinstance(adapter, str):
         return resolve(current, adapter)
     v = current.get(adapter.name)
-    if v is None or v.number != adapter.version:
+    if v is not None and v.number == adapter.version:
+        return v
+    old = claimed.get((adapter.name, adapter.version))
+    if old is None:
         now = "removed" if v is None else f"replaced by version {v.number}"
         raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
                            f"was prepared for it; send it again")
-    return v
+    return old
 
 
 def _shown(value) -> str:
@@ -112,8 +117,10 @@ class _Version:
     snapshot: Snapshot
     nbytes: int  # of its packed image
     slot: int | None = None
-    refs: int = 0
-    retired: bool = False
+    refs: int = 0  # holders of its slot (running requests)
+    claims: int = 0  # requests that run on it, waiting or running (``claim``)
+    retired: bool = False  # replaced or unregistered: it lives on while claimed
+    kept: SlotImage | None = None  # its image held outside the CPU cache (claimed after retiring, or pushed)
     ready: object = None  # the upload's CUDA event until the compute stream has waited for it
     changed: str | None = None  # why its files no longer match the snapshot: it fails closed
 
@@ -199,6 +206,7 @@ class AdapterPool:
         # Changes.
         self._lock = threading.RLock()
         self._current: dict[str, _Version] = {}
+        self._claimed: dict[tuple[str, int], _Version] = {}  # retired versions requests still claim
         self.slots = handle.slots  # which version is in which slot: written only by this pool from now on
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
         self._cpu = ImageCache(cpu_budget_bytes)
@@ -256,7 +264,10 @@ class AdapterPool:
             if old is not None:
                 self.stats.swaps += 1
                 self._retire(old)
-            self._cache(version, image)
+            if snapshot.files:
+                self._cache(version, image)
+            else:  # pushed from memory: nothing to read it again from
+                version.kept = image
             if snapshot.name in self._pins:  # the new version takes the pin
                 self._make_resident([version], evict=True, strict=False)
             logger.info("registered %r from %s (%.1f MiB, rank <= %d, sha256 %s)", version, snapshot.info.path,
@@ -286,15 +297,34 @@ class AdapterPool:
 
     def resolve(self, adapter: str | AdapterRef) -> Snapshot:
         """The snapshot of a name's current version (AdapterError for an unknown one); for an ``AdapterRef``, of that
-        version, which must still be the current one (AdapterError when it was replaced or removed since the ref
-        was made: what a request prepared for it, its tokens, may not fit the new one)."""
-        return _version(self._current.copy(), adapter).snapshot
+        version while it lives (current, or claimed by requests; AdapterError once it is gone)."""
+        return _version(self._current.copy(), self._claimed.copy(), adapter).snapshot
 
     def ref(self, adapter: str | AdapterRef) -> AdapterRef:
         """The current version of a name as a reference (AdapterError for an unknown one); a reference is checked to
-        be the current version still, and returned."""
-        v = _version(self._current.copy(), adapter)
-        return AdapterRef(v.name, v.number, v.snapshot.sha256)
+        live still, and returned."""
+        v = _version(self._current.copy(), self._claimed.copy(), adapter)
+        return _ref(v)
+
+    def claim(self, adapter: str | AdapterRef) -> tuple[AdapterRef, Snapshot]:
+        """A request's hold on the version it runs on, taken once when it is admitted (a name: its current version;
+        an ``AdapterRef``: that version while it lives, else AdapterError): the version, with its image, lives until
+        every request that claims it has called ``unclaim``, whatever replaces or unregisters it meanwhile. Returns
+        the version as a reference and its snapshot."""
+        with self._lock:
+            v = _version(self._current, self._claimed, adapter)
+            v.claims += 1
+            return _ref(v), v.snapshot
+
+    def unclaim(self, adapter: AdapterRef) -> None:
+        """A request that ``claim``ed ``adapter`` has ended: a retired version goes once its last claim does."""
+        with self._lock:
+            v = _version(self._current, self._claimed, adapter)
+            if v.claims < 1:
+                raise ValueError(f"unclaim({adapter}): {v!r} is not claimed; unclaim only what claim returned")
+            v.claims -= 1
+            if v.retired and v.claims == 0:
+                self._drop(v)
 
     def snapshot(self, name: str) -> Snapshot | None:
         """The snapshot of ``name``'s current version (None when it is not registered): one object per version."""
@@ -309,10 +339,10 @@ class AdapterPool:
 
     def acquire(self, adapters: Sequence[AdapterRef | str | None]) -> list[int]:
         """Slot ids for a batch (one per adapter, -1 for None: the base model), loading what is missing. Each
-        counts as one holder until ``release``. An ``AdapterRef`` must still be the current version (this is where
-        that is checked); a name means its current version. The compute stream waits for the uploads (no host
-        sync), so a forward queued afterwards reads complete slots. Raises ``PoolFull`` if slots are lacking and
-        ``AdapterError`` for unknown, replaced or unreadable adapters, changing nothing."""
+        counts as one holder until ``release``. An ``AdapterRef`` means that version (current, or claimed); a name,
+        its current version. The compute stream waits for the uploads (no host sync), so a forward queued afterwards
+        reads complete slots. Raises ``PoolFull`` if slots are lacking and ``AdapterError`` for unknown, gone or
+        unreadable adapters, changing nothing."""
         with self._lock:
             versions = self._lookup(adapters)
             wanted = list(dict.fromkeys(v for v in versions if v is not None))
@@ -340,7 +370,7 @@ class AdapterPool:
                 v.refs -= n
                 if v.refs == 0:
                     self._released[slot] = self._record()
-                    if v.retired:
+                    if v.retired and v.claims == 0:
                         self._free(v)
 
     def prefetch(self, adapters: Iterable[AdapterRef | str]) -> list[AdapterRef | str]:
@@ -348,7 +378,7 @@ class AdapterPool:
         references or making the compute stream wait. ``adapters`` in order of need: each may take the slot of one
         that comes after it (held by nobody), never of one before it. Returns those of ``adapters`` now resident or
         on their way (an adapter the CPU tier dropped is read from disk again on a thread of its own, and loaded by
-        the first prefetch after its read). Skips the rest when slots are lacking. Raises for unknown, replaced or
+        the first prefetch after its read). Skips the rest when slots are lacking. Raises for unknown, gone or
         unreadable adapters."""
         adapters = list(adapters)
         with self._lock:
@@ -388,7 +418,7 @@ class AdapterPool:
             return self.slots.reserve(self.handle.ranks_by_store(infos))
 
     def ready(self, adapter: AdapterRef | str) -> bool:
-        """Whether the adapter (that version, still the current one; a name: its current version) is in a slot and
+        """Whether the adapter (that version, current or claimed; a name: its current version) is in a slot and
         its upload has landed (no waiting, no sync): a scheduler admits a request once its adapter is ready, so loads
         never stall the running batch."""
         with self._lock:
@@ -434,7 +464,10 @@ class AdapterPool:
                 "cpu_bytes": self._cpu.nbytes,
                 "cpu_budget": self._cpu.budget,
                 "cpu_adapters": len(self._cpu.images),
+                "kept_bytes": sum(v.kept.nbytes for v in [*self._current.values(), *self._claimed.values()]
+                                  if v.kept is not None),
                 "registered": len(self._current),
+                "claimed_old_versions": len(self._claimed),
                 "slots": slots,
             }
 
@@ -446,7 +479,7 @@ class AdapterPool:
     def _lookup(self, adapters: Sequence[AdapterRef | str | None]) -> list[_Version | None]:
         if isinstance(adapters, str):
             raise TypeError(f"pass a list of adapter names, got the string {adapters!r}")
-        return [None if a is None else _version(self._current, a) for a in adapters]
+        return [None if a is None else _version(self._current, self._claimed, a) for a in adapters]
 
     def _pinned(self, v: _Version) -> bool:
         return v.name in self._pins and self._current.get(v.name) is v
@@ -494,6 +527,8 @@ class AdapterPool:
             self._upload(v, slot, image, after_growth=grew)
 
     def _image(self, v: _Version) -> SlotImage:
+        if v.kept is not None:
+            return v.kept
         image = self._cpu.get(v)
         if image is not None:
             self.stats.cpu_hits += 1
@@ -513,7 +548,7 @@ class AdapterPool:
         """Whether ``v``'s image is at hand (in the CPU cache, or read again off the engine thread: then cached);
         else its read starts on the reader thread, and a later prefetch finds it (a rank-64 8B adapter takes a
         second or two to read, hash and check: steps go on meanwhile). AdapterError when its files changed."""
-        if v in self._cpu.images:
+        if v.kept is not None or v in self._cpu.images:
             return True
         if v.changed is not None:
             raise AdapterError(v.changed)
@@ -547,6 +582,8 @@ class AdapterPool:
 
     def _cache(self, v: _Version, image: SlotImage) -> None:
         v.nbytes = image.nbytes
+        if v.kept is not None:
+            return
         for old in self._cpu.put(v, image):
             self.stats.cpu_evictions += 1
             logger.debug("dropped %r from the CPU cache", old)
@@ -592,8 +629,22 @@ class AdapterPool:
         v.ready = None
 
     def _retire(self, v: _Version) -> None:
+        """``v`` is replaced or unregistered: gone now if no request claims it, else kept (its image out of the CPU
+        cache's reach, read again first if the cache had dropped it) until the last claim ends."""
         v.retired = True
+        if v.claims == 0:
+            self._drop(v)
+            return
+        self._claimed[v.name, v.number] = v
+        if v.kept is None:
+            v.kept = self._cpu.get(v)
+            self._cpu.pop(v)
+
+    def _drop(self, v: _Version) -> None:
+        """A retired version no request claims: its images go, and its slot once nobody holds it."""
+        self._claimed.pop((v.name, v.number), None)
         self._cpu.pop(v)
+        v.kept = None
         self._reads.pop(v, None)  # a read in flight finishes unseen
         if v.refs == 0:
             self._free(v)
@@ -628,6 +679,10 @@ class _Done:
 
     def done(self) -> bool:
         return True
+
+
+def _ref(v: _Version) -> AdapterRef:
+    return AdapterRef(v.name, v.number, v.snapshot.sha256)
 
 
 def _count(counts: dict[str, int], name: str) -> None:

@@ -150,8 +150,9 @@ class Engine:
                     grammar: Grammar | None = None) -> str:
         """Queue a request; returns its id. Bad requests raise ValueError (or AdapterError) and change nothing.
 
-        ``adapter``: the version a server resolved the request's model to (``AdapterRef``: it must still be the
-        current one), or a registered name (its current version), or None for the base model. ``grammar``: the
+        ``adapter``: the version a server resolved the request's model to (``AdapterRef``: it must still live), or a
+        registered name (its current version), or None for the base model; the request runs on that version to its
+        last token, whatever replaces it meanwhile. ``grammar``: the
         request's structured output compiled already (``self.grammar(...)``, off this thread); a request with
         structured output and no grammar (or one compiled for another tokenizer) is compiled here first, this thread
         waiting (within the grammar budget)."""
@@ -161,8 +162,22 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ref = None if adapter is None else self.pool.ref(adapter)  # the one lookup of its adapter: a name's current version
-        snapshot = None if ref is None else self.pool.resolve(ref)
+        # The one lookup of its adapter: the version it runs on to its end, held by this claim (the scheduler
+        # gives it back when the request leaves).
+        ref, snapshot = (None, None) if adapter is None else self.pool.claim(adapter)
+        try:
+            request = self._request(request_id, prompt, params, grammar, ref, snapshot)
+        except BaseException:
+            if ref is not None:
+                self.pool.unclaim(ref)
+            raise
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _request(self, request_id: str, prompt, params: SamplingParams, grammar: Grammar | None,
+                 ref: AdapterRef | None, snapshot) -> Request:
+        """The checked request for ``add_request`` (ValueError or AdapterError for a bad one)."""
         name = None if ref is None else ref.name
         info = None if snapshot is None else snapshot.info
         tokenizer = self.registry.tokenizer_of(snapshot)
@@ -172,15 +187,13 @@ class Engine:
         limited = fit_params(params, len(prompt_ids), self.max_seq_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, prompt_ids, ref, limited.max_tokens, self.scheduler.next_seq(),
-                          params=limited, seed=seed, lora_start=lora_start(prompt_ids, info))
+                          params=limited, seed=seed, lora_start=lora_start(prompt_ids, info), claimed=ref is not None)
         prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         request.state = _State(stop_token_ids(limited, self.eos_token_id),
                                [] if params.logprobs is not None else None, constraint,
                                sync=constraint is not None or params.penalized or bool(params.logit_bias)
                                or prompt_logprobs is not None, prompt_logprobs=prompt_logprobs)
-        self._requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        return request
 
     def _check_logits_params(self, params: SamplingParams, added: frozenset[int], tokenizer, grammar: Grammar | None,
                              adapter: str | None) -> Constraint | None:

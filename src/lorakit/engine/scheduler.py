@@ -25,10 +25,10 @@ LOOKAHEAD = 32  # waiting requests whose adapters start their uploads each step,
 
 class AdapterSlots(Protocol):
     """What the scheduler needs of the adapter pool (``AdapterPool`` has it), asked with the request's
-    ``AdapterRef`` as it came from the edge. ``acquire`` raises ``PoolFull`` when every slot it would need is held
-    (the request waits); ``ready``, ``prefetch`` and ``acquire`` raise ``AdapterError`` for an adapter that cannot
-    be served, or a version that is no longer the current one (the request fails); anything else is a real failure
-    of the step."""
+    ``AdapterRef``, the version its engine ``claim``ed for it (the scheduler ``unclaim``s it when the request leaves).
+    ``acquire`` raises ``PoolFull`` when every slot it would need is held (the request waits); ``ready``, ``prefetch``
+    and ``acquire`` raise ``AdapterError`` for an adapter whose weights cannot be read (the request fails); anything
+    else is a real failure of the step."""
 
     def ready(self, adapter: AdapterRef) -> bool: ...
 
@@ -37,6 +37,8 @@ class AdapterSlots(Protocol):
     def acquire(self, adapters: list[AdapterRef | None]) -> list[int]: ...
 
     def release(self, slots: Iterable[int]) -> None: ...
+
+    def unclaim(self, adapter: AdapterRef) -> None: ...
 
     def pinned(self, name: str) -> bool:
         """Whether ``name`` is pinned in its slot (never drained for another adapter)."""
@@ -67,6 +69,7 @@ class Request:
     waited: int = 0  # steps spent waiting since arrival or preemption
     preemptions: int = 0
     finish_reason: FinishReason | None = None
+    claimed: bool = False  # it holds a claim on its adapter's version, given back when it leaves (``Scheduler.abort``)
     state: Any = None  # the engine's per-request state (stop ids, logprobs, grammar)
 
     @property
@@ -150,12 +153,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request: Request) -> None:
-        """Drop a request wherever it is, freeing its blocks and slot."""
+        """Drop a request wherever it is, freeing its blocks, its slot and its claim on its adapter's version."""
         if request in self.waiting:
             self.queue.remove(request)
         if request in self.running:
             self.running.remove(request)
             self._release(request)
+        self._unclaim(request)
+
+    def _unclaim(self, request: Request) -> None:
+        if request.claimed:
+            request.claimed = False
+            self.pool.unclaim(request.adapter)
 
     # One step.
 
@@ -352,8 +361,8 @@ class Scheduler:
 
     def _adapter_ready(self, request: Request, ready: dict[AdapterRef, bool | AdapterError]) -> bool:
         """Whether ``request``'s adapter has landed in a slot (None: the base model, always); ``ready`` caches the
-        answer per adapter version for this step. A request whose adapter cannot be served, or whose version was
-        replaced while it waited (what it was prepared for may not fit the new one), fails."""
+        answer per adapter version for this step. A request whose adapter cannot be served (its weights changed on
+        disk, or turned out bad) fails."""
         adapter = request.adapter
         if adapter is None:
             return True
@@ -361,11 +370,12 @@ class Scheduler:
         if state is None:
             try:
                 state = self.pool.ready(adapter)
-            except AdapterError as e:  # unknown (unregistered since), replaced, or its weights turned out bad
+            except AdapterError as e:  # its weights cannot be read again, or turned out bad
                 state = e
             ready[adapter] = state
         if isinstance(state, AdapterError):
             self.queue.remove(request)
+            self._unclaim(request)
             self.failed.append((request, str(state)))
             return False
         return state
@@ -382,7 +392,7 @@ class Scheduler:
         request.preemptions += 1
         self.num_preemptions += 1
         request.waited = 0
-        self.add(request)
+        self.queue.add(request)
 
     def _release(self, request: Request) -> None:
         self._register(request)
