@@ -25,7 +25,7 @@ import msgspec
 
 import torch
 
-from lorakit.adapters.snapshot import Changed, Snapshot, read_snapshot, reread
+from lorakit.adapters.snapshot import Changed, Snapshot, read_pushed, read_snapshot, reread
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage, needs_growth
 from lorakit.peft import AdapterError, AdapterInfo
@@ -247,6 +247,20 @@ class AdapterPool:
                                  max_bytes=self._cpu.budget)
         snapshot.reader = self
         return snapshot
+
+    def read_pushed(self, name: str, weights, config) -> Snapshot:
+        """An adapter pushed from memory (``weights``: a PEFT state dict, tensors on any device, or a safetensors
+        file's bytes; ``config``: its LoraConfig or dict), checked in full as ``read`` checks a folder, changing
+        nothing (any thread). Its image stays in memory while the version lives: there is no file to read it again
+        from. Raises AdapterError (ValueError for a bad name)."""
+        snapshot = read_pushed(self.handle, check_name(name), weights, config, strict=self.strict, pin=self._pin,
+                               max_bytes=self._cpu.budget)
+        snapshot.reader = self
+        return snapshot
+
+    def push(self, name: str, weights, config) -> int:
+        """``install(read_pushed(name, weights, config))``: a new version of ``name`` from memory; its number."""
+        return self.install(self.read_pushed(name, weights, config))
 
     def install(self, snapshot: Snapshot) -> int:
         """Make a snapshot from ``read`` the current version of its name (a hot-swap when the name is registered:

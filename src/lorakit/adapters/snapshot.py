@@ -5,18 +5,22 @@ path without following a link, reads only a regular file of bounded size, and co
 while hashing it. Everything is checked on that copy, in full (config, keys, shapes, rank, every value), and
 packed: the ``Snapshot``. A file changed or swapped on disk afterwards cannot reach it, and a later re-read
 (``reread``, after the CPU tier dropped the image) must find the same bytes at the same real paths, or raises
-``Changed``. ``read_tokenizer`` reads an adapter's tokenizer files the same way, and never runs code from them.
+``Changed``. ``read_pushed`` takes an adapter pushed from memory (tensors, or a safetensors body) through the same
+checks; its snapshot has no files, so its image is never dropped. ``read_tokenizer`` reads an adapter's tokenizer
+files the same way as the adapter's, and never runs code from them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import hashlib
+import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +29,9 @@ from lorakit.layers.image import SlotImage
 from lorakit.peft import AdapterError, AdapterInfo
 from lorakit.peft.config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
 
-__all__ = ["Changed", "FileRecord", "Snapshot", "read_snapshot", "read_tokenizer", "reread"]
+__all__ = ["PUSHED", "Changed", "FileRecord", "Snapshot", "read_pushed", "read_snapshot", "read_tokenizer", "reread"]
+
+PUSHED = Path("<pushed from memory>")  # the folder a pushed adapter's info names: it has none
 
 TOKENIZER_FILE_BYTES = 64 << 20  # per tokenizer file; the largest vocabularies' tokenizer.json take ~35 MB
 # Files transformers reads for a tokenizer, besides those its class names (vocab_files_names); nothing else is read.
@@ -84,6 +90,71 @@ def read_snapshot(handle: LoraHandle, name: str, path: str | Path, roots: Sequen
     image = handle.pack(adapter, pin=pin)
     _check_size(image.nbytes, max_bytes, where)
     return Snapshot(name, dataclasses.replace(info, path=folder), digest(records), records, image)
+
+
+def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool, pin: bool, max_bytes: int
+                ) -> Snapshot:
+    """An adapter pushed from memory, checked in full as a folder would be (config, keys, shapes, rank, every value):
+    ``weights`` is a PEFT state dict (``get_peft_model_state_dict``'s keys; tensors on any device, copied) or the
+    bytes of a safetensors file of one; ``config`` its ``LoraConfig``, or the dict ``adapter_config.json`` holds.
+    Its sha256 is ``digest``'s of the config and weights as written here. Changes nothing; raises AdapterError."""
+    where = f"adapter {name!r} pushed from memory"
+    data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
+    if len(data) > max_bytes:
+        _check_size(len(data), max_bytes, where)
+    files = {CONFIG_NAME: _config_json(config, where), WEIGHTS_NAME: data}
+    with _private_copy(PUSHED, where) as copy:
+        records = []
+        for file, content in files.items():
+            (copy / file).write_bytes(content)
+            records.append(FileRecord(file, PUSHED / file, len(content), hashlib.sha256(content).hexdigest()))
+        info = handle.inspect_adapter(name, copy, strict=strict)
+        _check_size(image_bytes(handle, info), max_bytes, where)
+        adapter = handle.read_adapter(name, copy, strict=strict)
+    image = handle.pack(adapter, pin=pin)
+    return Snapshot(name, dataclasses.replace(info, path=PUSHED), digest(records), (), image)
+
+
+def _safetensors(tensors, where: str, max_bytes: int) -> bytes:
+    """A state dict as the bytes of a safetensors file (each tensor copied to the host once)."""
+    from safetensors.torch import save
+
+    import torch
+
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise AdapterError(f"{where}: the weights must be a non-empty dict of tensors (a PEFT state dict, as "
+                           f"get_peft_model_state_dict returns) or the bytes of a safetensors file, got "
+                           f"{type(tensors).__name__}")
+    total = 0
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise AdapterError(f"{where}: the weights must map names to tensors; {key!r} maps to "
+                               f"{type(value).__name__}")
+        total += value.numel() * value.element_size()
+    _check_size(total, max_bytes, where)
+    host = {key: value.detach().to("cpu", copy=True).contiguous() for key, value in tensors.items()}
+    return save(host)
+
+
+def _config_json(config, where: str) -> bytes:
+    """A LoraConfig (its ``to_dict()``) or a dict, as adapter_config.json's bytes (sets as lists, enums as values)."""
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise AdapterError(f"{where}: the config must be a peft LoraConfig or a dict of its fields, got "
+                           f"{type(config).__name__}")
+
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, enum.Enum):
+            return value.value
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    try:
+        return json.dumps(dict(config), default=plain).encode()
+    except (TypeError, ValueError) as e:
+        raise AdapterError(f"{where}: the config cannot be written as JSON ({e})") from None
 
 
 def reread(handle: LoraHandle, snapshot: Snapshot, *, strict: bool, pin: bool) -> SlotImage:

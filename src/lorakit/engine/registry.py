@@ -40,6 +40,11 @@ class AdapterRegistry:
         snapshot = self.pool.read(name, path, roots)
         return CheckedAdapter(snapshot, read_tokenizer(name, snapshot.info.path, roots))
 
+    def read_pushed(self, name: str, weights, config) -> CheckedAdapter:
+        """An adapter pushed from memory (a PEFT state dict or a safetensors file's bytes, and its LoraConfig or
+        config dict), checked in full (``AdapterPool.read_pushed``); it carries no tokenizer. Changes nothing."""
+        return CheckedAdapter(self.pool.read_pushed(name, weights, config), False)
+
     def install(self, checked: CheckedAdapter) -> int:
         """Make a checked adapter the current version of its name (reads nothing); its version number."""
         snapshot = checked.snapshot
@@ -55,6 +60,10 @@ class AdapterRegistry:
     def register(self, name: str, path: str | Path) -> int:
         """``install(read(name, path))``: register (or hot-swap) an adapter; its version number."""
         return self.install(self.read(name, path))
+
+    def push(self, name: str, weights, config) -> int:
+        """``install(read_pushed(name, weights, config))``: a new version of ``name`` from memory; its number."""
+        return self.install(self.read_pushed(name, weights, config))
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` in the pool (running requests keep their version's slot until they end)."""

@@ -1,0 +1,264 @@
+"""Adapters pushed from memory (issue 49): a PEFT state dict handed to the engine as it is, each push a new version
+checked in full, every request on the version it was admitted with, bad pushes refused by name with the previous
+version serving; a hypothesis test of pushes, requests and unloads interleaved."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save
+
+from _peft_models import TARGETS, tiny_model
+from lorakit import AdapterError
+from lorakit.engine import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama", seed=5)
+
+
+def trained(base, seed: int, config: LoraConfig = CONFIG):
+    """A PEFT model as a training loop holds it after a step: random nonzero A and B."""
+    model = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval()
+
+
+def peft_tokens(model, prompt, n=5) -> list[int]:
+    """Greedy tokens by full forwards, past eos (the engine's requests ignore it)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def run(engine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+    got = {rid: [] for rid in requests}
+    for rid, (prompt, adapter) in requests.items():
+        engine.add_request(prompt, GREEDY, adapter, request_id=rid)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    return got
+
+
+def test_each_push_is_a_version_served_as_peft_computes_it(base):
+    """Push, generate, train, push again: each version's greedy tokens equal PEFT's with those weights; the same
+    weights pushed again are the same content (sha256), whatever device they were on."""
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4)
+    prompt = [3, 1, 4, 1, 5]
+    shas = []
+    for version, seed in enumerate((1, 2, 1), start=1):
+        model = trained(base, seed)
+        assert engine.push_adapter("policy", get_peft_model_state_dict(model), model.peft_config["default"]) == version
+        assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
+        shas.append(engine.pool.versions["policy"][1])
+    assert shas[0] == shas[2] != shas[1]
+    assert engine.pool.memory()["claimed_old_versions"] == 0  # old versions went with their requests
+    # a safetensors file's bytes and a config dict push the same content
+    model = trained(base, 1)
+    data = save(get_peft_model_state_dict(model))
+    assert engine.push_adapter("policy", data, model.peft_config["default"].to_dict()) == 4
+    assert engine.pool.versions["policy"][1] == shas[0]
+
+
+def test_a_request_admitted_before_a_push_finishes_on_the_old_weights(base):
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_num_seqs=1, block_size=4)
+    old, new = trained(base, 1), trained(base, 2)
+    engine.push_adapter("policy", get_peft_model_state_dict(old), CONFIG)
+    prompts = {"running": [1, 2, 3], "waiting": [4, 5, 6], "after": [7, 8]}
+    got = {rid: [] for rid in prompts}
+    engine.add_request(prompts["running"], GREEDY, "policy", request_id="running")
+    engine.add_request(prompts["waiting"], GREEDY, "policy", request_id="waiting")
+    for out in engine.step():
+        got[out.request_id] += out.token_ids
+    engine.push_adapter("policy", get_peft_model_state_dict(new), CONFIG)
+    engine.add_request(prompts["after"], GREEDY, "policy", request_id="after")
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert got["running"] == peft_tokens(old, prompts["running"])
+    assert got["waiting"] == peft_tokens(old, prompts["waiting"])
+    assert got["after"] == peft_tokens(new, prompts["after"])
+
+
+def _bad_pushes(base):
+    """(what is wrong, weights, config, a phrase the error must hold): each refused, none served."""
+    good = get_peft_model_state_dict(trained(base, 3))
+    key_a = next(k for k in good if "q_proj.lora_A" in k)
+    key_b = key_a.replace("lora_A", "lora_B")
+
+    def changed(**edits):
+        weights = dict(good)
+        for key, value in edits.items():
+            if value is None:
+                weights.pop(key)
+            else:
+                weights[key] = value
+        return weights
+
+    nan = good[key_a].clone()
+    nan[0, 0] = float("nan")
+    wide = CONFIG.to_dict() | {"r": 64, "lora_alpha": 128}
+    return [
+        ("wrong shape", changed(**{key_a: torch.randn(4, 7)}), CONFIG, "q_proj"),
+        ("a missing B", changed(**{key_b: None}), CONFIG, "lora_B"),
+        ("NaN", changed(**{key_a: nan}), CONFIG, "NaN"),
+        ("a rank over the cap", {k: torch.randn(64, v.shape[1]) if "lora_A" in k else torch.randn(v.shape[0], 64)
+                                 for k, v in good.items()}, wide, "max_rank"),
+        ("a config that does not match", good, CONFIG.to_dict() | {"target_modules": ["k_proj"]}, "q_proj"),
+        ("a body cut short", save(good)[:-100], CONFIG, "safetensors"),
+        ("no tensors", {}, CONFIG, "non-empty dict"),
+        ("not a config", good, "r=4", "LoraConfig"),
+    ]
+
+
+def test_bad_pushes_are_refused_by_name_and_the_previous_version_serves(base):
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_rank=16, block_size=4)
+    good = trained(base, 4)
+    engine.push_adapter("policy", get_peft_model_state_dict(good), CONFIG)
+    prompt = [9, 8, 7]
+    for what, weights, config, phrase in _bad_pushes(base):
+        with pytest.raises(AdapterError, match=phrase) as refused:
+            engine.push_adapter("policy", weights, config)
+        assert "pushed from memory" in str(refused.value), what
+        assert engine.pool.adapters == {"policy": 1}, what
+    assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(good, prompt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_push_of_gpu_tensors_serves_as_peft_computes_it(base):
+    model = trained(base, 6).cuda()
+    engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, block_size=4, device="cuda")
+    engine.push_adapter("policy", get_peft_model_state_dict(model), CONFIG)
+    prompt = [2, 7, 1, 8]
+    assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
+
+
+# Pushes, requests and unloads interleaved: nothing lost, nothing served from a wrong version.
+
+_MACHINE_BASE = None
+
+
+class PushMachine(RuleBasedStateMachine):
+    """A model of the engine's adapters: each name's current weights (a seed), and each request's expected weights,
+    those current when it was admitted. Requests waiting when their name is unloaded end with an error; every other
+    request ends with exactly PEFT's tokens for its weights."""
+
+    NAMES = ("p", "q")
+
+    @initialize()
+    def setup(self):
+        self.base = _MACHINE_BASE
+        self.engine = Engine(copy.deepcopy(self.base), max_loras=1, max_num_seqs=2, block_size=4)
+        self.current: dict[str, int] = {}  # name -> seed of its current version
+        self.expected: dict[str, tuple[list[int], int | None]] = {}  # request -> (prompt, seed; None: an error)
+        self.got: dict[str, list[int]] = {}
+        self.ended: dict[str, str] = {}
+        self.count = 0
+
+    @rule(name=st.sampled_from(NAMES), seed=st.integers(0, 3))
+    def push(self, name, seed):
+        self.engine.push_adapter(name, get_peft_model_state_dict(_trained(seed)), CONFIG)
+        self.current[name] = seed
+
+    @rule(name=st.sampled_from(NAMES + (None,)), length=st.integers(1, 6))
+    def add(self, name, length):
+        rid, self.count = f"r{self.count}", self.count + 1
+        prompt = [(self.count * 7 + i) % 90 for i in range(length)]
+        if name is not None and name not in self.current:
+            with pytest.raises(AdapterError, match="unknown adapter"):
+                self.engine.add_request(prompt, GREEDY, name, request_id=rid)
+            return
+        self.engine.add_request(prompt, GREEDY, name, request_id=rid)
+        self.expected[rid] = (prompt, None if name is None else self.current[name])
+        self.got[rid] = []
+
+    @rule(name=st.sampled_from(NAMES))
+    def unload(self, name):
+        if name not in self.current:
+            return
+        waiting = {r.request_id for r in self.engine.scheduler.waiting if r.adapter_name == name}
+        self.engine.unregister_adapter(name)
+        del self.current[name]
+        for rid in waiting:
+            self.expected[rid] = (self.expected[rid][0], "error")
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self._collect(self.engine.step())
+
+    def _collect(self, outputs):
+        for out in outputs:
+            self.got[out.request_id] += out.token_ids
+            if out.finished:
+                self.ended[out.request_id] = out.finish_reason
+
+    @invariant()
+    def versions_live_only_while_claimed(self):
+        if hasattr(self, "engine"):
+            claimed = {r.adapter for r in self.engine._requests.values() if r.adapter is not None}
+            current = set(self.engine.pool.versions.items())
+            old = {a for a in claimed if (a.name, (a.version, a.sha256)) not in current}
+            assert self.engine.pool.memory()["claimed_old_versions"] == len(old)
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        while self.engine.has_unfinished():
+            self._collect(self.engine.step())
+        for rid, (prompt, seed) in self.expected.items():
+            if seed == "error":
+                assert self.ended[rid] == "error", rid
+            else:
+                assert self.ended[rid] == "length", rid
+                reference = self.base if seed is None else _trained(seed)
+                assert self.got[rid] == _reference(reference, seed, tuple(prompt)), rid
+        assert self.engine.pool.memory()["claimed_old_versions"] == 0
+
+
+_TRAINED, _REFERENCES = {}, {}
+
+
+def _trained(seed):
+    if seed not in _TRAINED:
+        _TRAINED[seed] = trained(_MACHINE_BASE, seed)
+    return _TRAINED[seed]
+
+
+def _reference(model, seed, prompt):
+    if (seed, prompt) not in _REFERENCES:
+        _REFERENCES[seed, prompt] = peft_tokens(model, list(prompt))
+    return _REFERENCES[seed, prompt]
+
+
+def test_pushes_requests_and_unloads_interleaved(base):
+    global _MACHINE_BASE
+    _MACHINE_BASE = base
+    try:
+        PushMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
+                                                 suppress_health_check=list(HealthCheck))
+        PushMachine.TestCase().runTest()
+    finally:
+        _MACHINE_BASE = None
+        _TRAINED.clear()
+        _REFERENCES.clear()
+
+
+def test_targets_are_those_of_the_tiny_model():
+    assert set(CONFIG.target_modules) <= set(TARGETS["llama"])
