@@ -201,3 +201,49 @@ def engine_pid(url: str) -> int:
     pid = int(float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("lorakit_engine_pid "))))
     assert pid > 0 and pid != os.getpid()  # (0 would signal this test's own group)
     return pid
+
+
+def check_pushes(world, live, model_name: str = "tiny") -> None:
+    """Adapters pushed over HTTP to ``PUT /v1/lora_adapters/NAME`` (``lorakit.serve.push``): each push a version that
+    answers as the folder with the same weights does, the same content the same sha256; bad bodies refused by name
+    (400) with the previous version answering after; the base model's name refused."""
+    import json as _json
+    from pathlib import Path
+
+    import httpx
+    from safetensors.torch import load_file
+
+    from lorakit.serve.push import push_adapter, push_body
+
+    prompt = "What is the capital of France?"
+    folders = world[3]
+
+    def state_dict(name):
+        folder = Path(folders[name])
+        return (load_file(folder / "adapter_model.safetensors"),
+                _json.loads((folder / "adapter_config.json").read_text()))
+
+    def text(model):
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8,
+                                                            "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    answers = []
+    for version, source in enumerate(("sql", "chat", "sql"), start=1):
+        answer = push_adapter(live.url, "pushed", *state_dict(source))
+        assert (answer["lora_name"], answer["version"]) == ("pushed", version)
+        answers.append(answer)
+        assert text("pushed") == reference(world, prompt, source, max_tokens=8, temperature=0.0).text, source
+    assert answers[0]["sha256"] == answers[2]["sha256"] != answers[1]["sha256"]
+    body = push_body(*state_dict("chat"))
+    url = f"{live.url}/v1/lora_adapters/pushed"
+    for bad, phrase in ((body[:-64], "not a readable safetensors file"), (body[:6], "not a safetensors file"),
+                        (push_body(state_dict("chat")[0], {}) .replace(b"adapter_config", b"adapter_confog"),
+                         "no 'adapter_config'")):
+        r = httpx.put(url, content=bad, timeout=120)
+        assert r.status_code == 400 and phrase in r.json()["error"]["message"], r.text
+    assert text("pushed") == reference(world, prompt, "sql", max_tokens=8, temperature=0.0).text  # v3 still
+    r = httpx.put(f"{live.url}/v1/lora_adapters/{model_name}", content=body, timeout=60)
+    assert r.status_code == 400 and "base model's name" in r.text
+    assert httpx.post(f"{live.url}/v1/unload_lora_adapter", json={"lora_name": "pushed"}).status_code == 200

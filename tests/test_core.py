@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from _serve_helpers import LiveServer, children, engine_pid, gone, reference, wait_gone
+from _serve_helpers import LiveServer, check_pushes, children, engine_pid, gone, reference, wait_gone
 from helpers import FakeHub, free_port
 from lorakit.engine import Engine, EngineConfig, SamplingParams
 from lorakit.frontend.core_client import CoreClient
@@ -133,6 +133,10 @@ def test_runtime_load_hot_swap_and_unload_go_through_the_core(world, server):
     assert r.status_code == 404
     out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=10, temperature=0)
     assert out.choices[0].text == reference(world, PROMPT, "sql", max_tokens=10, temperature=0.0).text
+
+
+def test_pushes_over_http_go_through_the_core(world, server):
+    check_pushes(world, server)
 
 
 def test_a_core_that_cannot_start_says_why(world, tmp_path):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from _serve_helpers import reference, start
+from _serve_helpers import check_pushes, reference, start
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,10 @@ def test_hot_swap_while_streaming_and_concurrent_clients(world, server):
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert r.status_code == 200 and "chat" not in {m.id for m in client.models.list().data}
     httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": adapters["chat"]})
+
+
+def test_pushes_over_http(world, server):
+    check_pushes(world, server)
 
 
 def test_bad_inputs_get_clear_errors_and_others_are_served(world, server, tmp_path):
@@ -205,6 +209,13 @@ def test_runtime_loading_off_by_default_and_api_key(world):
         r = httpx.post(f"{live.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["v2"]},
                        headers={"authorization": "Bearer secret"})
         assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+        body = b"\0" * (64 << 20)  # a push: refused too, and at --max-body-bytes (16 MiB) while pushes are off
+        r = httpx.put(f"{live.url}/v1/lora_adapters/x", content=b"\0" * 64, headers={"authorization": "Bearer secret"})
+        assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+        r = httpx.put(f"{live.url}/v1/lora_adapters/x", content=body, headers={"authorization": "Bearer secret"})
+        assert r.status_code == 413 and "--max-body-bytes" in r.text
+        r = httpx.put(f"{live.url}/v1/lora_adapters/x", content=b"\0" * 64)
+        assert r.status_code == 401  # no key, no push
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
         out = live.client("secret").completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0)
         assert out.choices[0].finish_reason in ("length", "stop")

@@ -102,7 +102,7 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
-    files = {CONFIG_NAME: _config_json(config, where), WEIGHTS_NAME: data}
+    files = {CONFIG_NAME: config_json(config, where), WEIGHTS_NAME: data}
     with _private_copy(PUSHED, where) as copy:
         records = []
         for file, content in files.items():
@@ -136,7 +136,7 @@ def _safetensors(tensors, where: str, max_bytes: int) -> bytes:
     return save(host)
 
 
-def _config_json(config, where: str) -> bytes:
+def config_json(config, where: str) -> bytes:
     """A LoraConfig (its ``to_dict()``) or a dict, as adapter_config.json's bytes (sets as lists, enums as values)."""
     if hasattr(config, "to_dict") and not isinstance(config, Mapping):
         config = config.to_dict()

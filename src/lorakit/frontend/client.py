@@ -92,6 +92,8 @@ class EngineClient(Protocol):
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
 
+    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef: ...
+
     async def unregister_adapter(self, name: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
@@ -171,6 +173,13 @@ class InProcessClient:
         async with self._reading:
             checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
         return await self.async_engine.call(self.engine.registry.install, checked)
+
+    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
+        self._reading = self._reading or asyncio.Lock()
+        async with self._reading:
+            checked = await asyncio.to_thread(self.engine.registry.read_pushed, name, weights, config)
+        await self.async_engine.call(self.engine.registry.install, checked)
+        return self.engine.pool.ref(name)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.async_engine.call(self.engine.unregister_adapter, name)

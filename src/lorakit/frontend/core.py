@@ -34,7 +34,7 @@ from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.frontend.client import kv_tokens
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, CompileGrammar, Failed, FromCore, \
-    Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
+    Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
 
 __all__ = ["facts", "freeze_heap", "run_core"]
 
@@ -173,7 +173,7 @@ class _Core:
         self.stats_at = 0.0
         self.compiling: set[str] = set()  # requests waiting for their grammars (an abort takes one out)
         self.handlers: dict[type, Callable] = {Add: self.add_request, Abort: self.abort, Register: self.register,
-                                               Unregister: self.unregister, CompileGrammar: self.compile_grammar,
+                                               Push: self.push, Unregister: self.unregister, CompileGrammar: self.compile_grammar,
                                                Shutdown: self.shutdown}
 
     def run(self) -> None:
@@ -218,6 +218,11 @@ class _Core:
     def register(self, call: Register) -> None:
         """The folder read on the reader thread while the loop steps, installed between steps."""
         read = self.reader.submit(self.engine.registry.read, call.name, call.path, call.roots)
+        self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
+
+    def push(self, call: Push) -> None:
+        """Weights pushed from memory, checked on the reader thread while the loop steps, installed between steps."""
+        read = self.reader.submit(self.engine.registry.read_pushed, call.name, call.weights, call.config)
         self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
 
     def unregister(self, call: Unregister) -> None:
@@ -270,10 +275,10 @@ class _Core:
         if isinstance(message, Add):
             self.compiling.discard(message.request_id)
 
-    def install(self, call: Register, checked) -> AdapterFacts:
+    def install(self, call: Register | Push, checked) -> AdapterFacts:
         self.engine.registry.install(checked)
         found = facts(self.engine, checked.snapshot.name)
-        self.broadcast(Adapters(found, roots=call.roots), but=call.server)
+        self.broadcast(Adapters(found, roots=getattr(call, "roots", None)), but=call.server)
         return found
 
     def answer(self, call: Call, fn: Callable[[], Any]) -> None:

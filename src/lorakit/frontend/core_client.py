@@ -37,7 +37,7 @@ from lorakit.engine.lengths import fit_params
 from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
 from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput, Unread
-from lorakit.adapters.pool import resolve
+from lorakit.adapters.pool import AdapterRef, resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.engine.structured import StructuredOutput
@@ -46,7 +46,7 @@ from lorakit.frontend.client import Adapter
 from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import RequestStream
 from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, CompileGrammar, Failed, \
-    FromCore, Register, Reply, Shutdown, Step, ToCore, Unregister
+    FromCore, Push, Register, Reply, Shutdown, Step, ToCore, Unregister
 
 __all__ = ["CoreClient"]
 
@@ -357,6 +357,14 @@ class CoreClient:
         facts = msgspec.convert(found, AdapterFacts)
         self._adapters[name] = Adapter.of(facts, tokenizer)
         return facts.ref.version
+
+    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
+        """Have the core check and install weights pushed from memory (a safetensors file's bytes) as ``name``'s new
+        version; it carries no tokenizer."""
+        found = await self._call(Push, name=name, weights=weights, config=config)
+        facts = msgspec.convert(found, AdapterFacts)
+        self._adapters[name] = Adapter.of(facts, False)
+        return facts.ref
 
     async def unregister_adapter(self, name: str) -> None:
         await self._call(Unregister, name=name)

@@ -4,7 +4,7 @@ Each side decodes with a typed schema (``ToCore`` in the core, ``FromCore`` in a
 arrive as a ``SamplingParams``, checked again there, and a step's outputs as the engine's own ``RequestOutput``s.
 
     server -> core     Add (a request), Abort (requests); calls, each answered by a Reply: Register,
-                       Unregister, CompileGrammar, Shutdown
+                       Push, Unregister, CompileGrammar, Shutdown
     core -> server     Ready | Failed (at start), Step (each step's outputs, stats), Reply (to a call),
                        Adapters (another server registered or removed one), Failed (cannot step any more), Beat
 """
@@ -24,7 +24,7 @@ from lorakit.engine.structured import StructuredOutput
 from lorakit.peft import AdapterError
 
 __all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "CompileGrammar", "Failed", "FromCore",
-           "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore", "Unregister"]
+           "Push", "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore", "Unregister"]
 
 # What a server sends ...
 
@@ -54,6 +54,17 @@ class Register(msgspec.Struct, tag=True, array_like=True):
     server: int = 0
 
 
+class Push(msgspec.Struct, tag=True, array_like=True):
+    """Check and install an adapter pushed from memory as ``name``'s new version: ``weights``, a safetensors file's
+    bytes; ``config``, its adapter_config.json's object. The reply's result: its ``AdapterFacts``."""
+
+    call_id: int
+    name: str
+    weights: bytes
+    config: dict
+    server: int = 0
+
+
 class Unregister(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     name: str
@@ -79,7 +90,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     server: int = 0
 
 
-Call = Register | Unregister | CompileGrammar | Shutdown
+Call = Register | Push | Unregister | CompileGrammar | Shutdown
 
 
 # ... and what the core sends.

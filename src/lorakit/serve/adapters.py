@@ -8,7 +8,9 @@ pattern matches (at a revision git could name, downloaded into the hub cache and
 folder there: ``lorakit.adapters.hub``), only safetensors (the loader never unpickles), only names the pool accepts
 (``check_name``). The files are read once and checked in full off the engine thread; what is served is that snapshot
 (``lorakit.adapters.snapshot``). A load under a registered name is a hot-swap: running requests keep their version,
-and a load that fails leaves the old version serving.
+and a load that fails leaves the old version serving. ``PUT /v1/lora_adapters/NAME`` takes an adapter pushed from a
+training loop: its weights as the body, a safetensors file (its header's metadata holds the config as
+``adapter_config``; ``lorakit.serve.push`` writes one), checked in full as a folder is; no path is involved.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import os
+import struct
 from pathlib import Path
 
 from lorakit.adapters.pool import check_name
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
+from lorakit.peft.config import parse_json
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
 from lorakit.serve.state import ServerState
 
-__all__ = ["confined", "load", "unload"]
+__all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
+
+PUSH_PREFIX = "/v1/lora_adapters/"
+CONFIG_KEY = "adapter_config"  # the safetensors metadata key that holds a pushed adapter's config (JSON)
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 
 _OFF = "runtime adapter loading is off; start the server with --allow-runtime-lora"
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
@@ -51,6 +59,47 @@ async def load(body: LoadBody, state: ServerState) -> dict:
     except (AdapterError, ValueError) as e:
         raise ApiError(400, str(e), "lora_path") from None
     return {"status": "ok", "lora_name": body.lora_name, "version": version}
+
+
+async def push(name: str, body: bytes, state: ServerState) -> dict:
+    """A new version of ``name`` from a safetensors body, its config in the header's metadata; answers the version and
+    the content's sha256. A push that fails its checks leaves the previous version serving (400 naming why)."""
+    if not state.config.allow_runtime_lora:
+        raise ApiError(403, _OFF)
+    try:
+        check_name(name)
+    except ValueError as e:
+        raise ApiError(400, str(e), "lora_name") from None
+    if name == state.config.model_name:
+        raise ApiError(400, f"{name!r} is the base model's name; pick another", "lora_name")
+    config = _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
+    try:
+        ref = await state.push_adapter(name, bytes(body), config)
+    except (AdapterError, ValueError) as e:
+        raise ApiError(400, str(e), "body") from None
+    return {"status": "ok", "lora_name": name, "version": ref.version, "sha256": ref.sha256}
+
+
+def _pushed_config(head: bytes) -> dict:
+    """The config a pushed safetensors body carries in its header's metadata (ApiError 400 naming what is missing)."""
+    fix = (f"send a safetensors file whose metadata holds the adapter's config as JSON under {CONFIG_KEY!r} "
+           f"(lorakit.serve.push.push_body writes one)")
+    if len(head) < 8:
+        raise ApiError(400, f"the body is not a safetensors file (it has {len(head)} bytes); {fix}", "body")
+    (size,) = struct.unpack("<Q", head[:8])
+    if size > MAX_HEADER_BYTES or 8 + size > len(head):
+        raise ApiError(400, f"the body's safetensors header claims {size} bytes, more than the body holds; {fix}",
+                       "body")
+    try:
+        header = parse_json(head[8:8 + size], "the body's safetensors header", fix)
+        text = header.get("__metadata__", {}).get(CONFIG_KEY) if isinstance(header, dict) else None
+        config = parse_json(text.encode(), f"the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
+    except (AdapterError, AttributeError) as e:
+        raise ApiError(400, str(e) if isinstance(e, AdapterError) else f"the body's header is malformed; {fix}",
+                       "body") from None
+    if not isinstance(config, dict):
+        raise ApiError(400, f"the body's safetensors metadata has no {CONFIG_KEY!r} object; {fix}", "body")
+    return config
 
 
 async def unload(body: UnloadBody, state: ServerState) -> dict:

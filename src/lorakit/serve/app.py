@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the engine: the adapter is the request's ``model`` field.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, ``POST /tokenize`` / ``/detokenize`` and
+``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, ``PUT /v1/lora_adapters/NAME`` (an adapter's weights
+pushed in the body), ``POST /tokenize`` / ``/detokenize`` and
 ``GET /tokenizer_info`` (as vLLM has them), ``POST /generate`` (as SGLang has it), ``GET /health``, ``GET /metrics``
 (Prometheus). This file only assembles them: a route binds a path to its handler (openai.py, sglang.py, adapters.py,
 tokenize.py: plain functions of the validated body and the ServerState), and
@@ -57,8 +58,10 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         app.add_api_route(path, endpoint, methods=[method])
     for kind in (ApiError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, error_response)
+    pushes = {adapters.PUSH_PREFIX: (state.config.max_push_bytes, "--max-push-bytes")}
     app.add_middleware(BodyGate, limit=state.config.max_body_bytes, budget=state.bodies,  # inside the key check:
-                       timeout=state.config.body_timeout)  # no key, no reading
+                       timeout=state.config.body_timeout,  # no key, no reading
+                       limits=pushes if state.config.allow_runtime_lora else None)
     if state.config.api_key is not None:
         app.add_middleware(BearerAuth, key=state.config.api_key, open_paths=("/health", "/metrics"))
     app.add_middleware(CountResponses, metrics=state.metrics, routes=app.router.routes)  # last: outside the key check
@@ -120,11 +123,16 @@ async def unload_lora_adapter(body: UnloadBody, state: State):
     return await adapters.unload(body, state)
 
 
+async def push_lora_adapter(lora_name: str, request: Request, state: State):
+    return await adapters.push(lora_name, await request.body(), state)
+
+
 ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/version", version),
           ("GET", "/v1/models", models), ("GET", "/v1/models/{model_id:path}", model),
           ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat),
           ("POST", "/generate", generate), ("POST", "/v1/load_lora_adapter", load_lora_adapter),
           ("POST", "/v1/unload_lora_adapter", unload_lora_adapter),
+          ("PUT", adapters.PUSH_PREFIX + "{lora_name}", push_lora_adapter),
           ("POST", "/tokenize", tokenize.tokenize_route), ("POST", "/detokenize", tokenize.detokenize_route),
           ("GET", "/tokenizer_info", tokenize.tokenizer_info_route)]
 

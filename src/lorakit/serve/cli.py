@@ -230,6 +230,9 @@ def add_bound_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=_positive_int, default=default["max_body_bytes"], metavar="N",
                    help="the largest request body; larger ones get 413 before they are parsed "
                         "(default: %(default)s, 16 MiB)")
+    p.add_argument("--max-push-bytes", type=_positive_int, default=default["max_push_bytes"], metavar="N",
+                   help="with --allow-runtime-lora, the largest adapter pushed to PUT /v1/lora_adapters/NAME "
+                        "(default: %(default)s, 2 GiB)")
     p.add_argument("--max-prompt-chars", type=_positive_int, default=default["max_prompt_chars"], metavar="N",
                    help=f"the most characters of a prompt (of a chat's messages together) that are tokenized; longer "
                         f"ones get 400 before tokenizing (default: {CHARS_PER_TOKEN} per token of --max-seq-len)")
@@ -412,6 +415,7 @@ def serve_config(args, name: str):
                        max_tokens_limit=args.max_tokens_limit, max_concurrent=args.max_concurrent,
                        max_queued_tokens=args.max_queued_tokens,
                        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                       max_push_bytes=getattr(args, "max_push_bytes", ServeConfig.max_push_bytes),
                        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
                        tool_call_parser=args.tool_call_parser, **edge,
                        **{name: getattr(args, name) for name in ("health_timeout", "shutdown_grace")

@@ -100,22 +100,27 @@ class BodyGate:
     message; after it, ``receive`` is the server's (a disconnect still reaches the app). Plain ASGI: streamed
     responses pass straight through."""
 
-    def __init__(self, app, limit: int, budget: BodyBudget, timeout: float):
+    def __init__(self, app, limit: int, budget: BodyBudget, timeout: float, limits: dict[str, tuple[int, str]] | None = None):
+        """``limits``: path prefix -> (its own body limit, the flag that sets it), for routes that take large bodies
+        (an adapter's weights)."""
         self.app, self.limit, self.budget, self.timeout = app, limit, budget, timeout
+        self.limits = limits or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         declared = int(length) if length.isdigit() else None
+        limit, flag = next((v for prefix, v in self.limits.items() if scope["path"].startswith(prefix)),
+                           (self.limit, "--max-body-bytes"))
         held = _Held(self.budget)
         try:
             if declared is not None:
-                if declared > self.limit:
-                    raise _Refused(self._too_large())
+                if declared > limit:
+                    raise _Refused(self._too_large(limit, flag))
                 held.take(declared)
             try:
-                body = await _within(self._read(receive, declared, held), self.timeout)
+                body = await _within(self._read(receive, declared, held, limit, flag), self.timeout)
             except asyncio.TimeoutError:
                 raise _Refused(ApiError(408, f"the request body did not arrive within {self.timeout:g} s "
                                              f"(--body-timeout); send it faster, or smaller")) from None
@@ -137,7 +142,7 @@ class BodyGate:
         finally:
             held.release()
 
-    async def _read(self, receive, declared: int | None, held: _Held) -> bytes | None:
+    async def _read(self, receive, declared: int | None, held: _Held, limit: int, flag: str) -> bytes | None:
         """The whole body (None: the client left). A declared length is held already; the bytes of a chunked body
         are taken from the budget as they come."""
         message = await receive()
@@ -151,8 +156,8 @@ class BodyGate:
         try:
             while True:
                 if declared is None:
-                    if size + len(chunk) > self.limit:
-                        raise _Refused(self._too_large())
+                    if size + len(chunk) > limit:
+                        raise _Refused(self._too_large(limit, flag))
                     held.take(len(chunk))
                     chunks.append(chunk)
                 elif size + len(chunk) > declared:  # the server's parser frames the body: not expected
@@ -170,9 +175,9 @@ class BodyGate:
             if buffer is not None:
                 buffer.close()
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body is larger than this server accepts ({self.limit} bytes, "
-                             f"--max-body-bytes)")
+    @staticmethod
+    def _too_large(limit: int, flag: str) -> ApiError:
+        return ApiError(413, f"the request body is larger than this server accepts ({limit} bytes, {flag})")
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:

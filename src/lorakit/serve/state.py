@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.adapters.pool import AdapterRef
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead, Overloaded
@@ -69,7 +70,8 @@ class ServeConfig:
     QUEUE_FACTOR times the cache's room). Both defaults are shared by the API server processes of one engine, and
     the tokens' is at least max_seq_len. A request that would pass either gets 429 with Retry-After (the engine
     queues what it cannot run yet: these bound its queue), one that alone passes one, 400 (``in_flight``);
-    max_body_bytes, a request body's size (413, before it is parsed); max_prompt_chars, a prompt's characters (a
+    max_body_bytes, a request body's size (413, before it is parsed; max_push_bytes for an adapter pushed to
+    ``PUT /v1/lora_adapters/NAME``, with allow_runtime_lora); max_prompt_chars, a prompt's characters (a
     chat's messages' together) before it is tokenized (None: 32 per token of the engine's max_seq_len);
     max_stop_strings and max_stop_chars, a request's stop strings and the characters of each (each is looked for in
     the output at every token, as it is detokenized on this process's event loop); max_template_seconds and max_template_bytes, the time and the
@@ -96,6 +98,7 @@ class ServeConfig:
     max_concurrent: int | None = None
     max_queued_tokens: int | None = None
     max_body_bytes: int = 16 * 2**20
+    max_push_bytes: int = 2 << 30
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
     max_stop_chars: int = 256
@@ -109,7 +112,8 @@ class ServeConfig:
     shutdown_grace: float = 30.0
 
     def __post_init__(self):
-        for name in ("max_tokens_limit", "max_concurrent", "max_queued_tokens", "max_body_bytes", "max_prompt_chars",
+        for name in ("max_tokens_limit", "max_concurrent", "max_queued_tokens", "max_body_bytes", "max_push_bytes",
+                     "max_prompt_chars",
                      "max_stop_strings", "max_stop_chars", "max_body_bytes_in_flight"):
             value = getattr(self, name)
             if not (value is None and name in ("max_concurrent", "max_queued_tokens", "max_prompt_chars",
@@ -401,6 +405,11 @@ class ServerState:
         AdapterError for a bad one) while the engine keeps stepping, then installs them between steps; its
         version."""
         return await self.engine.register_adapter(name, path, roots or self.config.lora_roots or None)
+
+    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
+        """Checks weights pushed from memory (a safetensors file's bytes; AdapterError for bad ones) while the engine
+        keeps stepping, then installs them between steps as ``name``'s new version."""
+        return await self.engine.push_adapter(name, weights, config)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.unregister_adapter(name)
