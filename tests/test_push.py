@@ -38,10 +38,10 @@ def trained(base, seed: int, config: LoraConfig = CONFIG):
 
 def peft_tokens(model, prompt, n=5) -> list[int]:
     """Greedy tokens by full forwards, past eos (the engine's requests ignore it)."""
-    ids = list(prompt)
+    ids, device = list(prompt), next(model.parameters()).device
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            ids.append(int(model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
