@@ -19,6 +19,7 @@ import lorakit
 from _peft_models import TARGETS, VOCAB, save_adapter, tiny_model
 from helpers import rel_err
 from lorakit import AdapterPool, PoolFull
+from lorakit.adapters import TooManyVersions
 from lorakit.peft import AdapterError, load_peft_adapter
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.image import store_of
@@ -155,8 +156,8 @@ def test_a_claimed_version_outlives_its_replacement_until_its_last_claim(folders
     assert pool.memory()["slots"][slot] is None
     with pytest.raises(AdapterError, match="version 1 was removed after this request was prepared"):
         pool.claim(old)
+    assert pool.register("x", saved["q4"].path) == 3  # numbers are never reused: a ref to version 1 stays gone
     with pytest.raises(ValueError, match="not claimed"):
-        pool.register("x", saved["q4"].path)
         pool.unclaim(pool.ref("x"))
 
 
@@ -524,11 +525,16 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), folder=st.sampled_from(FOLDERS))
     def register(self, name, folder):
+        claimed = {v[0] for ref, v in self.claims if ref.name == name}  # versions of the name requests run on
         try:
             self.pool.register(name, self.path(folder))
+        except TooManyVersions:
+            assert len(claimed) >= self.pool.max_versions and folder != "nan"
+            return
         except AdapterError as e:
             assert folder == "nan" and "NaN" in str(e)  # the values are read at registration
             return
+        assert len(claimed) < self.pool.max_versions
         assert folder != "nan"
         self.current[name] = (self.next_id, folder)
         self.next_id += 1

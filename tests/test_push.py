@@ -14,6 +14,7 @@ from safetensors.torch import save
 
 from _peft_models import TARGETS, tiny_model
 from lorakit import AdapterError
+from lorakit.adapters import TooManyVersions
 from lorakit.engine import Engine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -139,6 +140,28 @@ def test_bad_pushes_are_refused_by_name_and_the_previous_version_serves(base):
     assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(good, prompt)
 
 
+def test_a_push_past_max_versions_is_refused_until_the_old_requests_end(base):
+    """Versions alive at once are bounded (the current one and those requests still run on): a push past the bound is
+    refused by name, evicting nothing in use; once the old requests end it goes through."""
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_num_seqs=4, block_size=4, max_versions_per_adapter=2)
+    models = [trained(base, seed) for seed in (1, 2, 3)]
+    engine.push_adapter("policy", get_peft_model_state_dict(models[0]), CONFIG)
+    long = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request([1, 2], long, "policy", request_id="on-v1")
+    engine.step()
+    assert engine.push_adapter("policy", get_peft_model_state_dict(models[1]), CONFIG) == 2
+    engine.add_request([3, 4], long, "policy", request_id="on-v2")
+    with pytest.raises(TooManyVersions, match=r"2 versions are alive already.*versions 1 \(1 request\(s\)\), 2"):
+        engine.push_adapter("policy", get_peft_model_state_dict(models[2]), CONFIG)
+    assert engine.pool.adapters == {"policy": 2}
+    got = {"on-v1": [], "on-v2": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert got["on-v1"] == peft_tokens(models[0], [1, 2], 8) and got["on-v2"] == peft_tokens(models[1], [3, 4], 8)
+    assert engine.push_adapter("policy", get_peft_model_state_dict(models[2]), CONFIG) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_push_of_gpu_tensors_serves_as_peft_computes_it(base):
@@ -173,6 +196,12 @@ class PushMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), seed=st.integers(0, 3))
     def push(self, name, seed):
+        """A new version, unless two are alive already (the current one running requests, and an older one)."""
+        claimed = {r.adapter for r in self.engine._requests.values() if r.adapter is not None and r.adapter_name == name}
+        if len(claimed) >= 2:
+            with pytest.raises(TooManyVersions):
+                self.engine.push_adapter(name, get_peft_model_state_dict(_trained(seed)), CONFIG)
+            return
         self.engine.push_adapter(name, get_peft_model_state_dict(_trained(seed)), CONFIG)
         self.current[name] = seed
 

@@ -32,7 +32,9 @@ from lorakit.peft import AdapterError, AdapterInfo
 
 logger = logging.getLogger("lorakit.pool")
 
-__all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "check_name", "resolve"]
+__all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "TooManyVersions", "check_name", "resolve"]
+
+MAX_VERSIONS = 2  # versions of one name alive at once by default: the current one and one that requests still run on
 
 T = TypeVar("T")
 
@@ -101,6 +103,11 @@ def _shown(value) -> str:
     """``value`` for a message: its repr, cut short."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(value)} characters)"
+
+
+class TooManyVersions(AdapterError):
+    """A new version of a name whose ``max_versions`` versions are all alive (the older ones still run requests):
+    refused, never evicting a version in use; retry once those requests end."""
 
 
 class PoolFull(Exception):
@@ -189,17 +196,23 @@ class AdapterPool:
     ``cpu_budget_bytes``: the CPU cache's size (default ``CPU_BUDGET_BYTES``, 2 GiB). At start, the slot buffers
     at the model's ``max_rank`` must fit in free device memory, or the pool refuses to start and says what to lower.
     ``strict``: refuse adapters whose weights and config targets disagree (``handle.read_adapter``'s ``strict``).
+    ``max_versions``: versions of one name alive at once (the current one, and replaced ones requests still run on);
+    a new version past it is refused (``TooManyVersions``) until the oldest one's requests end.
     """
 
-    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = CPU_BUDGET_BYTES, strict: bool = True):
+    def __init__(self, handle: LoraHandle, *, cpu_budget_bytes: int = CPU_BUDGET_BYTES, strict: bool = True,
+                 max_versions: int = MAX_VERSIONS):
         if not isinstance(handle, LoraHandle):
             raise TypeError(f"AdapterPool needs the LoraHandle lorakit.patch returned, got {type(handle).__name__}")
         if not isinstance(cpu_budget_bytes, int) or cpu_budget_bytes < 0:
             raise ValueError(f"cpu_budget_bytes must be a non-negative int, got {cpu_budget_bytes!r}")
+        if not isinstance(max_versions, int) or max_versions < 1:
+            raise ValueError(f"max_versions must be an int >= 1, got {max_versions!r}")
         # Fixed at start.
         self.handle = handle
         self.device = handle.device
         self.strict = strict
+        self.max_versions = max_versions
         self._check_memory(cpu_budget_bytes)
         self._pin = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -207,6 +220,7 @@ class AdapterPool:
         self._lock = threading.RLock()
         self._current: dict[str, _Version] = {}
         self._claimed: dict[tuple[str, int], _Version] = {}  # retired versions requests still claim
+        self._numbers: dict[str, int] = {}  # each name's last version number
         self.slots = handle.slots  # which version is in which slot: written only by this pool from now on
         self._lru: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recently used first
         self._cpu = ImageCache(cpu_budget_bytes)
@@ -273,7 +287,17 @@ class AdapterPool:
             if image is None:
                 raise ValueError(f"the snapshot of {snapshot.name!r} is installed already; read the folder again")
             old = self._current.get(snapshot.name)
-            version = _Version(snapshot.name, old.number + 1 if old else 1, snapshot, image.nbytes)
+            alive = [v for (name, _), v in self._claimed.items() if name == snapshot.name]
+            if len(alive) + (old is not None and old.claims > 0) + 1 > self.max_versions:
+                snapshot.image = image  # still installable once the old versions' requests end
+                busy = ", ".join(f"{v.number} ({v.claims} request(s))" for v in [*alive, old])
+                raise TooManyVersions(f"adapter {snapshot.name!r}: {self.max_versions} versions are alive already, "
+                                      f"each running requests (versions {busy}); a new one would evict a version in "
+                                      f"use: retry once they end, or raise max_versions "
+                                      f"(lorakit serve: --max-versions-per-adapter)")
+            number = self._numbers.get(snapshot.name, 0) + 1  # never reused, even after an unregister
+            version = _Version(snapshot.name, number, snapshot, image.nbytes)
+            self._numbers[snapshot.name] = number
             self._current[snapshot.name] = version
             if old is not None:
                 self.stats.swaps += 1

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lorakit.adapters.pool import CPU_BUDGET_BYTES
+from lorakit.adapters.pool import CPU_BUDGET_BYTES, MAX_VERSIONS
 from lorakit.engine.structured import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_QUEUE, MAX_GRAMMAR_SECONDS
 from lorakit.layers.patch import PatchConfig
 from lorakit.layers.quant import SCHEMES, check_scheme
@@ -71,6 +71,10 @@ class EngineConfig:
                                   "are synchronous while a request with structured output, penalties or a logit "
                                   "bias runs)", "--no-async-scheduling")
     cpu_budget_bytes: int = _opt(CPU_BUDGET_BYTES, "bytes of the adapter pool's CPU tier")
+    max_versions_per_adapter: int = _opt(MAX_VERSIONS, "versions of one adapter alive at once: the current one and "
+                                         "replaced ones that requests admitted before still run on; a new version "
+                                         "(a load or push) past it is refused (429) until those requests end",
+                                         "--max-versions-per-adapter", "N")
     tensor_parallel_size: int = _opt(1, "processes (one per GPU; gloo processes on the CPU) the model is split "
                                      "over, Megatron-style; the scheduler and adapter pool run in the first",
                                      "--tensor-parallel-size", "N")

@@ -113,7 +113,8 @@ class Engine:
         self.config = config
         manager = self.handle.slots.manager
         self.pool = manager if isinstance(manager, AdapterPool) else AdapterPool(
-            self.handle, cpu_budget_bytes=config.cpu_budget_bytes, strict=config.lora_strict)
+            self.handle, cpu_budget_bytes=config.cpu_budget_bytes, strict=config.lora_strict,
+            max_versions=config.max_versions_per_adapter)
         self.registry = AdapterRegistry(self.pool, tokenizer)
         for name, path in (adapters or {}).items():
             self.registry.register(name, path)

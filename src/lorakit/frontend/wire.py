@@ -17,7 +17,7 @@ import msgspec
 
 from lorakit.engine.errors import Overloaded
 from lorakit.engine.outputs import RequestOutput
-from lorakit.adapters.pool import AdapterRef
+from lorakit.adapters.pool import AdapterRef, TooManyVersions
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
@@ -153,6 +153,6 @@ class Beat(msgspec.Struct, tag=True, array_like=True):
 ToCore = Add | Abort | Call
 FromCore = Step | Reply | Adapters | Ready | Failed | Beat
 ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError,  # raised again by kind
-          "Overloaded": Overloaded}
+          "Overloaded": Overloaded, "TooManyVersions": TooManyVersions}
 
 

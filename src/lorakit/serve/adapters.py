@@ -21,7 +21,7 @@ import os
 import struct
 from pathlib import Path
 
-from lorakit.adapters.pool import check_name
+from lorakit.adapters.pool import TooManyVersions, check_name
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
@@ -56,6 +56,8 @@ async def load(body: LoadBody, state: ServerState) -> dict:
         path = confined(body.lora_path, config.lora_roots)
     try:
         version = await state.register_adapter(body.lora_name, path, roots)
+    except TooManyVersions as e:
+        raise _busy(e) from None
     except (AdapterError, ValueError) as e:
         raise ApiError(400, str(e), "lora_path") from None
     return {"status": "ok", "lora_name": body.lora_name, "version": version}
@@ -75,9 +77,16 @@ async def push(name: str, body: bytes, state: ServerState) -> dict:
     config = _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
     try:
         ref = await state.push_adapter(name, bytes(body), config)
+    except TooManyVersions as e:
+        raise _busy(e) from None
     except (AdapterError, ValueError) as e:
         raise ApiError(400, str(e), "body") from None
     return {"status": "ok", "lora_name": name, "version": ref.version, "sha256": ref.sha256}
+
+
+def _busy(error: TooManyVersions) -> ApiError:
+    """A new version refused while the older ones still run requests: 429, retry once they end."""
+    return ApiError(429, str(error), "lora_name", {"retry-after": "1"})
 
 
 def _pushed_config(head: bytes) -> dict:
