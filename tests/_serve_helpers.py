@@ -236,6 +236,15 @@ def check_pushes(world, live, model_name: str = "tiny") -> None:
         answers.append(answer)
         assert text("pushed") == reference(world, prompt, source, max_tokens=8, temperature=0.0).text, source
     assert answers[0]["sha256"] == answers[2]["sha256"] != answers[1]["sha256"]
+    # which version answered, and a version named: the current one, or one that is gone (no request runs on it)
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": "pushed@3", "prompt": prompt, "max_tokens": 8,
+                                                        "temperature": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["lorakit"] == {"adapter": "pushed", "version": 3,
+                                                            "sha256": answers[2]["sha256"]}, r.text
+    assert text("pushed@3") == reference(world, prompt, "sql", max_tokens=8, temperature=0.0).text
+    for gone in ("pushed@1", "pushed@99", "pushed@x"):
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": gone, "prompt": prompt, "max_tokens": 8})
+        assert r.status_code in (400, 404) and "version" in r.json()["error"]["message"], (gone, r.text)
     body = push_body(*state_dict("chat"))
     url = f"{live.url}/v1/lora_adapters/pushed"
     for bad, phrase in ((body[:-64], "not a readable safetensors file"), (body[:6], "not a safetensors file"),

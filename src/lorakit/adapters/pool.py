@@ -344,6 +344,19 @@ class AdapterPool:
         v = _version(self._current.copy(), self._claimed.copy(), adapter)
         return _ref(v)
 
+    def live(self, name: str, number: int) -> AdapterRef:
+        """Version ``number`` of ``name`` as a reference while it lives (the current one, or a replaced one requests
+        still run on); AdapterError once it is gone."""
+        current, claimed = self._current.copy(), self._claimed.copy()
+        v = current.get(name)
+        if v is None or v.number != number:
+            v = claimed.get((name, number))
+        if v is None:
+            now = current.get(name)
+            raise AdapterError(f"adapter {name!r} has no version {number} alive"
+                               f"{f'; its current version is {now.number}' if now is not None else ''}")
+        return _ref(v)
+
     def claim(self, adapter: str | AdapterRef) -> tuple[AdapterRef, Snapshot]:
         """A request's hold on the version it runs on, taken once when it is admitted (a name: its current version;
         an ``AdapterRef``: that version while it lives, else AdapterError): the version, with its image, lives until

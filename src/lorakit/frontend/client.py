@@ -66,6 +66,8 @@ class EngineClient(Protocol):
 
     def resolve(self, name: str) -> Adapter: ...  # the registered adapter's current version (AdapterError: none)
 
+    def resolve_version(self, name: str, version: int) -> Adapter: ...  # that version while it lives, else AdapterError
+
     def tokenizer_for(self, adapter: Adapter | None): ...
 
     def prompt_ids(self, prompt: str | Sequence[int], adapter: Adapter | None) -> list[int]: ...
@@ -123,9 +125,13 @@ class InProcessClient:
         return self.engine.pool.versions
 
     def resolve(self, name: str) -> Adapter:
-        pool = self.engine.pool
-        ref = pool.ref(name)
-        info = pool.resolve(ref).info
+        return self._adapter(self.engine.pool.ref(name))
+
+    def resolve_version(self, name: str, version: int) -> Adapter:
+        return self._adapter(self.engine.pool.live(name, version))
+
+    def _adapter(self, ref: AdapterRef) -> Adapter:
+        info = self.engine.pool.resolve(ref).info
         tokenizer = self.engine.registry.tokenizer_for(ref)
         return Adapter(ref, str(info.path), info.added_tokens, None if tokenizer is self.engine.tokenizer else tokenizer)
 

@@ -40,6 +40,7 @@ from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput,
 from lorakit.adapters.pool import AdapterRef, resolve
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
+from lorakit.peft import AdapterError
 from lorakit.engine.structured import StructuredOutput
 from lorakit.engine.stats import EngineStats
 from lorakit.frontend.client import Adapter
@@ -59,6 +60,9 @@ CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``
 # stream for all of them). Why 0.5: docs/serve-internals.md.
 READ_SHARE = 0.5
 PACE_ABOVE = 0.001
+
+
+HISTORY = 16  # versions of a name a server remembers for NAME@N; the core decides which still live
 
 
 class CoreClient:
@@ -83,6 +87,7 @@ class CoreClient:
         self.vocab_size, self.max_seq_len, self.eos_token_id = 0, 0, None
         self.kv_tokens, self.max_num_seqs = 0, 0  # from the core's Ready
         self._adapters: dict[str, Adapter] = {}
+        self._history: dict[tuple[str, int], Adapter] = {}  # versions seen, for NAME@N (the last HISTORY of a name)
         self._queues: dict[str, RequestStream] = {}  # the requests in flight
         self._calls: dict[int, asyncio.Future] = {}
         self._ids, self._call_ids = itertools.count(), itertools.count()
@@ -160,7 +165,7 @@ class CoreClient:
         self._stats = EngineStats(pid=message.pid)
         self._heard = time.monotonic()
         for facts in message.adapters:
-            self._adapters[facts.ref.name] = Adapter.of(facts, read_tokenizer(facts.ref.name, facts.path))
+            self._learn(Adapter.of(facts, read_tokenizer(facts.ref.name, facts.path)))
 
     def start(self) -> None:
         """Start reading the core's messages on the running event loop (``launch`` first if it was not)."""
@@ -304,6 +309,23 @@ class CoreClient:
     def resolve(self, name: str) -> Adapter:
         return resolve(self._adapters, name)
 
+    def _learn(self, adapter: Adapter) -> None:
+        """``adapter`` is its name's current version now."""
+        name, version = adapter.name, adapter.ref.version
+        self._adapters[name] = self._history[name, version] = adapter
+        for key in [k for k in self._history if k[0] == name and k[1] <= version - HISTORY]:
+            del self._history[key]
+
+    def resolve_version(self, name: str, version: int) -> Adapter:
+        """A version this server saw registered or pushed, if the core may still have it (it checks when the request
+        arrives: one whose version has ended since fails, saying so)."""
+        found = self._history.get((name, version))
+        if found is None:
+            now = self._adapters.get(name)
+            raise AdapterError(f"adapter {name!r} has no version {version} alive"
+                               f"{f'; its current version is {now.ref.version}' if now is not None else ''}")
+        return found
+
     def tokenizer_for(self, adapter: Adapter | None):
         return (adapter.tokenizer if adapter is not None else None) or self.tokenizer
 
@@ -355,7 +377,7 @@ class CoreClient:
         tokenizer = await asyncio.to_thread(read_tokenizer, name, path, roots)
         found = await self._call(Register, name=name, path=str(path), roots=[str(r) for r in roots or []] or None)
         facts = msgspec.convert(found, AdapterFacts)
-        self._adapters[name] = Adapter.of(facts, tokenizer)
+        self._learn(Adapter.of(facts, tokenizer))
         return facts.ref.version
 
     async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
@@ -363,7 +385,7 @@ class CoreClient:
         version; it carries no tokenizer."""
         found = await self._call(Push, name=name, weights=weights, config=config)
         facts = msgspec.convert(found, AdapterFacts)
-        self._adapters[name] = Adapter.of(facts, False)
+        self._learn(Adapter.of(facts, False))
         return facts.ref
 
     async def unregister_adapter(self, name: str) -> None:
@@ -440,7 +462,7 @@ class CoreClient:
                     logger.error("adapter %r: its tokenizer could not be read here (%s: %s)", facts.ref.name,
                                  type(e).__name__, e)
                     return
-                self._adapters[facts.ref.name] = Adapter.of(facts, tokenizer)
+                self._learn(Adapter.of(facts, tokenizer))
         elif isinstance(message, Failed):  # its engine cannot step any more: it exits
             self._died(f"the engine core (pid {self.core_pid}) failed: {message.message}", core_ends=True)
         elif isinstance(message, Reply):

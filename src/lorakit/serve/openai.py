@@ -91,7 +91,7 @@ async def completions(body: CompletionBody, state: ServerState) -> Reply:
     echo = [{"index": i, "text": echoed[i // n], "logprobs": None, "finish_reason": None}
             for i in range(len(jobs))] if body.echo else []
     width = 1 + max(body.logprobs or 0, body.prompt_logprobs or 0)
-    return _reply(body, state, _head("cmpl", "text_completion", body), jobs, prompts, echo,
+    return _reply(body, state, _head("cmpl", "text_completion", body, adapter), jobs, prompts, echo,
                   lambda i, out: choice(i, "" if none else out.text, out),
                   lambda i, r: choice(i, echoed[i // n] + ("" if none else r.text), r), logprobs, width,
                   hide_tokens=none)
@@ -150,14 +150,19 @@ async def chat(body: ChatBody, state: ServerState) -> Reply:
     jobs = [(prompt, nth_sample(params, k), adapter) for k in range(n)]
     roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for k in range(n)]
-    head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body)
+    head = _head("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion", body, adapter)
     return _reply(body, state, head, jobs, [prompt], roles, chunk, whole, logprobs,
                   1 + max(body.top_logprobs or 0, body.prompt_logprobs or 0))
 
 
-def _head(prefix: str, object_: str, body: CompletionBody | ChatBody) -> dict:
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model,
+def _head(prefix: str, object_: str, body: CompletionBody | ChatBody, adapter: Adapter | None) -> dict:
+    """The fields every response and chunk of a request starts with; ``lorakit``: which adapter version answered
+    (the request runs on it to its end), as /v1/models shows versions."""
+    head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": object_, "created": int(time.time()), "model": body.model,
             "system_fingerprint": SYSTEM_FINGERPRINT}
+    if adapter is not None:
+        head["lorakit"] = {"adapter": adapter.name, "version": adapter.ref.version, "sha256": adapter.ref.sha256}
+    return head
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) -> dict:

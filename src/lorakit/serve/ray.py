@@ -95,6 +95,8 @@ def adapter_of(method: str, path: str, body: bytes, base_name: str) -> str:
     if isinstance(name, list):
         distinct = {n for n in name if isinstance(n, str)}
         name = distinct.pop() if len(distinct) == 1 else None
+    if isinstance(name, str) and "@" in name and name != base_name:  # NAME@N: a version of NAME, on NAME's replica
+        name = name.rpartition("@")[0]
     return name if isinstance(name, str) and name != base_name and len(name) <= 128 else ""
 
 

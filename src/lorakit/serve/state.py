@@ -262,12 +262,23 @@ class ServerState:
 
     def adapter_of(self, model: str | None, param: str = "model") -> Adapter | None:
         """The adapter version a request's ``model`` names, resolved once, here: everything below carries it (None:
-        the base model, by its name or None); 404 naming ``param`` for a name nobody serves."""
+        the base model, by its name or None). ``NAME`` is its current version, ``NAME@N`` version N while it lives
+        (current, or replaced with requests still running on it). 404 naming ``param`` for a name nobody serves or a
+        version that is gone."""
         if model is None or model == self.config.model_name:
             return None
+        name, at, number = model.rpartition("@") if "@" in model else (model, "", "")
+        if at and not (number.isdigit() and len(number) <= 12):
+            raise ApiError(404, f"the model {shown(model)} does not exist: NAME@N names version N of an adapter, "
+                                f"N a number", param)
         try:
-            return self.engine.resolve(model)
-        except AdapterError:
+            adapter = self.engine.resolve(name)
+            if at and int(number) != adapter.ref.version:
+                adapter = self.engine.resolve_version(name, int(number))
+            return adapter
+        except AdapterError as e:
+            if at and name in self.servable():
+                raise ApiError(404, str(e), param) from None
             available = [self.config.model_name, *self.servable()]
             what = f"the model {shown(model)} does not exist" if param == "model" else \
                 f"unknown adapter {shown(model)} in {param}"
