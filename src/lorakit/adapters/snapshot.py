@@ -103,7 +103,7 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
     files = {CONFIG_NAME: config_json(config, where), WEIGHTS_NAME: data}
-    with _private_copy(PUSHED, where) as copy:
+    with _private_copy(PUSHED, where, in_memory=True) as copy:
         records = []
         for file, content in files.items():
             (copy / file).write_bytes(content)
@@ -206,11 +206,13 @@ def _resolve(path: str | Path, roots: Sequence[str | Path] | None, where: str, w
 
 
 @contextlib.contextmanager
-def _private_copy(folder: Path, where: str) -> Iterator[Path]:
-    """A folder only this process writes (mode 0700), removed afterwards, to copy ``folder``'s files into. Errors
-    raised inside name ``folder`` instead of the copy; an OSError becomes an AdapterError."""
+def _private_copy(folder: Path, where: str, in_memory: bool = False) -> Iterator[Path]:
+    """A folder only this process writes (mode 0700), removed afterwards, to copy ``folder``'s files into (``in_memory``:
+    on /dev/shm where there is one, for files that exist only for the read). Errors raised inside name ``folder``
+    instead of the copy; an OSError becomes an AdapterError."""
+    base = "/dev/shm" if in_memory and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     try:
-        with tempfile.TemporaryDirectory(prefix="lorakit-adapter-") as copy:
+        with tempfile.TemporaryDirectory(prefix="lorakit-adapter-", dir=base) as copy:
             try:
                 yield Path(copy)
             except AdapterError as e:
