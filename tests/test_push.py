@@ -3,6 +3,7 @@ checked in full, every request on the version it was admitted with, bad pushes r
 version serving; a hypothesis test of pushes, requests and unloads interleaved."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors.torch import save
 from _peft_models import TARGETS, tiny_model
 from lorakit import AdapterError
 from lorakit.adapters import TooManyVersions
+from lorakit.adapters.snapshot import config_json
 from lorakit.engine import Engine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -24,6 +26,11 @@ CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down
 @pytest.fixture(scope="module")
 def base():
     return tiny_model("llama", seed=5)
+
+
+def plain(config: LoraConfig) -> dict:
+    """A LoraConfig as adapter_config.json holds it."""
+    return json.loads(config_json(config, "test"))
 
 
 def trained(base, seed: int, config: LoraConfig = CONFIG):
@@ -74,6 +81,28 @@ def test_each_push_is_a_version_served_as_peft_computes_it(base):
     data = save(get_peft_model_state_dict(model))
     assert engine.push_adapter("policy", data, model.peft_config["default"].to_dict()) == 4
     assert engine.pool.versions["policy"][1] == shas[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_state_dict_is_packed_as_its_folder_is(base, tmp_path, dtype):
+    """Plain LoRA pushed as a state dict takes the in-memory reader (no file) and packs byte for byte what reading the
+    same weights from a folder packs; an adapter with more than plain LoRA (an embedding, here) takes the folder
+    reader, and is served as PEFT computes it too."""
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4)
+    model = trained(base, 7)
+    weights = {k: v.to(dtype) for k, v in get_peft_model_state_dict(model).items()}
+    assert engine.handle.read_state_dict("x", weights, plain(CONFIG), tmp_path) is not None
+    model.save_pretrained(tmp_path / "x")
+    save_file = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+    save_file(weights, tmp_path / "x" / "adapter_model.safetensors")
+    pushed, read = engine.pool.read_pushed("x", weights, CONFIG), engine.pool.read("x", tmp_path / "x")
+    assert torch.equal(pushed.image.buffer, read.image.buffer)
+    embedding = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+    model = trained(base, 8, embedding)
+    state = get_peft_model_state_dict(model)
+    assert engine.handle.read_state_dict("e", state, plain(embedding), tmp_path) is None
+    engine.push_adapter("e", state, embedding)
+    assert run(engine, {"a": ([5, 6, 7], "e")})["a"] == peft_tokens(model, [5, 6, 7])
 
 
 def test_a_request_admitted_before_a_push_finishes_on_the_old_weights(base):

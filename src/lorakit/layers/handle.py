@@ -26,7 +26,15 @@ from lorakit.layers.sharded import ShardedLayer, check_vocab_parallel, full_feat
 from lorakit.layers.slot_table import Loaded, SlotTable
 from lorakit.layers.slots import LoraSlots
 from lorakit.ops import round_up
-from lorakit.peft import AdapterError, AdapterInfo, BaseModule, PeftAdapter, inspect_peft_adapter, load_peft_adapter
+from lorakit.peft import (
+    AdapterError,
+    AdapterInfo,
+    BaseModule,
+    PeftAdapter,
+    inspect_peft_adapter,
+    load_peft_adapter,
+    read_state_dict,
+)
 
 
 class LoraHandle:
@@ -92,6 +100,18 @@ class LoraHandle:
         self._check_dora({m for m, lora in adapter.modules.items() if lora.magnitude is not None}, adapter.config,
                          f"adapter {name!r} at {path}")
         return self._tie_tokens(adapter)
+
+    def read_state_dict(self, name: str, tensors, config: dict, path: Path, strict: bool = True
+                        ) -> tuple[AdapterInfo, PeftAdapter] | None:
+        """A plain-LoRA PEFT state dict in memory, checked for this model with its tensors left where they are
+        (``read_state_dict``); None when it needs the folder reader (more than plain LoRA, or a tensor-parallel
+        vocabulary)."""
+        if self.vocab_parallel:
+            return None
+        found = read_state_dict(name, tensors, config, path, self.base_modules, strict=strict, tied=self.tied)
+        if found is not None:
+            self._check_rank(found[1].max_rank, f"adapter {name!r} at {path}")
+        return found
 
     def _check_rank(self, rank: int, where: str) -> None:
         if rank > self.config.max_rank:

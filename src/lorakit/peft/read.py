@@ -25,7 +25,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorakit.peft.adapter import AdapterInfo, BaseModule, ModuleLora, PeftAdapter
-from lorakit.peft.config import _TRAINING_ONLY_KEYS, CONFIG_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
+from lorakit.peft.config import (
+    _TRAINING_ONLY_KEYS,
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterError,
+    _check_config,
+    read_adapter_config,
+)
 from lorakit.peft.experts import (
     expert_factors,
     expert_shapes,
@@ -43,7 +50,7 @@ from lorakit.peft.tokens import (
     token_key,
 )
 
-__all__ = ["inspect_peft_adapter", "load_peft_adapter", "weights_file"]
+__all__ = ["inspect_peft_adapter", "load_peft_adapter", "read_state_dict", "weights_file"]
 
 logger = logging.getLogger("lorakit.adapter")
 
@@ -147,6 +154,64 @@ def _check_dora(config: dict, pairs: Mapping, magnitudes: Mapping, where: str) -
     if config.get("alora_invocation_tokens"):
         raise AdapterError(f"{where}: use_dora and alora_invocation_tokens are both set; PEFT has no activated DoRA "
                            f"(it refuses this combination too): retrain with one of them")
+
+
+# Fields of a config whose adapters need more than plain LoRA pairs on linear modules: read from a folder instead.
+_NOT_PLAIN = ("use_dora", "alora_invocation_tokens", "trainable_token_indices", "modules_to_save", "target_parameters")
+
+
+def read_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict, path: Path,
+                    base_modules: Mapping[str, BaseModule], *, strict: bool = True, tied: bool = False
+                    ) -> tuple[AdapterInfo, PeftAdapter] | None:
+    """A PEFT state dict held in memory (``get_peft_model_state_dict``'s keys; tensors on any device, kept there, not
+    copied) checked as ``load_peft_adapter`` checks a folder: the config, every key, module, shape and rank, every
+    value (one device sync for all). Plain LoRA on linear modules only: for anything more (DoRA, token rows,
+    embeddings, MoE experts, an activated LoRA) it returns None, and the caller reads the adapter as a folder.
+    ``path`` names where it came from in errors."""
+    where = f"adapter {name!r} at {path}"
+    _check_config(config, where)
+    if any(config.get(field) for field in _NOT_PLAIN) or any(m.kind == "experts" for m in base_modules.values()):
+        return None
+    parts, copies, token_keys = _sort_keys(list(tensors), config, base_modules, where, strict, tied)
+    if copies or token_keys or any(set(slot) - {"lora_A", "lora_B"} for slot in parts.values()):
+        return None
+    modules, shapes = {}, {}
+    for module, slot in parts.items():
+        if set(slot) != {"lora_A", "lora_B"}:
+            raise AdapterError(f"{where}: module {module!r} has {sorted(slot)} but needs exactly lora_A and lora_B; "
+                               f"the weights are incomplete")
+        a, b = tensors[slot["lora_A"]].detach(), tensors[slot["lora_B"]].detach()
+        for t, label in ((a, "A"), (b, "B")):
+            if not t.dtype.is_floating_point or t.dim() != 2:
+                raise AdapterError(f"{where}: module {module!r}: {label} must be a 2-D floating-point tensor, got "
+                                   f"{t.dtype} {tuple(t.shape)}")
+        if base_modules[module].kind != "linear":
+            return None
+        rank, scale = _check_module(module, "linear", tuple(a.shape), tuple(b.shape), config, base_modules, where)
+        modules[module], shapes[module] = ModuleLora(a, b, rank, scale), (rank, scale)
+    _check_values(modules, where)
+    return AdapterInfo(name, path, config, shapes), PeftAdapter(name, path, config, modules)
+
+
+def _check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
+    """Every A and B finite, and within float32 where it is wider: each tensor's largest magnitude, reduced where it
+    lies (a GPU's tensors on the GPU) and read back at once."""
+    tensors = [(module, label, t) for module, lora in modules.items() for label, t in (("A", lora.A), ("B", lora.B))]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, t) in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    largest = [0.0] * len(tensors)
+    for device, indices in by_device.items():
+        values = torch.stack([tensors[i][2].abs().amax().double() for i in indices]).tolist()
+        for i, v in zip(indices, values):
+            largest[i] = v
+    for (module, label, t), v in zip(tensors, largest):
+        if not math.isfinite(v):
+            raise AdapterError(f"{where}: module {module!r}: {label} holds NaN or inf values; the adapter is broken, "
+                               f"retrain or re-export")
+        if v > torch.finfo(torch.float32).max:
+            raise AdapterError(f"{where}: module {module!r}: {label} overflows torch.float32 (largest |value| "
+                               f"{v:.3g}); train it in a narrower range")
 
 
 def weights_file(path: Path, where: str) -> Path:
