@@ -165,7 +165,10 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         added = max(0, int(t.ids.max()) + 1 - store.vocab) if k else 0
         token_plans.append((store, t, k, added, place((k,), torch.int32), place((k, store.dim), store.dtype)))
 
-    buffer = torch.zeros(max(offset, 1), dtype=torch.uint8, pin_memory=pin)
+    # Laid out where the adapter's tensors are (a pushed adapter's may be on the GPU: hundreds of small copies there,
+    # then one to the host, instead of hundreds of small device-to-host copies).
+    device = next((lora.A.device for lora in adapter.modules.values()), torch.device("cpu"))
+    buffer = torch.zeros(max(offset, 1), dtype=torch.uint8, pin_memory=pin and device.type == "cpu", device=device)
     tokens = []
     for store, t, k, added, ids1, rows in token_plans:
         ids1.view(buffer).copy_(t.ids + 1)
@@ -186,6 +189,8 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         scale_part.view(buffer).copy_(scales)
         norm_scales = tuple(slices[i][0].scale if i in slices else 0.0 for i in range(len(ranks)))
         stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part, mags, norm_scales))
+    if device.type != "cpu":
+        buffer = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=pin).copy_(buffer)
     return SlotImage(adapter.name, buffer, tuple(stores), tuple(tokens))
 
 

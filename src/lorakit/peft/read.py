@@ -202,8 +202,11 @@ def _check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
         by_device.setdefault(t.device, []).append(i)
     largest = [0.0] * len(tensors)
     for device, indices in by_device.items():
-        values = torch.stack([tensors[i][2].abs().amax().double() for i in indices]).tolist()
-        for i, v in zip(indices, values):
+        group = [tensors[i][2] for i in indices]
+        # max |value| per tensor, NaN where one is NaN: one fused reduction (clip_grad_norm_'s), else one per tensor
+        norms = torch._foreach_norm(group, float("inf")) if hasattr(torch, "_foreach_norm") else [
+            t.abs().amax() for t in group]
+        for i, v in zip(indices, torch.stack([n.double() for n in norms]).tolist()):
             largest[i] = v
     for (module, label, t), v in zip(tensors, largest):
         if not math.isfinite(v):
