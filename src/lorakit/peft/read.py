@@ -203,9 +203,10 @@ def _check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
     largest = [0.0] * len(tensors)
     for device, indices in by_device.items():
         group = [tensors[i][2] for i in indices]
-        # max |value| per tensor, NaN where one is NaN: one fused reduction (clip_grad_norm_'s), else one per tensor
-        norms = torch._foreach_norm(group, float("inf")) if hasattr(torch, "_foreach_norm") else [
-            t.abs().amax() for t in group]
+        # max |value| per tensor, NaN where one is NaN: on a GPU one fused reduction (clip_grad_norm_'s), on the CPU
+        # one per tensor (faster there)
+        fused = device.type != "cpu" and hasattr(torch, "_foreach_norm")
+        norms = torch._foreach_norm(group, float("inf")) if fused else [t.abs().amax() for t in group]
         for i, v in zip(indices, torch.stack([n.double() for n in norms]).tolist()):
             largest[i] = v
     for (module, label, t), v in zip(tensors, largest):
