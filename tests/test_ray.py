@@ -104,6 +104,8 @@ def test_every_request_answers_as_the_single_server_does(fleet, single):
         assert listed == [m["id"] for m in single.get("/v1/models").json()["data"]]
         refused = client.post(f"{fleet}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
         assert refused.status_code == 403 and "by name" in refused.json()["error"]["message"]
+        pushed = client.put(f"{fleet}/v1/lora_adapters/x", content=b"\0" * 64)
+        assert pushed.status_code == 403 and "pushed adapters" in pushed.json()["error"]["message"]
 
 
 def _content(sse: str) -> str:

@@ -40,6 +40,7 @@ logger = logging.getLogger("lorakit.serve.ray")
 __all__ = ["FleetConfig", "build_app", "run_fleet"]
 
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+PUSH_PREFIX = "/v1/lora_adapters/"  # lorakit serve's pushes (serve/adapters.py): refused by a fleet, by name
 REPLICA_HEADER = "x-lorakit-replica"  # on every response: the Ray Serve replica that answered
 REPLICA_FAILED = "the replica serving this request failed; retry"
 STOP_S = 60  # after Ctrl-C: how long Serve and Ray get to stop before the process leaves without them
@@ -293,9 +294,13 @@ class Router:
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         path = request.url.path
-        if request.method == "POST" and path in ADMIN_PATHS:
+        if (request.method == "POST" and path in ADMIN_PATHS) or path.startswith(PUSH_PREFIX):
             if self.api_key is not None and not authorized(request.headers.get("authorization"), self.api_key):
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            if path.startswith(PUSH_PREFIX):  # a push reaching one replica would leave the others on old weights
+                return _error(403, "a Ray fleet does not take pushed adapters yet (each replica would need the same "
+                                   "version); push to a lorakit serve, or save the adapter under a --lora-root and "
+                                   "ask for it by name")
             return _error(403, "a Ray fleet fetches adapters by name from its --lora-root folders; runtime loading "
                                "by path is off (put the adapter folder under a root and ask for it by name)")
         name = adapter_of(request.method, path, body, self.base_name)
