@@ -26,12 +26,12 @@ from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
+from lorakit.serve.push import CONFIG_KEY
 from lorakit.serve.state import ServerState
 
 __all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
 
 PUSH_PREFIX = "/v1/lora_adapters/"
-CONFIG_KEY = "adapter_config"  # the safetensors metadata key that holds a pushed adapter's config (JSON)
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 
 _OFF = "runtime adapter loading is off; start the server with --allow-runtime-lora"

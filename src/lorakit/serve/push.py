@@ -16,7 +16,7 @@ import urllib.request
 
 __all__ = ["push_adapter", "push_body"]
 
-CONFIG_KEY = "adapter_config"  # lorakit.serve.adapters reads the config from the header's metadata under this key
+CONFIG_KEY = "adapter_config"  # the safetensors metadata key a pushed adapter's config (JSON) travels under
 
 
 def push_body(weights, config) -> bytes:
