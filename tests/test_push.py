@@ -72,6 +72,7 @@ def test_each_push_is_a_version_served_as_peft_computes_it(base):
     for version, seed in enumerate((1, 2, 1), start=1):
         model = trained(base, seed)
         assert engine.push_adapter("policy", get_peft_model_state_dict(model), model.peft_config["default"]) == version
+        assert engine.pool.residency()["policy"] == "cpu"  # held in memory (there is no file), not in a slot yet
         assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
         shas.append(engine.pool.versions["policy"][1])
     assert shas[0] == shas[2] != shas[1]

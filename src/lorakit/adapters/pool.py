@@ -493,10 +493,11 @@ class AdapterPool:
 
     def residency(self) -> dict[str, str]:
         """Where each registered adapter's current version lives: "gpu" (in a slot, or on its way), "cpu" (in the
-        CPU cache) or "disk". For metrics from another thread: it takes no lock, so each adapter's tier is as of
+        CPU cache, or held in memory: a pushed one) or "disk". For metrics from another thread: it takes no lock, so each adapter's tier is as of
         some moment during the call."""
         current, images = self._current.copy(), self._cpu.images
-        return {name: "gpu" if v.slot is not None else "cpu" if v in images else "disk" for name, v in current.items()}
+        return {name: "gpu" if v.slot is not None else "cpu" if v in images or v.kept is not None else "disk"
+                for name, v in current.items()}
 
     def memory(self) -> dict:
         """Bytes per tier, and what each slot holds."""

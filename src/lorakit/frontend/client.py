@@ -184,8 +184,8 @@ class InProcessClient:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
             checked = await asyncio.to_thread(self.engine.registry.read_pushed, name, weights, config)
-        await self.async_engine.call(self.engine.registry.install, checked)
-        return self.engine.pool.ref(name)
+        version = await self.async_engine.call(self.engine.registry.install, checked)
+        return AdapterRef(name, version, checked.snapshot.sha256)  # this push's, whatever was pushed since
 
     async def unregister_adapter(self, name: str) -> None:
         await self.async_engine.call(self.engine.unregister_adapter, name)
