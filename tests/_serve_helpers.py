@@ -213,7 +213,7 @@ def check_pushes(world, live, model_name: str = "tiny") -> None:
     import httpx
     from safetensors.torch import load_file
 
-    from lorakit.serve.push import push_adapter, push_body
+    from lorakit.serve.push import IPC_CONTENT_TYPE, push_adapter, push_body
 
     prompt = "What is the capital of France?"
     folders = world[3]
@@ -251,6 +251,17 @@ def check_pushes(world, live, model_name: str = "tiny") -> None:
                         (push_body(state_dict("chat")[0], {}) .replace(b"adapter_config", b"adapter_confog"),
                          "no 'adapter_config'")):
         r = httpx.put(url, content=bad, timeout=120)
+        assert r.status_code == 400 and phrase in r.json()["error"]["message"], r.text
+    # through CUDA IPC: a malformed description, and a handle that cannot be opened here (no CUDA device on the CPU;
+    # on a GPU, not a live allocation), each refused by name
+    ipc = {"content-type": IPC_CONTENT_TYPE}
+    shared = {"device": 0, "handle": "aGFuZGxl", "size": 1024, "storage_offset": 0, "ref_counter": "L3RvcmNoXzFfMl8z",
+              "ref_counter_offset": 0, "event": "", "event_sync_required": False,
+              "tensors": [["base_model.model.x.lora_A.weight", "float32", [2, 2], 0]]}
+    for bad, phrase in (({"config": {}}, "malformed"), ({"config": {}, "cuda_ipc": {**shared, "size": "big"}},
+                                                        "malformed"),
+                        ({"config": state_dict("chat")[1], "cuda_ipc": shared}, "CUDA")):
+        r = httpx.put(url, content=_json.dumps(bad), headers=ipc, timeout=120)
         assert r.status_code == 400 and phrase in r.json()["error"]["message"], r.text
     assert text("pushed") == reference(world, prompt, "sql", max_tokens=8, temperature=0.0).text  # v3 still
     r = httpx.put(f"{live.url}/v1/lora_adapters/{model_name}", content=body, timeout=60)

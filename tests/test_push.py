@@ -5,6 +5,7 @@ version serving; a hypothesis test of pushes, requests and unloads interleaved."
 import copy
 import json
 
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -321,3 +322,101 @@ def test_pushes_requests_and_unloads_interleaved(base):
 
 def test_targets_are_those_of_the_tiny_model():
     assert set(CONFIG.target_modules) <= set(TARGETS["llama"])
+
+
+# Pushes through CUDA IPC (lorakit.adapters.shared): a description checked field by field before any handle is opened.
+
+def _description(**changes):
+    from lorakit.adapters.shared import SharedTensor, SharedWeights
+
+    fields = dict(device=0, handle=b"h" * 64, size=4096, storage_offset=0, ref_counter=b"/torch_12_345_0",
+                  ref_counter_offset=3, event=b"", event_sync_required=False,
+                  tensors=[SharedTensor("base_model.model.x.lora_A.weight", "bfloat16", [4, 8], 0),
+                           SharedTensor("base_model.model.x.lora_B.weight", "float32", [8, 4], 256)])
+    return SharedWeights(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    (dict(size=1 << 40), "more than"),
+    (dict(handle=b""), "handle"),
+    (dict(ref_counter=b"/etc/passwd"), "reference counter"),
+    (dict(ref_counter_offset=10000), "reference counter"),
+    (dict(ref_counter_offset=-1), "reference counter"),
+    (dict(tensors=[]), "0 tensors"),
+    (dict(size=300), "outside"),
+    (dict(tensors=[_description().tensors[0]] * 2), "twice"),
+])
+def test_a_cuda_ipc_description_out_of_range_is_refused_before_it_is_opened(monkeypatch, changes, phrase):
+    from lorakit.adapters import shared
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the checks run as on a GPU machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    shared.check_shared(_description(), 1 << 20, "here")  # the untouched description passes
+    with pytest.raises(AdapterError, match=phrase):
+        shared.check_shared(_description(**changes), 1 << 20, "here")
+    for bad in (dict(dtype="int64"), dict(shape=[-1, 4]), dict(offset=7)):
+        tensor = msgspec.structs.replace(_description().tensors[0], **bad)
+        with pytest.raises(AdapterError, match="malformed"):
+            shared.check_shared(_description(tensors=[tensor]), 1 << 20, "here")
+    with pytest.raises(AdapterError, match="device 1"):
+        shared.check_shared(_description(device=1), 1 << 20, "here")
+
+
+def test_a_push_through_cuda_ipc_is_taken_from_this_host_only():
+    from lorakit.serve.adapters import _ipc_push
+    from lorakit.serve.protocol import ApiError
+    from lorakit.serve.push import IpcPush
+
+    body = msgspec.json.encode(IpcPush({"r": 4}, _description()))
+    assert _ipc_push(body, "127.0.0.1")[0] == _description()
+    for peer in ("10.0.0.7", "192.168.1.2", None):
+        with pytest.raises(ApiError, match="only from this host") as e:
+            _ipc_push(body, peer)
+        assert e.value.status == 403
+
+
+_SENDER = """
+import sys, msgspec, torch
+from safetensors.torch import load_file
+from lorakit.adapters.shared import share
+shared, buffer = share({k: v.cuda() for k, v in load_file(sys.argv[1]).items()})
+sys.stdout.buffer.write(msgspec.json.encode(shared) + b"\\n"); sys.stdout.flush()
+sys.stdin.readline()  # the buffer lives until the receiver is done
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_push_through_cuda_ipc_from_another_process_serves_as_peft_computes_it(base, tmp_path):
+    """Another process's GPU tensors, handed over by handle: the same content (sha256) as the same state dict pushed
+    in-process, served as PEFT computes it; a handle that cannot be opened is refused by name and the engine
+    serves on."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from lorakit.adapters.shared import SharedWeights
+
+    model = trained(base, 6).cuda()
+    state = get_peft_model_state_dict(model)
+    save_file({k: v.cpu() for k, v in state.items()}, tmp_path / "w.safetensors")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(tmp_path / "w.safetensors")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [src, os.environ.get("PYTHONPATH", "")])})
+    try:
+        shared = msgspec.json.decode(sender.stdout.readline(), type=SharedWeights)
+        engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, block_size=4, device="cuda")
+        bad = msgspec.structs.replace(shared, handle=bytes(len(shared.handle)))
+        with pytest.raises(AdapterError, match="CUDA IPC"):
+            engine.push_adapter("policy", bad, CONFIG)
+        assert engine.push_adapter("policy", shared, CONFIG) == 1
+        sha = engine.pool.versions["policy"][1]
+        prompt = [2, 7, 1, 8]
+        assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
+    finally:
+        sender.communicate(b"done\n", timeout=60)
+    assert engine.push_adapter("policy", state, CONFIG) == 2
+    assert engine.pool.versions["policy"][1] == sha

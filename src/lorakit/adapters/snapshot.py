@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.adapters.shared import SharedWeights, open_shared
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
 from lorakit.peft import AdapterError, AdapterInfo
@@ -96,12 +97,16 @@ def read_snapshot(handle: LoraHandle, name: str, path: str | Path, roots: Sequen
 def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool, pin: bool, max_bytes: int
                 ) -> Snapshot:
     """An adapter pushed from memory, checked in full as a folder would be (config, keys, shapes, rank, every value):
-    ``weights`` is a PEFT state dict (``get_peft_model_state_dict``'s keys; tensors on any device) or the bytes of a
-    safetensors file of one; ``config`` its ``LoraConfig``, or the dict ``adapter_config.json`` holds. A state dict of
+    ``weights`` is a PEFT state dict (``get_peft_model_state_dict``'s keys; tensors on any device), the bytes of a
+    safetensors file of one, or one in another process's CUDA memory (``SharedWeights``, opened only for the read);
+    ``config`` its ``LoraConfig``, or the dict ``adapter_config.json`` holds. A state dict of
     plain LoRA on linear modules is checked where its tensors lie and packed straight from them; anything else is
     written to a private folder in memory and read as a folder is. Its sha256 is ``image_digest``'s: of the config and
     the packed weights, the same for the same adapter however it was pushed. Changes nothing; raises AdapterError."""
     where = f"adapter {name!r} pushed from memory"
+    if isinstance(weights, SharedWeights):
+        with open_shared(weights, max_bytes, f"{where} through CUDA IPC") as tensors:
+            return read_pushed(handle, name, tensors, config, strict=strict, pin=pin, max_bytes=max_bytes)
     config_bytes = config_json(config, where)
     if isinstance(weights, Mapping):
         _check_tensors(weights, where, max_bytes)

@@ -19,6 +19,7 @@ from typing import Protocol
 from lorakit.engine.engine import Engine
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef
+from lorakit.adapters.shared import SharedWeights
 from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.frontend.streams import RequestStream
 from lorakit.engine.sampling import SamplingParams
@@ -94,7 +95,7 @@ class EngineClient(Protocol):
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
 
-    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef: ...
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef: ...
 
     async def unregister_adapter(self, name: str) -> None: ...
 
@@ -180,7 +181,7 @@ class InProcessClient:
             checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
         return await self.async_engine.call(self.engine.registry.install, checked)
 
-    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
             checked = await asyncio.to_thread(self.engine.registry.read_pushed, name, weights, config)

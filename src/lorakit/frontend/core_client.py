@@ -38,6 +38,7 @@ from lorakit.engine.errors import EngineDead
 from lorakit.engine.lifeline import on_main_thread
 from lorakit.engine.outputs import FinishReason, OutputProcessor, RequestOutput, Unread
 from lorakit.adapters.pool import AdapterRef, resolve
+from lorakit.adapters.shared import SharedWeights
 from lorakit.engine.sampling import SamplingParams
 from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.peft import AdapterError
@@ -380,7 +381,7 @@ class CoreClient:
         self._learn(Adapter.of(facts, tokenizer))
         return facts.ref.version
 
-    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
         """Have the core check and install weights pushed from memory (a safetensors file's bytes) as ``name``'s new
         version; it carries no tokenizer."""
         found = await self._call(Push, name=name, weights=weights, config=config)

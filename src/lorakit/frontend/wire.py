@@ -18,6 +18,7 @@ import msgspec
 from lorakit.engine.errors import Overloaded
 from lorakit.engine.outputs import RequestOutput
 from lorakit.adapters.pool import AdapterRef, TooManyVersions
+from lorakit.adapters.shared import SharedWeights
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
@@ -56,11 +57,12 @@ class Register(msgspec.Struct, tag=True, array_like=True):
 
 class Push(msgspec.Struct, tag=True, array_like=True):
     """Check and install an adapter pushed from memory as ``name``'s new version: ``weights``, a safetensors file's
-    bytes; ``config``, its adapter_config.json's object. The reply's result: its ``AdapterFacts``."""
+    bytes or a buffer in a client's CUDA memory (opened by the core); ``config``, its adapter_config.json's object. The
+    reply's result: its ``AdapterFacts``."""
 
     call_id: int
     name: str
-    weights: bytes
+    weights: bytes | SharedWeights
     config: dict
     server: int = 0
 

@@ -55,6 +55,9 @@ class Part:
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
+    def shifted(self, by: int) -> Part:
+        return Part(self.offset + by, self.shape, self.dtype)
+
 
 @dataclass(frozen=True, eq=False)
 class StoreImage:
@@ -156,39 +159,47 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         b = place((max(ranks), store.out_offsets[-1]), store.dtype)
         mags = tuple(place((store.out_sizes[i],), torch.float32)
                      if i in slices and slices[i][0].magnitude is not None else None for i in range(n))
-        plans.append((store, slices, ranks, a, b, place((n,), torch.int32), place((n,), torch.float32), mags))
-
+        plans.append((store, slices, ranks, a, b, mags))
     token_plans = []
     for module, t in adapter.tokens.items():  # the adapter's rows, ids ascending
         store = layers[module].tokens
         k = t.ids.numel()
         added = max(0, int(t.ids.max()) + 1 - store.vocab) if k else 0
         token_plans.append((store, t, k, added, place((k,), torch.int32), place((k, store.dim), store.dtype)))
+    # The small parts (each store's ranks and scales) last, side by side: written from the host in one copy.
+    meta_start = offset
+    meta = [(place((len(ranks),), torch.int32), place((len(ranks),), torch.float32)) for _, _, ranks, *_ in plans]
 
-    # Laid out where the adapter's tensors are (a pushed adapter's may be on the GPU: hundreds of small copies there,
-    # then one to the host, instead of hundreds of small device-to-host copies).
+    # Laid out where the adapter's tensors are (a pushed adapter's may be on the GPU): the weights in one batched
+    # copy there, the small parts in one copy from the host, then, from a GPU, one copy to the host.
     device = next((lora.A.device for lora in adapter.modules.values()), torch.device("cpu"))
     buffer = torch.zeros(max(offset, 1), dtype=torch.uint8, pin_memory=pin and device.type == "cpu", device=device)
+    host_meta = torch.zeros(offset - meta_start, dtype=torch.uint8)
+    dst, src = [], []
     tokens = []
     for store, t, k, added, ids1, rows in token_plans:
-        ids1.view(buffer).copy_(t.ids + 1)
-        rows.view(buffer).copy_(t.rows)
+        dst += [ids1.view(buffer), rows.view(buffer)]
+        src += [t.ids.to(device) + 1, t.rows]
         tokens.append(TokenImage(store, k, added, ids1, rows))
     stores = []
-    for store, slices, ranks, a, b, rank_part, scale_part, mags in plans:
+    for (store, slices, ranks, a, b, mags), (rank_part, scale_part) in zip(plans, meta):
         b_view = b.view(buffer)
-        scales = torch.zeros(len(ranks), dtype=torch.float32)
+        scales = [0.0] * len(ranks)
         for i, (lora, scale) in slices.items():
-            a[i].view(buffer).copy_(lora.A.T if isinstance(store, LoraEmbedding) else lora.A)
             lo, hi = store.out_offsets[i], store.out_offsets[i + 1]
-            b_view[: ranks[i], lo:hi].copy_(lora.B.T)
-            scales[i] = scale
+            dst += [a[i].view(buffer), b_view[: ranks[i], lo:hi]]
+            src += [lora.A.T if isinstance(store, LoraEmbedding) else lora.A, lora.B.T]
             if mags[i] is not None:
-                mags[i].view(buffer).copy_(lora.magnitude)
-        rank_part.view(buffer).copy_(torch.tensor(ranks, dtype=torch.int32))
-        scale_part.view(buffer).copy_(scales)
+                dst.append(mags[i].view(buffer))
+                src.append(lora.magnitude)
+            scales[i] = scale
+        rank_part.shifted(-meta_start).view(host_meta).copy_(torch.tensor(ranks, dtype=torch.int32))
+        scale_part.shifted(-meta_start).view(host_meta).copy_(torch.tensor(scales, dtype=torch.float32))
         norm_scales = tuple(slices[i][0].scale if i in slices else 0.0 for i in range(len(ranks)))
         stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part, mags, norm_scales))
+    if dst:
+        torch._foreach_copy_(dst, src)
+    buffer[meta_start:offset].copy_(host_meta)
     if device.type != "cpu":
         buffer = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=pin).copy_(buffer)
     return SlotImage(adapter.name, buffer, tuple(stores), tuple(tokens))

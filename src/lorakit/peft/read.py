@@ -197,17 +197,17 @@ def _check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
     """Every A and B finite, and within float32 where it is wider: each tensor's largest magnitude, reduced where it
     lies (a GPU's tensors on the GPU) and read back at once."""
     tensors = [(module, label, t) for module, lora in modules.items() for label, t in (("A", lora.A), ("B", lora.B))]
-    by_device: dict[torch.device, list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, _, t) in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+        groups.setdefault((t.device, t.dtype), []).append(i)
     largest = [0.0] * len(tensors)
-    for device, indices in by_device.items():
+    for (device, _), indices in groups.items():
         group = [tensors[i][2] for i in indices]
-        # max |value| per tensor, NaN where one is NaN: on a GPU one fused reduction (clip_grad_norm_'s), on the CPU
-        # one per tensor (faster there)
+        # max |value| per tensor, NaN where one is NaN: on a GPU one fused reduction (clip_grad_norm_'s) and one
+        # read back for all, on the CPU one reduction per tensor (faster there)
         fused = device.type != "cpu" and hasattr(torch, "_foreach_norm")
         norms = torch._foreach_norm(group, float("inf")) if fused else [t.abs().amax() for t in group]
-        for i, v in zip(indices, torch.stack([n.double() for n in norms]).tolist()):
+        for i, v in zip(indices, torch.stack(norms).double().tolist()):
             largest[i] = v
     for (module, label, t), v in zip(tensors, largest):
         if not math.isfinite(v):

@@ -10,7 +10,9 @@ folder there: ``lorakit.adapters.hub``), only safetensors (the loader never unpi
 (``lorakit.adapters.snapshot``). A load under a registered name is a hot-swap: running requests keep their version,
 and a load that fails leaves the old version serving. ``PUT /v1/lora_adapters/NAME`` takes an adapter pushed from a
 training loop: its weights as the body, a safetensors file (its header's metadata holds the config as
-``adapter_config``; ``lorakit.serve.push`` writes one), checked in full as a folder is; no path is involved.
+``adapter_config``; ``lorakit.serve.push`` writes one), checked in full as a folder is; no path is involved. From a
+client on this host, the body may instead be JSON naming a buffer in the client's CUDA memory (``IpcPush``: the
+tensors are copied device to device, never through the host); it is taken only over a loopback connection.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import os
 import struct
 from pathlib import Path
 
+import msgspec
+
 from lorakit.adapters.pool import TooManyVersions, check_name
+from lorakit.adapters.shared import SharedWeights
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
-from lorakit.serve.push import CONFIG_KEY
+from lorakit.serve.push import CONFIG_KEY, IPC_CONTENT_TYPE, IpcPush
 from lorakit.serve.state import ServerState
 
 __all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
@@ -63,9 +68,10 @@ async def load(body: LoadBody, state: ServerState) -> dict:
     return {"status": "ok", "lora_name": body.lora_name, "version": version}
 
 
-async def push(name: str, body: bytes, state: ServerState) -> dict:
-    """A new version of ``name`` from a safetensors body, its config in the header's metadata; answers the version and
-    the content's sha256. A push that fails its checks leaves the previous version serving (400 naming why)."""
+async def push(name: str, body: bytes, state: ServerState, content_type: str = "", peer: str | None = None) -> dict:
+    """A new version of ``name`` from a safetensors body, its config in the header's metadata (or, with
+    ``IPC_CONTENT_TYPE`` from a ``peer`` on the loopback, a buffer in the client's CUDA memory); answers the version
+    and the content's sha256. A push that fails its checks leaves the previous version serving (400 naming why)."""
     if not state.config.allow_runtime_lora:
         raise ApiError(403, _OFF)
     try:
@@ -74,9 +80,16 @@ async def push(name: str, body: bytes, state: ServerState) -> dict:
         raise ApiError(400, str(e), "lora_name") from None
     if name == state.config.model_name:
         raise ApiError(400, f"{name!r} is the base model's name; pick another", "lora_name")
-    config = _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
+    weights: bytes | SharedWeights
+    if content_type.split(";")[0].strip().lower() == IPC_CONTENT_TYPE:
+        weights, config = _ipc_push(body, peer)
+        if weights.size > state.config.max_push_bytes:
+            raise ApiError(413, f"the pushed CUDA buffer has {weights.size} bytes, more than --max-push-bytes "
+                                f"{state.config.max_push_bytes}", "body")
+    else:
+        weights, config = bytes(body), _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
     try:
-        ref = await state.push_adapter(name, bytes(body), config)
+        ref = await state.push_adapter(name, weights, config)
     except TooManyVersions as e:
         raise _busy(e) from None
     except (AdapterError, ValueError) as e:
@@ -87,6 +100,22 @@ async def push(name: str, body: bytes, state: ServerState) -> dict:
 def _busy(error: TooManyVersions) -> ApiError:
     """A new version refused while the older ones still run requests: 429, retry once they end."""
     return ApiError(429, str(error), "lora_name", {"retry-after": "1"})
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _ipc_push(body: bytes, peer: str | None) -> tuple[SharedWeights, dict]:
+    """A push through CUDA IPC: only from this host (a loopback peer), its JSON checked against ``IpcPush``."""
+    if peer not in LOOPBACK and not (peer or "").startswith("127."):
+        raise ApiError(403, f"a push through CUDA IPC ({IPC_CONTENT_TYPE}) is taken only from this host, over the "
+                            f"loopback; this one came from {peer}: send the safetensors body instead", "body")
+    try:
+        found = msgspec.json.decode(body, type=IpcPush)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the CUDA IPC push is malformed ({e}); send one from lorakit.serve.push.push_adapter",
+                       "body") from None
+    return found.cuda_ipc, found.config
 
 
 def _pushed_config(head: bytes) -> dict:

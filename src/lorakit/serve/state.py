@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.adapters.pool import AdapterRef
+from lorakit.adapters.shared import SharedWeights
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
 from lorakit.engine.errors import EngineDead, Overloaded
@@ -417,8 +418,9 @@ class ServerState:
         version."""
         return await self.engine.register_adapter(name, path, roots or self.config.lora_roots or None)
 
-    async def push_adapter(self, name: str, weights: bytes, config: dict) -> AdapterRef:
-        """Checks weights pushed from memory (a safetensors file's bytes; AdapterError for bad ones) while the engine
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
+        """Checks weights pushed from memory (a safetensors file's bytes, or a client's CUDA buffer; AdapterError for bad
+        ones) while the engine
         keeps stepping, then installs them between steps as ``name``'s new version."""
         return await self.engine.push_adapter(name, weights, config)
 

@@ -1,0 +1,181 @@
+"""Pushes to a running server while it streams: issue 49's latencies over HTTP and CUDA IPC, and the stall they cause.
+
+A Llama-3-8B-shaped model (random bf16 weights) served in this process (``create_app``: the engine on a thread, as
+``lorakit serve --engine-in-process``) with ``--allow-runtime-lora``, and a rank-16 adapter on all 7 projections of
+every layer (84 MB in bf16):
+
+- HTTP from host memory: ``lorakit.serve.push.push_adapter`` of host tensors (a safetensors body), wall time from the
+  call until the server answers with the new version (target <= 1 s);
+- CUDA IPC from another process: a child process holding the adapter on the GPU pushes it with ``cuda_ipc=True`` (one
+  copy into a shared buffer there, the server opens it and copies device to device), timed in the child (target
+  <= 60 ms);
+- stall: one greedy stream on the base model runs throughout; the largest gap between two of its tokens while the
+  pushes of each kind run, in steps (its median gap before the pushes; target: at most one step more).
+
+    PYTHONPATH=src python bench/bench_push.py --out DIR [--layers 32] [--pushes 20]
+    PYTHONPATH=src python bench/bench_push.py --out DIR --device cpu --tiny   # a smoke run, no timing value
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import load_file
+from common import (arg_parser, make_model, parse_args, setup, setup_line, word_tokenizer, write_adapter,
+                    write_report)  # bench/ is on sys.path when this file runs as a script
+
+from lorakit.engine import Engine
+from lorakit.serve.app import create_app
+from lorakit.serve.edge import uvicorn_config
+from lorakit.serve.push import push_adapter
+from lorakit.serve.state import ServeConfig
+
+# The child process of the CUDA IPC pushes: the adapter onto its GPU, then N pushes, each timed; their times as JSON.
+_CHILD = """
+import json, sys, time, torch
+from safetensors.torch import load_file
+from lorakit.serve.push import push_adapter
+url, folder, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+weights = {k: v.to("cuda", torch.bfloat16) for k, v in load_file(folder + "/adapter_model.safetensors").items()}
+config = json.load(open(folder + "/adapter_config.json"))
+push_adapter(url, "ipc", weights, config, cuda_ipc=True)  # warm: CUDA IPC opened once, the slot layout planned
+print("ready", flush=True)
+sys.stdin.readline()  # go
+times = []
+for _ in range(n):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    push_adapter(url, "ipc", weights, config, cuda_ipc=True)
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+class Stream:
+    """A greedy stream of the base model, each token's arrival time kept; its first 50 tokens awaited."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(url, max_tokens), daemon=True)
+        self.thread.start()
+        while len(self.times) < 50:
+            assert self.thread.is_alive(), "the stream ended early"
+            time.sleep(0.01)
+
+    def _run(self, url, max_tokens):
+        body = {"model": "base", "prompt": "w1 w2 w3 w4", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.times.append(time.perf_counter())
+                if self.stop.is_set():
+                    return
+
+    def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
+        t = [x for x in self.times if start <= x <= end]
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(60)
+
+
+def serve(engine):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(create_app(engine, ServeConfig(model_name="base", allow_runtime_lora=True)),
+                                           "127.0.0.1", 0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+
+def main(argv=None) -> int:
+    p = arg_parser(__doc__, smoke=True)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--pushes", type=int, default=20)
+    args = parse_args(p, argv)
+    cuda = args.device == "cuda"
+    torch.manual_seed(0)
+    model = make_model(2 if args.tiny else args.layers, args.tiny, args.device)
+    model.config.max_position_embeddings = 8192  # rotary: no table to outgrow; room for a long bystander
+    vocab = model.config.vocab_size
+    tmp = Path(tempfile.mkdtemp())
+    folder = write_adapter(model, tmp / "pushed", 16, seed=9)
+    host = {k: v.to(torch.bfloat16 if cuda else v.dtype) for k, v in load_file(folder / "adapter_model.safetensors").items()}
+    config = json.loads((folder / "adapter_config.json").read_text())
+    engine = Engine(model, word_tokenizer(vocab), max_loras=2, max_num_seqs=4, max_seq_len=8192,
+                    graph_sizes=(1, 2, 4), device=args.device)
+    server, url = serve(engine)
+    try:
+        push_adapter(url, "http", host, config, cuda_ipc=False)  # warm
+        max_tokens = 8000 if cuda else 300
+        stream = Stream(url, max_tokens)
+        step = statistics.median(stream.gaps())
+        http_s = []
+        for _ in range(args.pushes):
+            start = time.perf_counter()
+            push_adapter(url, "http", host, config, cuda_ipc=False)
+            http_s.append(time.perf_counter() - start)
+        stream.close()
+        http_gaps = stream.gaps(stream.times[49])
+        ipc_s, ipc_gaps = [], []
+        if cuda:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                                os.environ.get("PYTHONPATH", "")])}
+            child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(args.pushes)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if child.stdout.readline().strip() != "ready":
+                raise SystemExit("the CUDA IPC pusher failed to start")
+            stream = Stream(url, max_tokens)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            out, _ = child.communicate(timeout=600)
+            stream.close()
+            if child.returncode:
+                raise SystemExit("the CUDA IPC pusher failed")
+            ipc_s, ipc_gaps = json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49])
+    finally:
+        server.should_exit = True
+    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    worst = lambda xs: 1e3 * max(xs) if xs else float("nan")  # noqa: E731
+    result = dict(adapter_mb=sum(v.numel() * v.element_size() for v in host.values()) / 1e6, pushes=args.pushes,
+                  http_ms=ms(http_s), http_max_ms=worst(http_s), ipc_ms=ms(ipc_s), ipc_max_ms=worst(ipc_s),
+                  step_ms=1e3 * step, stall_http_ms=worst(http_gaps), stall_ipc_ms=worst(ipc_gaps),
+                  http_s=http_s, ipc_s=ipc_s, tokens_during_http=len(http_gaps), tokens_during_ipc=len(ipc_gaps))
+    s = setup("device", "torch", "transformers", "commit", "date_utc", device=args.device, tiny=args.tiny,
+              layers=model.config.num_hidden_layers)
+    steps = lambda gap_ms: gap_ms / result["step_ms"]  # noqa: E731
+    text = f"""# Pushing a rank-16 adapter ({result['adapter_mb']:.1f} MB, {s['layers']} layers) to a server while it streams
+
+{setup_line(s)}. {args.pushes} pushes of each kind; the engine in-process (--engine-in-process), CUDA graphs.
+
+| what | median | worst | target |
+|---|---|---|---|
+| HTTP push from host memory, until answered | {result['http_ms']:.0f} ms | {result['http_max_ms']:.0f} ms | <= 1000 ms |
+| CUDA IPC push from another process, until answered | {result['ipc_ms']:.0f} ms | {result['ipc_max_ms']:.0f} ms | <= 60 ms |
+| a bystander stream's step (median gap before the pushes) | {result['step_ms']:.1f} ms | | |
+| its largest gap during the HTTP pushes | {result['stall_http_ms']:.1f} ms = {steps(result['stall_http_ms']):.1f} steps | | <= 2 steps |
+| its largest gap during the CUDA IPC pushes | {result['stall_ipc_ms']:.1f} ms = {steps(result['stall_ipc_ms']):.1f} steps | | <= 2 steps |
+"""
+    write_report(args.out, "bench_push", text, dict(setup=s, result=result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
