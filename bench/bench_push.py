@@ -66,17 +66,20 @@ class Stream:
 
     def __init__(self, url: str, max_tokens: int):
         self.times: list[float] = []
+        self.error = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(url, max_tokens), daemon=True)
         self.thread.start()
         while len(self.times) < 50:
-            assert self.thread.is_alive(), "the stream ended early"
+            assert self.thread.is_alive(), f"the stream ended early: {self.error}"
             time.sleep(0.01)
 
     def _run(self, url, max_tokens):
         body = {"model": "base", "prompt": "w1 w2 w3 w4", "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                self.error = r.read()
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     self.times.append(time.perf_counter())
@@ -95,13 +98,15 @@ class Stream:
 def serve(engine):
     import uvicorn
 
-    server = uvicorn.Server(uvicorn_config(create_app(engine, ServeConfig(model_name="base", allow_runtime_lora=True)),
+    server = uvicorn.Server(uvicorn_config(create_app(engine, ServeConfig(model_name="base", allow_runtime_lora=True,
+                                                                       max_tokens_limit=8192)),
                                            "127.0.0.1", 0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         assert thread.is_alive(), "the server did not start"
         time.sleep(0.05)
+    server.thread = thread
     return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
@@ -152,6 +157,7 @@ def main(argv=None) -> int:
             ipc_s, ipc_gaps = json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49])
     finally:
         server.should_exit = True
+        server.thread.join(60)
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     worst = lambda xs: 1e3 * max(xs) if xs else float("nan")  # noqa: E731
     result = dict(adapter_mb=sum(v.numel() * v.element_size() for v in host.values()) / 1e6, pushes=args.pushes,

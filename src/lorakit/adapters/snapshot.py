@@ -129,12 +129,12 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     return Snapshot(name, dataclasses.replace(info, path=PUSHED), image_digest(config_bytes, image), (), image)
 
 
-_HASH_CHUNK = 4 << 20
+_HASH_CHUNK = 1 << 20
 _hashers: ThreadPoolExecutor | None = None
 
 
 def image_digest(config: bytes, image: SlotImage) -> str:
-    """A pushed adapter's identity: the sha256 of its config's sha256 and of the sha256 of each 4 MiB of its packed
+    """A pushed adapter's identity: the sha256 of its config's sha256 and of the sha256 of each MiB of its packed
     image (the weights as the slots hold them), the chunks hashed on threads (an 8B model's rank-16 adapter is 84 MB:
     ~50 ms on one core)."""
     global _hashers
