@@ -95,6 +95,57 @@ class Stream:
         self.thread.join(60)
 
 
+class Sampler:
+    """Every thread's Python stack, sampled each millisecond (``--trace``): what each thread was doing while the
+    bystander waited longest. A gap between samples is a stretch in which no thread gave up the GIL."""
+
+    def __init__(self, on: bool):
+        self.samples: list[tuple[float, dict[str, str]]] = []
+        self.stop = threading.Event()
+        if on:
+            threading.Thread(target=self._run, daemon=True, name="sampler").start()
+
+    def _run(self):
+        me = threading.get_ident()
+        while not self.stop.wait(0.001):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.perf_counter()
+            stacks = {}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                parts = []
+                while frame is not None and len(parts) < 7:
+                    parts.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}:{frame.f_lineno}")
+                    frame = frame.f_back
+                stacks[names.get(ident, str(ident))] = " < ".join(parts)
+            self.samples.append((now, stacks))
+
+    def report(self, stream: "Stream", path: Path, worst: int = 3) -> None:
+        """The ``worst`` longest gaps of the stream: each thread's stacks sampled within them, most frequent first."""
+        self.stop.set()
+        if not self.samples:
+            return
+        t = stream.times[49:]
+        gaps = sorted(zip(t, t[1:]), key=lambda ab: ab[0] - ab[1])[:worst]
+        lines = []
+        for a, b in gaps:
+            inside = [(when, stacks) for when, stacks in self.samples if a <= when <= b]
+            spacing = max((y[0] - x[0] for x, y in zip(inside, inside[1:])), default=float("nan"))
+            lines.append(f"## gap of {1e3 * (b - a):.1f} ms: {len(inside)} samples, longest between two "
+                         f"{1e3 * spacing:.1f} ms")
+            by_thread: dict[str, dict[str, int]] = {}
+            for _, stacks in inside:
+                for name, stack in stacks.items():
+                    counts = by_thread.setdefault(name, {})
+                    counts[stack] = counts.get(stack, 0) + 1
+            for name, counts in sorted(by_thread.items()):
+                for stack, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4]:
+                    lines.append(f"{n:4d}  {name}: {stack}")
+            lines.append("")
+        path.write_text("\n".join(lines))
+
+
 def serve(engine):
     import uvicorn
 
@@ -114,6 +165,8 @@ def main(argv=None) -> int:
     p = arg_parser(__doc__, smoke=True)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--pushes", type=int, default=20)
+    p.add_argument("--trace", action="store_true", help="sample every thread's stack during the pushes: what each "
+                   "did in the bystander's longest gaps, into OUT/push_stalls_{http,ipc}.txt")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     torch.manual_seed(0)
@@ -133,11 +186,13 @@ def main(argv=None) -> int:
         stream = Stream(url, max_tokens)
         step = statistics.median(stream.gaps())
         http_s = []
+        sampler = Sampler(args.trace)
         for _ in range(args.pushes):
             start = time.perf_counter()
             push_adapter(url, "http", host, config, cuda_ipc=False)
             http_s.append(time.perf_counter() - start)
         stream.close()
+        sampler.report(stream, args.out / "push_stalls_http.txt")
         http_gaps = stream.gaps(stream.times[49])
         ipc_s, ipc_gaps = [], []
         if cuda:
@@ -148,10 +203,12 @@ def main(argv=None) -> int:
             if child.stdout.readline().strip() != "ready":
                 raise SystemExit("the CUDA IPC pusher failed to start")
             stream = Stream(url, max_tokens)
+            sampler = Sampler(args.trace)
             child.stdin.write("go\n")
             child.stdin.flush()
             out, _ = child.communicate(timeout=600)
             stream.close()
+            sampler.report(stream, args.out / "push_stalls_ipc.txt")
             if child.returncode:
                 raise SystemExit("the CUDA IPC pusher failed")
             ipc_s, ipc_gaps = json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49])

@@ -266,4 +266,11 @@ def check_pushes(world, live, model_name: str = "tiny") -> None:
     assert text("pushed") == reference(world, prompt, "sql", max_tokens=8, temperature=0.0).text  # v3 still
     r = httpx.put(f"{live.url}/v1/lora_adapters/{model_name}", content=body, timeout=60)
     assert r.status_code == 400 and "base model's name" in r.text
+    # a push naming its version (a training step): above every number the name has had, else 409 and v3 serves on
+    assert push_adapter(live.url, "pushed", *state_dict("chat"), version=40)["version"] == 40
+    for taken, status in (("40", 409), ("7", 409), ("0", 400), ("x", 400)):
+        r = httpx.put(f"{url}?version={taken}", content=body, timeout=60)
+        assert r.status_code == status and "version" in r.json()["error"]["message"], (taken, r.text)
+    assert text("pushed") == reference(world, prompt, "chat", max_tokens=8, temperature=0.0).text
+    assert push_adapter(live.url, "pushed", *state_dict("sql"))["version"] == 41
     assert httpx.post(f"{live.url}/v1/unload_lora_adapter", json={"lora_name": "pushed"}).status_code == 200

@@ -420,3 +420,25 @@ def test_a_push_through_cuda_ipc_from_another_process_serves_as_peft_computes_it
         sender.communicate(b"done\n", timeout=60)
     assert engine.push_adapter("policy", state, CONFIG) == 2
     assert engine.pool.versions["policy"][1] == sha
+
+
+def test_a_push_may_name_its_version_above_every_number_the_name_has_had(base):
+    """A training loop numbers its pushes by step (and the replicas of a fleet number one push alike): a number
+    not above the name's last is refused (VersionTaken), the current version serving on; unnumbered pushes go on
+    from the last."""
+    from lorakit.adapters import VersionTaken
+
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4)
+    first, second = trained(base, 1), trained(base, 2)
+    weights = [get_peft_model_state_dict(m) for m in (first, second)]
+    assert engine.push_adapter("policy", weights[0], CONFIG, version=100) == 100
+    for taken in (100, 99, 1):
+        with pytest.raises(VersionTaken, match=f"version {taken} is not above its last version 100"):
+            engine.push_adapter("policy", weights[1], CONFIG, version=taken)
+    prompt = [3, 1, 4]
+    assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(first, prompt)
+    assert engine.push_adapter("policy", weights[1], CONFIG) == 101
+    engine.unregister_adapter("policy")
+    with pytest.raises(VersionTaken):  # numbers stay used after an unregister
+        engine.push_adapter("policy", weights[1], CONFIG, version=101)
+    assert engine.push_adapter("policy", weights[1], CONFIG, version=300) == 300

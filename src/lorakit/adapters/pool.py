@@ -105,6 +105,10 @@ def _shown(value) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(value)} characters)"
 
 
+class VersionTaken(ValueError):
+    """A push that names its version number, not above every number its name has had (numbers are never reused)."""
+
+
 class TooManyVersions(AdapterError):
     """A new version of a name whose ``max_versions`` versions are all alive (the older ones still run requests):
     refused, never evicting a version in use; retry once those requests end."""
@@ -272,14 +276,17 @@ class AdapterPool:
         snapshot.reader = self
         return snapshot
 
-    def push(self, name: str, weights, config) -> int:
-        """``install(read_pushed(name, weights, config))``: a new version of ``name`` from memory; its number."""
-        return self.install(self.read_pushed(name, weights, config))
+    def push(self, name: str, weights, config, version: int | None = None) -> int:
+        """``install(read_pushed(name, weights, config), version)``: a new version of ``name`` from memory; its
+        number."""
+        return self.install(self.read_pushed(name, weights, config), version)
 
-    def install(self, snapshot: Snapshot) -> int:
+    def install(self, snapshot: Snapshot, version: int | None = None) -> int:
         """Make a snapshot from ``read`` the current version of its name (a hot-swap when the name is registered:
         running requests finish on the version they hold; a pinned name's new version is loaded now when a slot is
-        free). Cheap: reads nothing. Returns the version number."""
+        free). Cheap: reads nothing. Returns the version number: the name's last one plus one, or ``version`` when
+        given (above every number the name has had: VersionTaken otherwise; replicas of a fleet number one push
+        alike)."""
         if snapshot.reader is not self:
             raise ValueError(f"the snapshot of {snapshot.name!r} was read by another pool; read it with this one")
         with self._lock:
@@ -295,7 +302,11 @@ class AdapterPool:
                                       f"each running requests (versions {busy}); a new one would evict a version in "
                                       f"use: retry once they end, or raise max_versions "
                                       f"(lorakit serve: --max-versions-per-adapter)")
-            number = self._numbers.get(snapshot.name, 0) + 1  # never reused, even after an unregister
+            last = self._numbers.get(snapshot.name, 0)
+            if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version <= last):
+                raise VersionTaken(f"adapter {snapshot.name!r}: version {version!r} is not above its last version "
+                                 f"{last}; version numbers are never reused: give one above {last}, or none")
+            number = last + 1 if version is None else version  # never reused, even after an unregister
             version = _Version(snapshot.name, number, snapshot, image.nbytes)
             self._numbers[snapshot.name] = number
             self._current[snapshot.name] = version

@@ -466,13 +466,14 @@ class Engine:
         """Register (or hot-swap) an adapter, with the tokenizer its folder carries if any; its version number."""
         return self.registry.register(name, path)
 
-    def push_adapter(self, name: str, weights, config) -> int:
+    def push_adapter(self, name: str, weights, config, version: int | None = None) -> int:
         """A new version of ``name`` from memory, no files: ``weights`` a PEFT state dict (as
         ``get_peft_model_state_dict`` returns it; tensors on any device) or a safetensors file's bytes, ``config`` its
         ``LoraConfig`` or config dict. Checked in full first: a push that fails leaves the previous version serving
         (AdapterError naming what is wrong). Requests admitted before it finish on the version they started with.
-        Returns the new version's number."""
-        return self.registry.push(name, weights, config)
+        Returns the new version's number: the last one plus one, or ``version`` when given (above every number the
+        name has had, else ValueError)."""
+        return self.registry.push(name, weights, config, version)
 
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter: running requests finish on it; waiting ones end now with an error their client sees

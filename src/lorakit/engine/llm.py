@@ -49,11 +49,11 @@ class LLM:
             model = load_causal_lm(model, dtype, device, quantization)
         self.engine = Engine(model, tokenizer, config, adapters=adapters, **options)
 
-    def push_adapter(self, name: str, weights, config) -> int:
+    def push_adapter(self, name: str, weights, config, version: int | None = None) -> int:
         """A new version of adapter ``name`` straight from a training loop: ``weights`` a PEFT state dict
         (``get_peft_model_state_dict(model)``; tensors on any device), ``config`` its ``LoraConfig`` (or dict). The
         next ``generate`` uses it. Returns its version number (``Engine.push_adapter``)."""
-        return self.engine.push_adapter(name, weights, config)
+        return self.engine.push_adapter(name, weights, config, version)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -45,12 +45,13 @@ class AdapterRegistry:
         config dict), checked in full (``AdapterPool.read_pushed``); it carries no tokenizer. Changes nothing."""
         return CheckedAdapter(self.pool.read_pushed(name, weights, config), False)
 
-    def install(self, checked: CheckedAdapter) -> int:
-        """Make a checked adapter the current version of its name (reads nothing); its version number."""
+    def install(self, checked: CheckedAdapter, version: int | None = None) -> int:
+        """Make a checked adapter the current version of its name (reads nothing); its version number (``version``
+        when given: ``AdapterPool.install``)."""
         snapshot = checked.snapshot
         self._tokenizers[snapshot] = checked.tokenizer  # first: the new version is never found without it
         try:
-            version = self.pool.install(snapshot)
+            version = self.pool.install(snapshot, version)
         except BaseException:
             self._tokenizers.pop(snapshot, None)
             raise
@@ -61,9 +62,10 @@ class AdapterRegistry:
         """``install(read(name, path))``: register (or hot-swap) an adapter; its version number."""
         return self.install(self.read(name, path))
 
-    def push(self, name: str, weights, config) -> int:
-        """``install(read_pushed(name, weights, config))``: a new version of ``name`` from memory; its number."""
-        return self.install(self.read_pushed(name, weights, config))
+    def push(self, name: str, weights, config, version: int | None = None) -> int:
+        """``install(read_pushed(name, weights, config), version)``: a new version of ``name`` from memory; its
+        number."""
+        return self.install(self.read_pushed(name, weights, config), version)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` in the pool (running requests keep their version's slot until they end)."""

@@ -95,7 +95,8 @@ class EngineClient(Protocol):
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
 
-    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef: ...
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict,
+                           version: int | None = None) -> AdapterRef: ...
 
     async def unregister_adapter(self, name: str) -> None: ...
 
@@ -181,11 +182,12 @@ class InProcessClient:
             checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
         return await self.async_engine.call(self.engine.registry.install, checked)
 
-    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict,
+                           version: int | None = None) -> AdapterRef:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
             checked = await asyncio.to_thread(self.engine.registry.read_pushed, name, weights, config)
-        version = await self.async_engine.call(self.engine.registry.install, checked)
+        version = await self.async_engine.call(self.engine.registry.install, checked, version)
         return AdapterRef(name, version, checked.snapshot.sha256)  # this push's, whatever was pushed since
 
     async def unregister_adapter(self, name: str) -> None:

@@ -276,7 +276,7 @@ class _Core:
             self.compiling.discard(message.request_id)
 
     def install(self, call: Register | Push, checked) -> AdapterFacts:
-        self.engine.registry.install(checked)
+        self.engine.registry.install(checked, getattr(call, "version", None))
         found = facts(self.engine, checked.snapshot.name)
         self.broadcast(Adapters(found, roots=getattr(call, "roots", None)), but=call.server)
         return found

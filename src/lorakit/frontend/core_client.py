@@ -381,10 +381,11 @@ class CoreClient:
         self._learn(Adapter.of(facts, tokenizer))
         return facts.ref.version
 
-    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict,
+                           version: int | None = None) -> AdapterRef:
         """Have the core check and install weights pushed from memory (a safetensors file's bytes) as ``name``'s new
         version; it carries no tokenizer."""
-        found = await self._call(Push, name=name, weights=weights, config=config)
+        found = await self._call(Push, name=name, weights=weights, config=config, version=version)
         facts = msgspec.convert(found, AdapterFacts)
         self._learn(Adapter.of(facts, False))
         return facts.ref

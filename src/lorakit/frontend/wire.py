@@ -17,7 +17,7 @@ import msgspec
 
 from lorakit.engine.errors import Overloaded
 from lorakit.engine.outputs import RequestOutput
-from lorakit.adapters.pool import AdapterRef, TooManyVersions
+from lorakit.adapters.pool import AdapterRef, TooManyVersions, VersionTaken
 from lorakit.adapters.shared import SharedWeights
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
@@ -65,6 +65,7 @@ class Push(msgspec.Struct, tag=True, array_like=True):
     weights: bytes | SharedWeights
     config: dict
     server: int = 0
+    version: int | None = None  # the new version's number (above the name's last), else the last plus one
 
 
 class Unregister(msgspec.Struct, tag=True, array_like=True):
@@ -155,6 +156,6 @@ class Beat(msgspec.Struct, tag=True, array_like=True):
 ToCore = Add | Abort | Call
 FromCore = Step | Reply | Adapters | Ready | Failed | Beat
 ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError,  # raised again by kind
-          "Overloaded": Overloaded, "TooManyVersions": TooManyVersions}
+          "Overloaded": Overloaded, "TooManyVersions": TooManyVersions, "VersionTaken": VersionTaken}
 
 

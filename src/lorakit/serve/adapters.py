@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from lorakit.adapters.pool import TooManyVersions, check_name
+from lorakit.adapters.pool import TooManyVersions, VersionTaken, check_name
 from lorakit.adapters.shared import SharedWeights
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
@@ -68,10 +68,12 @@ async def load(body: LoadBody, state: ServerState) -> dict:
     return {"status": "ok", "lora_name": body.lora_name, "version": version}
 
 
-async def push(name: str, body: bytes, state: ServerState, content_type: str = "", peer: str | None = None) -> dict:
+async def push(name: str, body: bytes, state: ServerState, content_type: str = "", peer: str | None = None,
+               version: str | None = None) -> dict:
     """A new version of ``name`` from a safetensors body, its config in the header's metadata (or, with
     ``IPC_CONTENT_TYPE`` from a ``peer`` on the loopback, a buffer in the client's CUDA memory); answers the version
-    and the content's sha256. A push that fails its checks leaves the previous version serving (400 naming why)."""
+    and the content's sha256. ``version`` (the query's): the number the new version takes, above every one the name
+    has had (409 otherwise). A push that fails its checks leaves the previous version serving (400 naming why)."""
     if not state.config.allow_runtime_lora:
         raise ApiError(403, _OFF)
     try:
@@ -80,6 +82,11 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
         raise ApiError(400, str(e), "lora_name") from None
     if name == state.config.model_name:
         raise ApiError(400, f"{name!r} is the base model's name; pick another", "lora_name")
+    number = None
+    if version is not None:
+        number = int(version) if version.isdigit() and 0 < len(version) <= 18 else 0
+        if number <= 0:
+            raise ApiError(400, f"version must be a positive whole number, got {version[:40]!r}", "version")
     weights: bytes | SharedWeights
     if content_type.split(";")[0].strip().lower() == IPC_CONTENT_TYPE:
         weights, config = _ipc_push(body, peer)
@@ -89,9 +96,11 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
     else:
         weights, config = bytes(body), _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
     try:
-        ref = await state.push_adapter(name, weights, config)
+        ref = await state.push_adapter(name, weights, config, number)
     except TooManyVersions as e:
         raise _busy(e) from None
+    except VersionTaken as e:
+        raise ApiError(409, str(e), "version") from None
     except (AdapterError, ValueError) as e:
         raise ApiError(400, str(e), "body") from None
     return {"status": "ok", "lora_name": name, "version": ref.version, "sha256": ref.sha256}

@@ -125,7 +125,8 @@ async def unload_lora_adapter(body: UnloadBody, state: State):
 
 async def push_lora_adapter(lora_name: str, request: Request, state: State):
     return await adapters.push(lora_name, await request.body(), state, request.headers.get("content-type", ""),
-                               request.client.host if request.client is not None else None)
+                               request.client.host if request.client is not None else None,
+                               request.query_params.get("version"))
 
 
 ROUTES = [("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/version", version),

@@ -27,7 +27,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               408: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error"}
+               408: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error",
+               431: "invalid_request_error"}
 
 
 def shown(value: Any, limit: int = 100) -> str:

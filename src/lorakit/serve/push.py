@@ -48,10 +48,12 @@ def push_body(weights, config) -> bytes:
 
 
 def push_adapter(url: str, name: str, weights, config, *, api_key: str | None = None, timeout: float = 300.0,
-                 cuda_ipc: bool | None = None) -> dict:
+                 cuda_ipc: bool | None = None, version: int | None = None) -> dict:
     """Push ``weights`` and ``config`` as adapter ``name``'s new version to the server at ``url``; its answer (the
     version and the content's sha256). ``cuda_ipc``: hand the tensors over through CUDA IPC (they must be on one GPU
-    and the server on this host); None: when they are on a GPU and ``url`` names the loopback. Raises
+    and the server on this host); None: when they are on a GPU and ``url`` names the loopback. ``version``: the
+    number the new version takes (above every one the name has had, e.g. the training step), else the last plus one.
+    Raises
     ``RuntimeError`` with the server's message when it refuses the push."""
     if cuda_ipc is None:
         host = urllib.parse.urlsplit(url).hostname or ""
@@ -66,7 +68,8 @@ def push_adapter(url: str, name: str, weights, config, *, api_key: str | None = 
         kind = IPC_CONTENT_TYPE
     else:
         data, kind = push_body(weights, config), "application/octet-stream"
-    request = urllib.request.Request(f"{url.rstrip('/')}/v1/lora_adapters/{name}", data=data, method="PUT",
+    query = "" if version is None else f"?version={int(version)}"
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/lora_adapters/{name}{query}", data=data, method="PUT",
                                      headers={"content-type": kind})
     if api_key is not None:
         request.add_header("authorization", f"Bearer {api_key}")

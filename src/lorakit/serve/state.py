@@ -418,11 +418,12 @@ class ServerState:
         version."""
         return await self.engine.register_adapter(name, path, roots or self.config.lora_roots or None)
 
-    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict) -> AdapterRef:
+    async def push_adapter(self, name: str, weights: bytes | SharedWeights, config: dict,
+                           version: int | None = None) -> AdapterRef:
         """Checks weights pushed from memory (a safetensors file's bytes, or a client's CUDA buffer; AdapterError for bad
         ones) while the engine
         keeps stepping, then installs them between steps as ``name``'s new version."""
-        return await self.engine.push_adapter(name, weights, config)
+        return await self.engine.push_adapter(name, weights, config, version)
 
     async def unregister_adapter(self, name: str) -> None:
         await self.engine.unregister_adapter(name)
