@@ -60,7 +60,8 @@ def fleet(world):
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE, serve={"model_name": "tiny"},
+    config = FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,
+                         serve={"model_name": "tiny", "allow_runtime_lora": True},  # pushes (paths stay refused)
                          lora_roots=[str(root)], cache=str(root.parent / "cache"), replicas=2, adapters_per_replica=3,
                          replica_cpus=0.5)
     serve.run(build_app(dataclasses.asdict(config)), name="lorakit", route_prefix="/")  # as `serve run` passes args
@@ -104,8 +105,75 @@ def test_every_request_answers_as_the_single_server_does(fleet, single):
         assert listed == [m["id"] for m in single.get("/v1/models").json()["data"]]
         refused = client.post(f"{fleet}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
         assert refused.status_code == 403 and "by name" in refused.json()["error"]["message"]
-        pushed = client.put(f"{fleet}/v1/lora_adapters/x", content=b"\0" * 64)
-        assert pushed.status_code == 403 and "pushed adapters" in pushed.json()["error"]["message"]
+        pushed = client.put(f"{fleet}/v1/lora_adapters/x", content=b"\0" * 64)  # checked by a replica, by name
+        assert pushed.status_code == 400 and "safetensors" in pushed.json()["error"]["message"]
+
+
+def _state_dict(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors"), json.loads((folder / "adapter_config.json").read_text())
+
+
+def test_a_push_to_the_fleet_is_numbered_once_and_answers_as_the_single_server(fleet, single, world):
+    """A push goes through the router: one version number for the fleet, checked by a replica before it is
+    answered; requests for it answer as the single server does with the same weights, naming that version."""
+    from lorakit.serve.push import IPC_CONTENT_TYPE, push_adapter
+
+    _, root = world
+    with httpx.Client(timeout=120) as client:
+        for version, source in ((1, "sql"), (2, "chat")):
+            answer = push_adapter(fleet, "policy", *_state_dict(root / source))
+            assert (answer["lora_name"], answer["version"]) == ("policy", version)
+            for _ in range(3):
+                got = complete(client, fleet, "policy").json()
+                assert got["choices"][0]["text"] == complete(single, "", source).json()["choices"][0]["text"]
+                assert got["lorakit"] == {"adapter": "policy", "version": version, "sha256": answer["sha256"]}
+        with pytest.raises(RuntimeError, match="409.*not above its last version 2"):
+            push_adapter(fleet, "policy", *_state_dict(root / "sql"), version=2)
+        assert push_adapter(fleet, "policy", *_state_dict(root / "sql"), version=9)["version"] == 9
+        r = client.put(f"{fleet}/v1/lora_adapters/policy", content=b"{}", headers={"content-type": IPC_CONTENT_TYPE})
+        assert r.status_code == 400 and "safetensors body" in r.json()["error"]["message"]
+        assert complete(client, fleet, "policy").json()["lorakit"]["version"] == 9
+
+
+def test_every_replica_installs_a_fleet_push_under_the_routers_number(world):
+    """Two replicas, one push numbered 7 by the router: each installs it on its first request for it (the same
+    number, the same sha256, the same answer), once; Ray's evictions leave a pushed adapter registered (there is no
+    folder to find it in again)."""
+    import asyncio
+
+    from lorakit.serve.push import push_body
+    from lorakit.serve.ray import Replica
+
+    model, root = world
+    config = FleetConfig(model=str(model), device="cpu", dtype="float32", engine=ENGINE,
+                         serve={"allow_runtime_lora": True})
+    replicas = [Replica(config), Replica(config)]
+    body = push_body(*_state_dict(root / "sql"))
+    request = json.dumps({"model": "policy", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}).encode()
+
+    async def ask(replica):
+        chunks = [c async for c in replica.handle("POST", "/v1/completions", b"", [("content-type", "application/json")],
+                                                  request, "policy", (7, body))]
+        return json.loads(b"".join(c for c in chunks if isinstance(c, bytes)))
+
+    async def scenario():
+        answers = [await ask(r) for r in replicas] + [await ask(replicas[0])]
+        held = await replicas[1].load("policy")
+        await asyncio.get_running_loop().run_in_executor(None, held.__del__)  # as Ray Serve evicts
+        await asyncio.sleep(0.2)
+        return answers, [await r.push("policy", 7, body) for r in replicas], "policy" in replicas[1].state.adapters
+
+    try:
+        answers, again, kept = asyncio.run(scenario())
+    finally:
+        for r in replicas:
+            r.state.stop()
+    assert len({json.dumps(a["choices"]) for a in answers}) == 1
+    assert {a["lorakit"]["version"] for a in answers} == {7} and len({a["lorakit"]["sha256"] for a in answers}) == 1
+    assert [a["version"] for a in again] == [7, 7] and kept
+    assert all(r.state.engine.engine.pool.stats.swaps == 0 for r in replicas)  # installed once each
 
 
 def _content(sse: str) -> str:

@@ -173,6 +173,9 @@ def add_ray_parser(sub, help: str | None = None) -> None:
                    help="GPUs Ray reserves per replica (default: 1 with --device cuda, else 0)")
     p.add_argument("--num-cpus", type=_positive_int, metavar="N",
                    help="CPUs of the local Ray cluster it starts (default: all; ignored when RAY_ADDRESS names one)")
+    p.add_argument("--allow-runtime-lora", dest="allow_pushes", action="store_true",
+                   help="take adapters pushed to PUT /v1/lora_adapters/NAME (numbered by the router, installed on "
+                        "every replica a request for them reaches); loading by path stays off in a fleet")
 
 
 def add_shared_flags(p: argparse.ArgumentParser) -> None:
@@ -438,7 +441,7 @@ def run_ray(args) -> int:
     folder, _ = model_folder(args.model)
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     served.pop("lora_roots")
-    served.pop("allow_runtime_lora")
+    served["allow_runtime_lora"] = args.allow_pushes  # pushes only: the router refuses loading by path
     served.pop("allow_lora_repos")
     fleet_config = fleet.FleetConfig(
         model=str(Path(folder).resolve()), device=device, dtype=None if args.dtype == "auto" else args.dtype,

@@ -4,7 +4,10 @@
 
 A ``Router`` reads each request's adapter and sends it, through Ray's multiplexing, to a replica that holds it (or
 loads it by name, ``lorakit.serve.resolver``); each replica runs an in-process engine behind lorakit's own FastAPI
-app, so the routes, checks and errors are those of ``lorakit serve``. Routing, failures, metrics: docs/scale-out.md.
+app, so the routes, checks and errors are those of ``lorakit serve``. An adapter pushed to the router
+(``PUT /v1/lora_adapters/NAME``) is numbered there, checked by one replica and kept in Ray's object store; every
+replica a request for it reaches installs it first under the same number. Routing, failures, metrics:
+docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ logger = logging.getLogger("lorakit.serve.ray")
 __all__ = ["FleetConfig", "build_app", "run_fleet"]
 
 ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-PUSH_PREFIX = "/v1/lora_adapters/"  # lorakit serve's pushes (serve/adapters.py): refused by a fleet, by name
+PUSH_PREFIX = "/v1/lora_adapters/"  # lorakit serve's pushes (serve/adapters.py): numbered by the router
 REPLICA_HEADER = "x-lorakit-replica"  # on every response: the Ray Serve replica that answered
 REPLICA_FAILED = "the replica serving this request failed; retry"
 STOP_S = 60  # after Ctrl-C: how long Serve and Ray get to stop before the process leaves without them
@@ -151,6 +154,31 @@ class Replica:
         # Ray's LRU evicts without knowing what runs: an evicted adapter stays registered while requests use it.
         self._in_use: collections.Counter[str] = collections.Counter()
         self._evicted: set[str] = set()  # unregister when its last request ends
+        self._pushing: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.pushed: set[str] = set()  # names pushed to the fleet: kept (nothing to read them again from)
+
+    async def push(self, name: str, version: int, body) -> dict:
+        """Install the pushed adapter ``body`` (a safetensors push body, or Ray's reference to one) as version
+        ``version`` of ``name`` unless this replica has it already; lorakit serve's answer to the push (its version
+        and sha256), or its error as {"error": {...}, "status": N}."""
+        from lorakit.serve import adapters
+        from lorakit.serve.protocol import ApiError
+
+        async with self._pushing[name]:
+            current = self.state.adapter_versions.get(name)
+            if current is not None and current[0] >= version:
+                return {"status": "ok", "lora_name": name, "version": current[0], "sha256": current[1]}
+            if isinstance(body, ray.ObjectRef):
+                body = await body
+            try:
+                if len(body) > self.state.config.max_push_bytes:
+                    raise ApiError(413, f"the pushed adapter has {len(body)} bytes, more than --max-push-bytes "
+                                        f"{self.state.config.max_push_bytes}", "body")
+                answer = await adapters.push(name, body, self.state, version=str(version))
+            except ApiError as e:
+                return {**e.body(), "status": e.status}
+            self.pushed.add(name)
+            return answer
 
     async def load(self, name: str) -> _Held:
         """Hold ``name`` for a request (``build_app``'s replicas wrap this in Ray Serve's multiplexing)."""
@@ -178,7 +206,7 @@ class Replica:
     def release(self, name: str) -> None:
         """Ray evicted ``name``: unregister it once no request of this replica uses it. Ray Serve calls the held
         object's ``__del__`` on a worker thread, so this is handed to the replica's event loop."""
-        if name in self.fixed or self._loop is None or self._loop.is_closed():
+        if name in self.fixed or name in self.pushed or self._loop is None or self._loop.is_closed():
             return
         self._unloading[name] = asyncio.run_coroutine_threadsafe(self._evict(name), self._loop)
 
@@ -199,10 +227,15 @@ class Replica:
         logger.info("replica %d unloaded adapter %r", os.getpid(), name)
 
     async def handle(self, method: str, path: str, query: bytes, headers: list, body: bytes,
-                     name: str) -> AsyncIterator[dict | bytes]:
-        """Run one request through the app: yields {"status", "headers"} first, then the body's chunks."""
+                     name: str, pushed: tuple | None = None) -> AsyncIterator[dict | bytes]:
+        """Run one request through the app: yields {"status", "headers"} first, then the body's chunks. ``pushed``:
+        (version, body) of the adapter's latest push to the fleet, installed first where this replica lacks it."""
         self._in_use[name] += 1  # before the load: an eviction from here on waits for this request
         try:
+            if name and pushed is not None:
+                answer = await self.push(name, *pushed)
+                if "error" in answer:
+                    logger.warning("replica %d could not install pushed adapter %r: %s", os.getpid(), name, answer)
             if name:
                 try:
                     await self.load(name)
@@ -287,6 +320,9 @@ class Router:
         self.base_name = base_name
         self.fixed = set(fixed)  # registered on every replica: no multiplexing needed
         self.api_key = api_key
+        self.pushed: dict[str, tuple[int, object]] = {}  # name -> (version, its push body in Ray's object store)
+        self._numbers: dict[str, int] = {}  # name -> the last version number given
+        self._pushing: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self.failures = Counter("lorakit_ray_replica_failures", "Requests whose replica failed: before its first byte "
                                 "(retried once on another replica) or mid-answer (the stream ends with a 503 event)",
                                 ["when"], registry=None)
@@ -297,10 +333,8 @@ class Router:
         if (request.method == "POST" and path in ADMIN_PATHS) or path.startswith(PUSH_PREFIX):
             if self.api_key is not None and not authorized(request.headers.get("authorization"), self.api_key):
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-            if path.startswith(PUSH_PREFIX):  # a push reaching one replica would leave the others on old weights
-                return _error(403, "a Ray fleet does not take pushed adapters yet (each replica would need the same "
-                                   "version); push to a lorakit serve, or save the adapter under a --lora-root and "
-                                   "ask for it by name")
+            if path.startswith(PUSH_PREFIX) and request.method == "PUT":
+                return await self.push(path[len(PUSH_PREFIX):], request, body)
             return _error(403, "a Ray fleet fetches adapters by name from its --lora-root folders; runtime loading "
                                "by path is off (put the adapter folder under a root and ask for it by name)")
         name = adapter_of(request.method, path, body, self.base_name)
@@ -309,7 +343,7 @@ class Router:
         query = request.url.query.encode()
         for attempt in (1, 2):
             handle = self.replicas.options(stream=True, multiplexed_model_id=name)
-            stream = handle.handle.remote(request.method, path, query, headers, body, name or "")
+            stream = handle.handle.remote(request.method, path, query, headers, body, name or "", self.pushed.get(name))
             try:
                 head = await stream.__anext__()
                 break
@@ -334,6 +368,38 @@ class Router:
                     yield event(ApiError(503, REPLICA_FAILED).body()) + DONE
 
         return StreamingResponse(rest(), status_code=status, headers=out_headers)
+
+
+    async def push(self, name: str, request: Request, body: bytes) -> Response:
+        """A push to the fleet: numbered here (the name's last number plus one, or the query's ``version``), checked
+        and installed by one replica, whose answer is the push's; kept in Ray's object store for every replica a
+        request for it reaches (``Replica.handle``). Only the latest push of a name is kept."""
+        from lorakit.serve.push import IPC_CONTENT_TYPE
+
+        if IPC_CONTENT_TYPE in request.headers.get("content-type", ""):
+            return _error(400, "a Ray fleet takes pushes as a safetensors body (its replicas may be on other hosts): "
+                               "push without cuda_ipc")
+        asked = request.query_params.get("version")
+        async with self._pushing[name]:
+            last = self._numbers.get(name, 0)
+            if asked is not None and not (asked.isdigit() and 0 < len(asked) <= 18):
+                return _error(400, f"version must be a positive whole number, got {asked[:40]!r}")
+            version = last + 1 if asked is None else int(asked)
+            if version <= last:
+                return _error(409, f"adapter {name!r}: version {version} is not above its last version {last}; "
+                                   f"version numbers are never reused: give one above {last}, or none")
+            ref = ray.put(body)
+            try:
+                answer = await self.replicas.options(multiplexed_model_id=name).push.remote(name, version, ref)
+            except Exception as e:  # noqa: BLE001 - a replica that died checking it
+                logger.warning("replica failed checking pushed adapter %r: %r", name, e)
+                return _error(503, REPLICA_FAILED)
+            if "error" in answer:
+                status = answer.pop("status")
+                return JSONResponse(answer, status_code=status)
+            self._numbers[name] = version
+            self.pushed[name] = (version, ref)
+            return JSONResponse(answer)
 
 
 def _error(status: int, message: str) -> JSONResponse:
