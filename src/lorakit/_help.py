@@ -222,6 +222,7 @@ HELP = {
         '                         [--tool-call-parser {auto,hermes,llama3_json,mistral}] [--replicas N]\n'
         '                         [--adapters-per-replica N] [--lora-root DIR] [--adapter-cache DIR]\n'
         '                         [--replica-cpus N] [--replica-gpus N] [--num-cpus N]\n'
+        '                         [--allow-runtime-lora]\n'
         '                         [MODEL]\n'
         '\n'
         'Serve the same OpenAI-compatible API from N engine replicas behind Ray Serve (pip install\n'
@@ -358,6 +359,9 @@ HELP = {
         '  --replica-gpus N      GPUs Ray reserves per replica (default: 1 with --device cuda, else 0)\n'
         '  --num-cpus N          CPUs of the local Ray cluster it starts (default: all; ignored when\n'
         '                        RAY_ADDRESS names one)\n'
+        '  --allow-runtime-lora  take adapters pushed to PUT /v1/lora_adapters/NAME (numbered by the\n'
+        '                        router, installed on every replica a request for them reaches); loading by\n'
+        '                        path stays off in a fleet\n'
         '\n'
         "vLLM's spellings:\n"
         '  accepted as vllm serve takes them (docs/vllm-flags.md)\n'
