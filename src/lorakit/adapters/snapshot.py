@@ -105,17 +105,19 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     the packed weights, the same for the same adapter however it was pushed. Changes nothing; raises AdapterError."""
     where = f"adapter {name!r} pushed from memory"
     if isinstance(weights, SharedWeights):
-        with open_shared(weights, max_bytes, f"{where} through CUDA IPC") as tensors:
+        with _side_stream(weights.device), open_shared(weights, max_bytes, f"{where} through CUDA IPC") as tensors:
             return read_pushed(handle, name, tensors, config, strict=strict, pin=pin, max_bytes=max_bytes)
     config_bytes = config_json(config, where)
     if isinstance(weights, Mapping):
         _check_tensors(weights, where, max_bytes)
-        found = handle.read_state_dict(name, weights, json.loads(config_bytes), PUSHED, strict=strict)
-        if found is not None:
-            info, adapter = found
-            _check_size(image_bytes(handle, info), max_bytes, where)
-            image = handle.pack(adapter, pin=pin)
-            return Snapshot(name, info, image_digest(config_bytes, image), (), image)
+        cuda = next((t.device for t in weights.values() if t.is_cuda), None)
+        with _side_stream(cuda):
+            found = handle.read_state_dict(name, weights, json.loads(config_bytes), PUSHED, strict=strict)
+            if found is not None:
+                info, adapter = found
+                _check_size(image_bytes(handle, info), max_bytes, where)
+                image = handle.pack(adapter, pin=pin)
+                return Snapshot(name, info, image_digest(config_bytes, image), (), image)
     data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
@@ -127,6 +129,27 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
         adapter = handle.read_adapter(name, copy, strict=strict)
     image = handle.pack(adapter, pin=pin)
     return Snapshot(name, dataclasses.replace(info, path=PUSHED), image_digest(config_bytes, image), (), image)
+
+
+_streams: dict = {}
+
+
+@contextlib.contextmanager
+def _side_stream(device):
+    """A push's GPU work (checks, layout, the copy to the host) on a stream of its own, after what the caller's
+    stream has queued (the pushed tensors' producers): never between the engine's kernels on its stream."""
+    if device is None:
+        yield
+        return
+    import torch
+
+    device = torch.device("cuda", device) if isinstance(device, int) else device
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
 
 
 _HASH_CHUNK = 1 << 20
