@@ -68,25 +68,32 @@ def test_a_bad_part_is_refused_with_what_was_expected(text, message):
     assert parse_part("2/3") == (2, 3)
 
 
-def collected(part: str | None, table: Path) -> set[str]:
-    env = dict(os.environ, LORAKIT_GPU_DURATIONS=str(table))
-    env.pop("LORAKIT_GPU_PART", None)
-    if part:
-        env["LORAKIT_GPU_PART"] = part
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "tests/test_config.py", "tests/test_ops_errors.py"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return {line for line in out.stdout.splitlines() if "::" in line}
+def collected(parts: list[str | None], table: Path) -> list[set[str]]:
+    """The tests each part collects (None: every test), the collections run side by side."""
+    procs = []
+    for part in parts:
+        env = dict(os.environ, LORAKIT_GPU_DURATIONS=str(table))
+        env.pop("LORAKIT_GPU_PART", None)
+        if part:
+            env["LORAKIT_GPU_PART"] = part
+        procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                       "tests/test_config.py", "tests/test_ops_errors.py"], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    found = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        found.append({line for line in out.splitlines() if "::" in line})
+    return found
 
 
 def test_each_part_keeps_its_share_of_the_collected_tests(tmp_path):
     table = tmp_path / "durations.json"
-    everything = collected(None, table)  # no table yet: every test counts as new
+    (everything,) = collected([None], table)  # no table yet: every test counts as new
     known = sorted(everything)[::2]  # half known, with long and short seconds; the rest new
     table.write_text(json.dumps(dict(workers=1, benchmarks={"x": 30.0},
                                      tests={t: float(i % 7) for i, t in enumerate(known)})))
-    shares = [collected(f"{k}/3", table) for k in (1, 2, 3)]
+    shares = collected([f"{k}/3" for k in (1, 2, 3)], table)
     assert set().union(*shares) == everything
     assert sum(map(len, shares)) == len(everything)  # disjoint
     assert all(shares)
