@@ -41,8 +41,9 @@ def test_lorakit_equals_peft_on_the_real_model(real):
     jobs = [(p, n) for p in prompts for n in names]  # one mixed batch: every adapter and the base
     outs = llm.generate([p for p, _ in jobs], SamplingParams(max_tokens=24, temperature=0.0),
                         adapters=[n for _, n in jobs])
+    peft = {name: PeftModel.from_pretrained(copy.deepcopy(model), adapters[name]) for name in names if name}
     for (prompt, name), out in zip(jobs, outs):
-        ref_model = model if name is None else PeftModel.from_pretrained(copy.deepcopy(model), adapters[name])
+        ref_model = model if name is None else peft[name]
         with torch.no_grad():
             ref = ref_model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=24,
                                      do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
