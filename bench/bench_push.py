@@ -40,22 +40,28 @@ from lorakit.serve.edge import uvicorn_config
 from lorakit.serve.push import push_adapter
 from lorakit.serve.state import ServeConfig
 
-# The child process of the CUDA IPC pushes: the adapter onto its GPU, then N pushes, each timed; their times as JSON.
+# The pushing client, a process of its own as a trainer is: the adapter on the host (a safetensors body over HTTP) or
+# on its GPU (CUDA IPC), WARMUP pushes, then N pushes, each timed; their times as JSON.
+WARMUP = 3
 _CHILD = """
 import json, sys, time, torch
 from safetensors.torch import load_file
 from lorakit.serve.push import push_adapter
-url, folder, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-weights = {k: v.to("cuda", torch.bfloat16) for k, v in load_file(folder + "/adapter_model.safetensors").items()}
+url, folder, n, mode, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+ipc = mode == "ipc"
+weights = {k: v.to("cuda" if ipc else "cpu", torch.bfloat16)
+           for k, v in load_file(folder + "/adapter_model.safetensors").items()}
 config = json.load(open(folder + "/adapter_config.json"))
-push_adapter(url, "ipc", weights, config, cuda_ipc=True)  # warm: CUDA IPC opened once, the slot layout planned
+for _ in range(warmup):  # the server's pinned buffers allocated, its slot layout planned
+    push_adapter(url, mode, weights, config, cuda_ipc=ipc)
 print("ready", flush=True)
 sys.stdin.readline()  # go
 times = []
 for _ in range(n):
-    torch.cuda.synchronize()
+    if ipc:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    push_adapter(url, "ipc", weights, config, cuda_ipc=True)
+    push_adapter(url, mode, weights, config, cuda_ipc=ipc)
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 """
@@ -181,37 +187,28 @@ def main(argv=None) -> int:
                     graph_sizes=(1, 2, 4), device=args.device)
     server, url = serve(engine)
     try:
-        push_adapter(url, "http", host, config, cuda_ipc=False)  # warm
         max_tokens = 8000 if cuda else 300
-        stream = Stream(url, max_tokens)
-        step = statistics.median(stream.gaps())
-        http_s = []
-        sampler = Sampler(args.trace)
-        for _ in range(args.pushes):
-            start = time.perf_counter()
-            push_adapter(url, "http", host, config, cuda_ipc=False)
-            http_s.append(time.perf_counter() - start)
-        stream.close()
-        sampler.report(stream, args.out / "push_stalls_http.txt")
-        http_gaps = stream.gaps(stream.times[49])
-        ipc_s, ipc_gaps = [], []
-        if cuda:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                                os.environ.get("PYTHONPATH", "")])}
-            child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(args.pushes)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        runs = {}
+        for mode in ("http", "ipc") if cuda else ("http",):
+            child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(args.pushes), mode,
+                                      str(WARMUP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if child.stdout.readline().strip() != "ready":
-                raise SystemExit("the CUDA IPC pusher failed to start")
+                raise SystemExit(f"the {mode} pusher failed to start")
             stream = Stream(url, max_tokens)
             sampler = Sampler(args.trace)
             child.stdin.write("go\n")
             child.stdin.flush()
             out, _ = child.communicate(timeout=600)
             stream.close()
-            sampler.report(stream, args.out / "push_stalls_ipc.txt")
+            sampler.report(stream, args.out / f"push_stalls_{mode}.txt")
             if child.returncode:
-                raise SystemExit("the CUDA IPC pusher failed")
-            ipc_s, ipc_gaps = json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49])
+                raise SystemExit(f"the {mode} pusher failed")
+            runs[mode] = (json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49]),
+                          statistics.median(stream.gaps(0, stream.times[49])))
+        http_s, http_gaps, step = runs["http"]
+        ipc_s, ipc_gaps, _ = runs.get("ipc", ([], [], None))
     finally:
         server.should_exit = True
         server.thread.join(60)
@@ -226,7 +223,8 @@ def main(argv=None) -> int:
     steps = lambda gap_ms: gap_ms / result["step_ms"]  # noqa: E731
     text = f"""# Pushing a rank-16 adapter ({result['adapter_mb']:.1f} MB, {s['layers']} layers) to a server while it streams
 
-{setup_line(s)}. {args.pushes} pushes of each kind; the engine in-process (--engine-in-process), CUDA graphs.
+{setup_line(s)}. {args.pushes} pushes of each kind from a client process of its own, after {WARMUP} warm-up pushes;
+the engine in-process (--engine-in-process), CUDA graphs; the bystander streams on the base model.
 
 | what | median | worst | target |
 |---|---|---|---|
