@@ -18,7 +18,7 @@ import torch
 
 from lorakit.peft import AdapterError
 
-__all__ = ["SharedTensor", "SharedWeights", "open_shared", "share"]
+__all__ = ["SharedTensor", "SharedWeights", "check_shared", "open_shared", "share"]
 
 _ALIGN = 256  # bytes; each tensor's place in the buffer
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorakit.adapters.shared import SharedWeights, open_shared
+from lorakit.adapters.shared import SharedWeights, check_shared, open_shared
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
 from lorakit.peft import AdapterError, AdapterInfo
@@ -105,6 +105,7 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     the packed weights, the same for the same adapter however it was pushed. Changes nothing; raises AdapterError."""
     where = f"adapter {name!r} pushed from memory"
     if isinstance(weights, SharedWeights):
+        check_shared(weights, max_bytes, f"{where} through CUDA IPC")  # before any CUDA call
         with _side_stream(weights.device), open_shared(weights, max_bytes, f"{where} through CUDA IPC") as tensors:
             return read_pushed(handle, name, tensors, config, strict=strict, pin=pin, max_bytes=max_bytes)
     config_bytes = config_json(config, where)
