@@ -56,6 +56,20 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     assert md.splitlines()[2].startswith("cpu, torch ")
 
 
+def test_bench_push_smoke_run(tmp_path):
+    """bench_push on the CPU: a tiny model served in-process, two pushes over HTTP from a process of their own while a
+    stream runs; the report has its rows and a latency, and the stall tracer writes what each thread did."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(BENCH / "bench_push.py"), "--out", str(tmp_path), "--device", "cpu",
+                           "--tiny", "--pushes", "2", "--trace"], env=env, capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "bench_push.json").read_text())["result"]
+    assert len(result["http_s"]) == 2 and 0 < result["http_ms"] < 60_000 and result["tokens_during_http"] > 0
+    assert "HTTP push from host memory" in (tmp_path / "bench_push.md").read_text()
+    assert "lorakit-engine" in (tmp_path / "push_stalls_http.txt").read_text()
+
+
 def test_bench_traffic_smoke_run(tmp_path):
     """bench_traffic end to end on the CPU: a tiny model behind a real ``lorakit serve``, six requests of the trace
     per workload; every request succeeds with exactly its tokens, and the report has both workloads."""
