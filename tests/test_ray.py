@@ -163,16 +163,19 @@ def test_every_replica_installs_a_fleet_push_under_the_routers_number(world):
         held = await replicas[1].load("policy")
         await asyncio.get_running_loop().run_in_executor(None, held.__del__)  # as Ray Serve evicts
         await asyncio.sleep(0.2)
-        return answers, [await r.push("policy", 7, body) for r in replicas], "policy" in replicas[1].state.adapters
+        behind = await replicas[0].push("policy", 5, body)  # a router that restarted numbers from 1 again
+        return answers, [await r.push("policy", 7, body) for r in replicas], "policy" in replicas[1].state.adapters, \
+            behind
 
     try:
-        answers, again, kept = asyncio.run(scenario())
+        answers, again, kept, behind = asyncio.run(scenario())
     finally:
         for r in replicas:
             r.state.stop()
     assert len({json.dumps(a["choices"]) for a in answers}) == 1
     assert {a["lorakit"]["version"] for a in answers} == {7} and len({a["lorakit"]["sha256"] for a in answers}) == 1
     assert [a["version"] for a in again] == [7, 7] and kept
+    assert behind["status"] == 409 and "?version=8" in behind["error"]["message"]
     assert all(r.state.engine.engine.pool.stats.swaps == 0 for r in replicas)  # installed once each
 
 

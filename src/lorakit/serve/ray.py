@@ -160,14 +160,21 @@ class Replica:
     async def push(self, name: str, version: int, body) -> dict:
         """Install the pushed adapter ``body`` (a safetensors push body, or Ray's reference to one) as version
         ``version`` of ``name`` unless this replica has it already; lorakit serve's answer to the push (its version
-        and sha256), or its error as {"error": {...}, "status": N}."""
+        and sha256), or its error as {"error": {...}, "status": N}. A replica holding a later version than the
+        router's (a router that restarted and numbers from 1 again) refuses it (409) rather than answer for another
+        content."""
         from lorakit.serve import adapters
         from lorakit.serve.protocol import ApiError
 
         async with self._pushing[name]:
             current = self.state.adapter_versions.get(name)
-            if current is not None and current[0] >= version:
+            if current is not None and current[0] == version:
                 return {"status": "ok", "lora_name": name, "version": current[0], "sha256": current[1]}
+            if current is not None and current[0] > version:
+                e = ApiError(409, f"adapter {name!r}: a replica has version {current[0]}, above the {version} the "
+                                  f"router gave this push (the router restarted?): push again with "
+                                  f"?version={current[0] + 1} or above", "version")
+                return {**e.body(), "status": e.status}
             if isinstance(body, ray.ObjectRef):
                 body = await body
             try:
