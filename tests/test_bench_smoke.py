@@ -38,7 +38,8 @@ def test_bench_frontend_smoke_run(tmp_path):
 def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
               "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve, "
-              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend, bench_quant\n"
+              "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend, bench_quant, "
+              "bench_push, profile_push\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
