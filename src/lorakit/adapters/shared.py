@@ -10,6 +10,7 @@ sender when the receiver has let the buffer go; the sender keeps it until the pu
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator, Mapping
 
@@ -47,10 +48,6 @@ class SharedWeights(msgspec.Struct, forbid_unknown_fields=True):
     event: bytes
     event_sync_required: bool
     tensors: list[SharedTensor]
-
-    @property
-    def nbytes(self) -> int:
-        return self.size
 
 
 def share(weights: Mapping[str, torch.Tensor]) -> tuple[SharedWeights, torch.Tensor]:
@@ -96,9 +93,7 @@ def check_shared(shared: SharedWeights, max_bytes: int, where: str) -> None:
     for t in shared.tensors:
         if t.dtype not in _DTYPES or any(d < 0 for d in t.shape) or len(t.shape) > 4 or t.offset % _ALIGN:
             raise bad(f"tensor {t.key!r}: dtype {t.dtype!r}, shape {t.shape}, offset {t.offset}")
-        n = _DTYPES[t.dtype].itemsize
-        for d in t.shape:
-            n *= d
+        n = _nbytes(t)
         if not 0 <= t.offset <= shared.size - n:
             raise bad(f"tensor {t.key!r} of {n} bytes at {t.offset} lies outside the {shared.size}-byte buffer")
     if len({t.key for t in shared.tensors}) != len(shared.tensors):
@@ -124,9 +119,9 @@ def open_shared(shared: SharedWeights, max_bytes: int, where: str) -> Iterator[d
         del buffer, storage
 
 
+def _nbytes(t: SharedTensor) -> int:
+    return math.prod(t.shape) * _DTYPES[t.dtype].itemsize
+
+
 def _view(buffer: torch.Tensor, t: SharedTensor) -> torch.Tensor:
-    dtype = _DTYPES[t.dtype]
-    n = dtype.itemsize
-    for d in t.shape:
-        n *= d
-    return buffer[t.offset: t.offset + n].view(dtype).view(t.shape)
+    return buffer[t.offset: t.offset + _nbytes(t)].view(_DTYPES[t.dtype]).view(t.shape)

@@ -30,8 +30,8 @@ from lorakit.adapters.shared import SharedWeights
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
-from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody
-from lorakit.serve.push import CONFIG_KEY, IPC_CONTENT_TYPE, IpcPush
+from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody, parse_version
+from lorakit.serve.push import CONFIG_KEY, IPC_CONTENT_TYPE, IpcPush, is_loopback
 from lorakit.serve.state import ServerState
 
 __all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
@@ -82,11 +82,7 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
         raise ApiError(400, str(e), "lora_name") from None
     if name == state.config.model_name:
         raise ApiError(400, f"{name!r} is the base model's name; pick another", "lora_name")
-    number = None
-    if version is not None:
-        number = int(version) if version.isdigit() and 0 < len(version) <= 18 else 0
-        if number <= 0:
-            raise ApiError(400, f"version must be a positive whole number, got {version[:40]!r}", "version")
+    number = parse_version(version)
     weights: bytes | SharedWeights
     if content_type.split(";")[0].strip().lower() == IPC_CONTENT_TYPE:
         weights, config = _ipc_push(body, peer)
@@ -111,12 +107,9 @@ def _busy(error: TooManyVersions) -> ApiError:
     return ApiError(429, str(error), "lora_name", {"retry-after": "1"})
 
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
 def _ipc_push(body: bytes, peer: str | None) -> tuple[SharedWeights, dict]:
     """A push through CUDA IPC: only from this host (a loopback peer), its JSON checked against ``IpcPush``."""
-    if peer not in LOOPBACK and not (peer or "").startswith("127."):
+    if not is_loopback(peer):
         raise ApiError(403, f"a push through CUDA IPC ({IPC_CONTENT_TYPE}) is taken only from this host, over the "
                             f"loopback; this one came from {peer}: send the safetensors body instead", "body")
     try:

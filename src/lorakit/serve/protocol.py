@@ -62,6 +62,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def parse_version(text: str | None) -> int | None:
+    """A push's ``?version=N``: a positive whole number, or None when absent (ApiError 400 otherwise)."""
+    if text is None:
+        return None
+    if not (text.isdigit() and 0 < len(text) <= 18 and int(text) > 0):
+        raise ApiError(400, f"version must be a positive whole number, got {text[:40]!r}", "version")
+    return int(text)
+
+
 def error_status(code: str | None) -> int:
     """The HTTP status of an error ``code`` (an error event's, sent after a 200): None is a 400's; unknown, 500."""
     if code is None:

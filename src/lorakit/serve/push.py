@@ -23,7 +23,7 @@ import msgspec
 
 from lorakit.adapters.shared import SharedWeights, share
 
-__all__ = ["IPC_CONTENT_TYPE", "IpcPush", "push_adapter", "push_body"]
+__all__ = ["IPC_CONTENT_TYPE", "IpcPush", "is_loopback", "push_adapter", "push_body"]
 
 CONFIG_KEY = "adapter_config"  # the safetensors metadata key a pushed adapter's config (JSON) travels under
 IPC_CONTENT_TYPE = "application/vnd.lorakit.cuda-ipc+json"
@@ -34,6 +34,11 @@ class IpcPush(msgspec.Struct, forbid_unknown_fields=True):
 
     config: dict
     cuda_ipc: SharedWeights
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a URL's host, or a peer's address) is this machine's loopback."""
+    return host is not None and (host in ("localhost", "::1") or host.startswith("127."))
 
 
 def push_body(weights, config) -> bytes:
@@ -56,8 +61,7 @@ def push_adapter(url: str, name: str, weights, config, *, api_key: str | None = 
     Raises
     ``RuntimeError`` with the server's message when it refuses the push."""
     if cuda_ipc is None:
-        host = urllib.parse.urlsplit(url).hostname or ""
-        cuda_ipc = (host in ("localhost", "::1") or host.startswith("127.")) and all(
+        cuda_ipc = is_loopback(urllib.parse.urlsplit(url).hostname) and all(
             getattr(t, "is_cuda", False) for t in weights.values())
     keep = None
     if cuda_ipc:

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lorakit.serve.auth import authorized
-from lorakit.serve.protocol import ApiError
+from lorakit.serve.protocol import ApiError, parse_version
 from lorakit.serve.streaming import DONE, event
 
 logger = logging.getLogger("lorakit.serve.ray")
@@ -386,12 +386,13 @@ class Router:
         if IPC_CONTENT_TYPE in request.headers.get("content-type", ""):
             return _error(400, "a Ray fleet takes pushes as a safetensors body (its replicas may be on other hosts): "
                                "push without cuda_ipc")
-        asked = request.query_params.get("version")
+        try:
+            asked = parse_version(request.query_params.get("version"))
+        except ApiError as e:
+            return _error(e.status, e.message)
         async with self._pushing[name]:
             last = self._numbers.get(name, 0)
-            if asked is not None and not (asked.isdigit() and 0 < len(asked) <= 18):
-                return _error(400, f"version must be a positive whole number, got {asked[:40]!r}")
-            version = last + 1 if asked is None else int(asked)
+            version = last + 1 if asked is None else asked
             if version <= last:
                 return _error(409, f"adapter {name!r}: version {version} is not above its last version {last}; "
                                    f"version numbers are never reused: give one above {last}, or none")
