@@ -8,7 +8,7 @@ import json
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
@@ -442,3 +442,48 @@ def test_a_push_may_name_its_version_above_every_number_the_name_has_had(base):
     with pytest.raises(VersionTaken):  # numbers stay used after an unregister
         engine.push_adapter("policy", weights[1], CONFIG, version=101)
     assert engine.push_adapter("policy", weights[1], CONFIG, version=300) == 300
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.uint8]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 5), max_size=3)), min_size=1, max_size=6),
+       st.booleans())
+def test_a_safetensors_body_is_read_in_place_as_the_library_reads_it(specs, metadata):
+    """Any tensors (dtypes, shapes, empty ones): the views equal safetensors' own load, and share the body's bytes."""
+    from safetensors.torch import load
+
+    from lorakit.adapters.snapshot import safetensors_views
+
+    gen = torch.Generator().manual_seed(len(specs))
+    tensors = {f"t{i}": (torch.randn(shape, generator=gen) * 100).to(dtype) for i, (dtype, shape) in enumerate(specs)}
+    body = save(tensors, metadata={"k": "v"} if metadata else None)
+    views = safetensors_views(body, "test")
+    want = load(body)
+    assert views.keys() == want.keys()
+    for key, t in want.items():
+        assert views[key].dtype == t.dtype and torch.equal(views[key], t), key
+
+
+def test_a_malformed_safetensors_body_is_refused_by_what_is_wrong():
+    import struct
+
+    from lorakit.adapters.snapshot import safetensors_views
+
+    def body(header: dict, data: bytes) -> bytes:
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", len(text)) + text + data
+
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    good = body({"a": entry}, bytes(8))
+    assert safetensors_views(good, "w")["a"].tolist() == [0.0, 0.0]
+    for bad, phrase in ((good[:-1], "data_offsets"), (good[:5], "5 bytes"), (b"\xff" * 8 + good[8:], "header claims"),
+                        (body({"a": entry}, bytes(12)), "4 bytes of data no entry names"),
+                        (body({"a": {**entry, "dtype": "Q9"}}, bytes(8)), "'a'"),
+                        (body({"a": {**entry, "shape": [-2]}}, bytes(8)), "'a'"),
+                        (body({"a": entry, "b": entry}, bytes(8)), "'b'"),  # overlapping
+                        (body({"a": {**entry, "data_offsets": [4, 12]}}, bytes(12)), "'a'"),  # a gap before
+                        (b"\x02" + bytes(7) + b"[]", "not a JSON object")):
+        with pytest.raises(AdapterError, match=phrase):
+            safetensors_views(bad, "w")

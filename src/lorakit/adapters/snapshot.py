@@ -17,9 +17,11 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 import stat
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +124,14 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
+    if isinstance(weights, (bytes, bytearray, memoryview)):  # read where it lies, as tensors (plain LoRA)
+        found = handle.read_state_dict(name, safetensors_views(data, where), json.loads(config_bytes), PUSHED,
+                                       strict=strict)
+        if found is not None:
+            info, adapter = found
+            _check_size(image_bytes(handle, info), max_bytes, where)
+            image = handle.pack(adapter, pin=pin)
+            return Snapshot(name, info, image_digest(config_bytes, image), (), image)
     with _private_copy(PUSHED, where, in_memory=True) as copy:
         (copy / CONFIG_NAME).write_bytes(config_bytes)
         (copy / WEIGHTS_NAME).write_bytes(data)
@@ -163,11 +173,87 @@ def image_digest(config: bytes, image: SlotImage) -> str:
     ~50 ms on one core)."""
     global _hashers
     data = image.buffer.numpy().data
-    chunks = [data[i:i + _HASH_CHUNK] for i in range(0, len(data), _HASH_CHUNK)]
+    threads = min(16, os.cpu_count() or 1)
     if _hashers is None:
-        _hashers = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="lorakit-hash")
-    parts = _hashers.map(lambda chunk: hashlib.sha256(chunk).digest(), chunks)
+        _hashers = ThreadPoolExecutor(threads, thread_name_prefix="lorakit-hash")
+    chunks = -(-len(data) // _HASH_CHUNK)
+    per = -(-chunks // threads)  # one task per thread, each a run of chunks: few hand-overs of the GIL
+
+    def run(first: int) -> bytes:
+        return b"".join(hashlib.sha256(data[i * _HASH_CHUNK:(i + 1) * _HASH_CHUNK]).digest()
+                        for i in range(first, min(first + per, chunks)))
+
+    parts = _hashers.map(run, range(0, chunks, per))
     return hashlib.sha256(hashlib.sha256(config).digest() + b"".join(parts)).hexdigest()
+
+
+SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors library's own bound
+# safetensors' dtype names, those torch has
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def safetensors_header(data, where: str) -> tuple[dict, int]:
+    """A safetensors file's header (its JSON) and where its data begin, read from ``data`` (bytes, or a memoryview of
+    them) and checked: AdapterError naming what is wrong."""
+    fix = "not a readable safetensors file; re-save it with safetensors' save (PEFT's save_pretrained)"
+    if len(data) < 8:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} has {len(data)} bytes: {fix}")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(SAFETENSORS_HEADER_BYTES, len(data) - 8):
+        raise AdapterError(f"{where}: {WEIGHTS_NAME}'s header claims {size} bytes, more than the "
+                           f"{len(data) - 8} that follow: {fix} (a body cut short?)")
+    header = parse_json(bytes(data[8:8 + size]), f"{where}: {WEIGHTS_NAME}'s header", fix)
+    if not isinstance(header, dict):
+        raise AdapterError(f"{where}: {WEIGHTS_NAME}'s header is not a JSON object: {fix}")
+    return header, 8 + size
+
+
+def safetensors_views(data, where: str) -> dict:
+    """The tensors of the safetensors file in ``data`` as CPU tensors viewing its bytes (no copy: they keep ``data``
+    alive and must not be written), each entry checked as the safetensors library checks it: a known dtype, a shape
+    of sizes >= 0, offsets that tile the data exactly. AdapterError (naming the entry) otherwise."""
+    import torch
+
+    header, start = safetensors_header(data, where)
+    end = len(data) - start
+    entries = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _SAFETENSORS_DTYPES
+              and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
+              and len(entry["data_offsets"]) == 2
+              and all(type(n) is int and n >= 0 for n in (*entry["shape"], *entry["data_offsets"])))
+        if not ok:
+            raise AdapterError(f"{where}: {WEIGHTS_NAME}'s entry {key[:200]!r} is not a tensor the safetensors "
+                               f"format describes (dtype, shape, data_offsets); re-save the adapter")
+        entries.append((entry["data_offsets"][0], entry["data_offsets"][1], key, entry))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    at, tensors = 0, {}
+    for begin, stop, key, entry in entries:
+        dtype = getattr(torch, _SAFETENSORS_DTYPES[entry["dtype"]])
+        count = math.prod(entry["shape"])
+        if begin != at or stop - begin != count * dtype.itemsize or stop > end:
+            raise AdapterError(f"{where}: {WEIGHTS_NAME}'s entry {key[:200]!r} has data_offsets {[begin, stop]}, "
+                               f"which do not follow the entry before it or match its dtype and shape within the "
+                               f"{end} bytes of data: not a readable safetensors file (a body cut short?)")
+        at = stop
+        if count == 0:
+            tensors[key] = torch.empty(entry["shape"], dtype=dtype)
+        elif (start + begin) % dtype.itemsize:  # misaligned for its dtype: a copy
+            tensors[key] = torch.frombuffer(bytearray(data[start + begin:start + stop]), dtype=dtype).view(
+                entry["shape"])
+        else:
+            with warnings.catch_warnings():  # read only, and never written: they are copied into the image
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                view = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+            tensors[key] = view.view(entry["shape"])
+    if at != end:
+        raise AdapterError(f"{where}: {WEIGHTS_NAME} has {end - at} bytes of data no entry names: not a readable "
+                           f"safetensors file; re-save the adapter")
+    return tensors
 
 
 def _check_tensors(tensors, where: str, max_bytes: int) -> None:

@@ -17,6 +17,7 @@ base weight on the device (``lorakit.layers.dora``: a few launches per DoRA slic
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -124,32 +125,50 @@ def store_of(layer: nn.Module) -> tuple[LoraSlots, int]:
     raise TypeError(f"not a lorakit LoRA layer: {type(layer).__name__}")
 
 
-def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: bool) -> SlotImage:
-    """Lay ``adapter`` out as its slots hold it, cast to each store's dtype, in one (pinned) CPU buffer."""
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where each part of an adapter goes in its image: the same for every adapter of the same modules, ranks and
+    scales (a training loop's pushes), so ``pack_adapter`` plans it once. ``copies``: (module, what, expert,
+    destination) per source tensor, what in "A", "B", "magnitude"; each destination (dtype, shape, stride, offset in
+    elements) is a strided view of the buffer the source is copied into as it is (B lands transposed). ``meta``: the
+    ranks and scales, the image's bytes from ``meta_start`` on."""
+
+    size: int
+    stores: tuple[StoreImage, ...]
+    copies: tuple[tuple[str, str, int | None, tuple], ...]
+    holes: tuple[tuple, ...]  # destinations no copy writes, zeroed
+    meta_start: int
+    meta: torch.Tensor  # uint8, on the CPU
+
+
+def plan_layout(modules: Mapping[str, ModuleLora], layers: Mapping[str, nn.Module], offset: int = 0) -> Layout:
+    """The layout of an image of these modules' LoRA (each as its layer's shard holds it), from byte ``offset`` on."""
     by_store: dict[LoraSlots, dict[int, tuple]] = {}
-    for module, layer in layers.items():  # the model's order, so equal targets and ranks give equal layouts
-        if module in adapter.modules:
-            lora = shard_lora(layer, adapter.modules[module])  # a tensor-parallel layer keeps its shard
-            store, index = store_of(layer)
-            scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
-            if isinstance(store, ExpertSlots):  # one slice per expert: its A [r, in] and B [out, r] (views)
-                by_store[store] = {e: (ModuleLora(lora.A[e], lora.B[e], lora.rank, scale), scale)
-                                   for e in range(store.num_experts)}
-                continue
-            by_store.setdefault(store, {})[index] = (lora, scale)
+    for module, lora in modules.items():  # the model's order, so equal targets and ranks give equal layouts
+        store, index = store_of(layers[module])
+        scale = lora.scale * store.embed_scale() if isinstance(store, LoraEmbedding) else lora.scale
+        if isinstance(store, ExpertSlots):  # one slice per expert: its A [r, in] and B [out, r]
+            by_store[store] = {e: (module, e, lora, scale) for e in range(store.num_experts)}
+        else:
+            by_store.setdefault(store, {})[index] = (module, None, lora, scale)
 
-    offset = 0
+    holes = []  # what no copy writes: zeroed, so that equal adapters give equal bytes
 
-    def place(shape, dtype) -> Part:
+    def place(shape, dtype, meta: bool = False) -> Part:
         nonlocal offset
         part = Part(offset, tuple(shape), dtype)
         offset += round_up(part.nbytes, _ALIGN)
+        if offset > part.offset + part.nbytes and not meta:
+            holes.append((torch.uint8, (offset - part.offset - part.nbytes,), (1,), part.offset + part.nbytes))
         return part
 
-    plans = []
+    def strided(part: Part, shape, stride, by: int = 0) -> tuple:
+        return part.dtype, tuple(shape), tuple(stride), part.offset // part.dtype.itemsize + by
+
+    plans, copies = [], []
     for store, slices in by_store.items():
         n = len(store.out_sizes)
-        ranks = tuple(slices[i][0].rank if i in slices else 0 for i in range(n))
+        ranks = tuple(slices[i][2].rank if i in slices else 0 for i in range(n))
         embedding = isinstance(store, LoraEmbedding)
         a = tuple(
             None if i not in slices
@@ -158,51 +177,118 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         )
         b = place((max(ranks), store.out_offsets[-1]), store.dtype)
         mags = tuple(place((store.out_sizes[i],), torch.float32)
-                     if i in slices and slices[i][0].magnitude is not None else None for i in range(n))
+                     if i in slices and slices[i][1] is None and slices[i][2].magnitude is not None else None
+                     for i in range(n))
+        for i in range(n):  # B's rows past a slice's rank (all of them where the adapter leaves the slice out)
+            lo, hi = store.out_offsets[i], store.out_offsets[i + 1]
+            if ranks[i] < b.shape[0]:
+                holes.append(strided(b, (b.shape[0] - ranks[i], hi - lo), (b.shape[1], 1), ranks[i] * b.shape[1] + lo))
+        for i, (module, expert, lora, _) in slices.items():
+            rank, lo, hi = ranks[i], store.out_offsets[i], store.out_offsets[i + 1]
+            # an embedding's A is held as A.T; every B as B.T, in the columns of its slice
+            copies.append((module, "A", expert, strided(a[i], (rank, store.in_features), (1, rank)) if embedding
+                           else strided(a[i], (rank, store.in_features), (store.in_features, 1))))
+            copies.append((module, "B", expert, strided(b, (hi - lo, rank), (1, store.out_offsets[-1]), lo)))
+            if mags[i] is not None:
+                copies.append((module, "magnitude", expert, strided(mags[i], mags[i].shape, (1,))))
         plans.append((store, slices, ranks, a, b, mags))
+    # The small parts (each store's ranks and scales) last, side by side: written from the host in one copy.
+    meta_start = offset
+    meta = torch.zeros(sum(round_up(4 * len(p[2]), _ALIGN) * 2 for p in plans), dtype=torch.uint8)
+    stores = []
+    for store, slices, ranks, a, b, mags in plans:
+        rank_part, scale_part = place((len(ranks),), torch.int32, True), place((len(ranks),), torch.float32, True)
+        scales = [slices[i][3] if i in slices else 0.0 for i in range(len(ranks))]
+        rank_part.shifted(-meta_start).view(meta).copy_(torch.tensor(ranks, dtype=torch.int32))
+        scale_part.shifted(-meta_start).view(meta).copy_(torch.tensor(scales, dtype=torch.float32))
+        norm_scales = tuple(slices[i][2].scale if i in slices else 0.0 for i in range(len(ranks)))
+        stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part, mags, norm_scales))
+    return Layout(offset, tuple(stores), tuple(copies), tuple(holes), meta_start, meta)
+
+
+def layout_key(modules: Mapping[str, ModuleLora]) -> tuple:
+    """What a layout depends on: each module's rank, scale, shapes and whether it has DoRA magnitudes."""
+    return tuple((module, lora.rank, lora.scale, lora.A.shape, lora.B.shape, lora.magnitude is not None)
+                 for module, lora in modules.items())
+
+
+def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: bool,
+                 layouts: Layouts | None = None) -> SlotImage:
+    """Lay ``adapter`` out as its slots hold it, cast to each store's dtype, in one (pinned) CPU buffer. ``layouts``:
+    a cache of layouts by ``layout_key`` (a handle's), for adapters without token rows."""
+    modules = {module: shard_lora(layer, adapter.modules[module])  # a tensor-parallel layer keeps its shard
+               for module, layer in layers.items() if module in adapter.modules}
+    offset = 0
     token_plans = []
-    for module, t in adapter.tokens.items():  # the adapter's rows, ids ascending
+    for module, t in adapter.tokens.items():  # the adapter's rows, ids ascending, first
         store = layers[module].tokens
         k = t.ids.numel()
         added = max(0, int(t.ids.max()) + 1 - store.vocab) if k else 0
-        token_plans.append((store, t, k, added, place((k,), torch.int32), place((k, store.dim), store.dtype)))
-    # The small parts (each store's ranks and scales) last, side by side: written from the host in one copy.
-    meta_start = offset
-    meta = [(place((len(ranks),), torch.int32), place((len(ranks),), torch.float32)) for _, _, ranks, *_ in plans]
+        ids1 = Part(offset, (k,), torch.int32)
+        offset += round_up(ids1.nbytes, _ALIGN)
+        rows = Part(offset, (k, store.dim), store.dtype)
+        offset += round_up(rows.nbytes, _ALIGN)
+        token_plans.append((store, t, k, added, ids1, rows))
+    if layouts is not None and not token_plans:
+        layout = layouts.get(layout_key(modules), lambda: plan_layout(modules, layers))
+    else:
+        layout = plan_layout(modules, layers, offset)
 
     # Laid out where the adapter's tensors are (a pushed adapter's may be on the GPU): the weights in one batched
     # copy there, the small parts in one copy from the host, then, from a GPU, one copy to the host.
     device = next((lora.A.device for lora in adapter.modules.values()), torch.device("cpu"))
-    buffer = torch.zeros(max(offset, 1), dtype=torch.uint8, pin_memory=pin and device.type == "cpu", device=device)
-    host_meta = torch.zeros(offset - meta_start, dtype=torch.uint8)
-    dst, src = [], []
-    tokens = []
+    buffer = torch.empty(max(layout.size, 1), dtype=torch.uint8, pin_memory=pin and device.type == "cpu",
+                         device=device)
+    typed = {torch.uint8: buffer}
+
+    def view(dtype, shape, stride, at) -> torch.Tensor:
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer[: layout.meta_start - layout.meta_start % dtype.itemsize].view(dtype)
+        return whole.as_strided(shape, stride, at)
+
+    dst, src, tokens = [], [], []
+    zeros = [view(*hole) for hole in layout.holes]
     for store, t, k, added, ids1, rows in token_plans:
         dst += [ids1.view(buffer), rows.view(buffer)]
         src += [t.ids.to(device) + 1, t.rows]
         tokens.append(TokenImage(store, k, added, ids1, rows))
-    stores = []
-    for (store, slices, ranks, a, b, mags), (rank_part, scale_part) in zip(plans, meta):
-        b_view = b.view(buffer)
-        scales = [0.0] * len(ranks)
-        for i, (lora, scale) in slices.items():
-            lo, hi = store.out_offsets[i], store.out_offsets[i + 1]
-            dst += [a[i].view(buffer), b_view[: ranks[i], lo:hi]]
-            src += [lora.A.T if isinstance(store, LoraEmbedding) else lora.A, lora.B.T]
-            if mags[i] is not None:
-                dst.append(mags[i].view(buffer))
-                src.append(lora.magnitude)
-            scales[i] = scale
-        rank_part.shifted(-meta_start).view(host_meta).copy_(torch.tensor(ranks, dtype=torch.int32))
-        scale_part.shifted(-meta_start).view(host_meta).copy_(torch.tensor(scales, dtype=torch.float32))
-        norm_scales = tuple(slices[i][0].scale if i in slices else 0.0 for i in range(len(ranks)))
-        stores.append(StoreImage(store, ranks, a, b, rank_part, scale_part, mags, norm_scales))
+        zeros += [buffer[end: round_up(end, _ALIGN)] for end in (ids1.offset + ids1.nbytes, rows.offset + rows.nbytes)]
+    for module, what, expert, spec in layout.copies:
+        dst.append(view(*spec))
+        tensor = getattr(modules[module], what)
+        src.append(tensor if expert is None else tensor[expert])
+    zeros = [z for z in zeros if z.numel()]
+    if zeros:
+        torch._foreach_zero_(zeros)
     if dst:
         torch._foreach_copy_(dst, src)
-    buffer[meta_start:offset].copy_(host_meta)
+    buffer[layout.meta_start: layout.size].copy_(layout.meta)
     if device.type != "cpu":
         buffer = torch.empty(buffer.shape, dtype=torch.uint8, pin_memory=pin).copy_(buffer)
-    return SlotImage(adapter.name, buffer, tuple(stores), tuple(tokens))
+    return SlotImage(adapter.name, buffer, layout.stores, tuple(tokens))
+
+
+class Layouts:
+    """The layouts of the last few adapter shapes a handle packed (any thread)."""
+
+    def __init__(self, size: int = 8):
+        self._layouts: OrderedDict[tuple, Layout] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, plan) -> Layout:
+        with self._lock:
+            layout = self._layouts.get(key)
+            if layout is not None:
+                self._layouts.move_to_end(key)
+                return layout
+        layout = plan()
+        with self._lock:
+            self._layouts[key] = layout
+            while len(self._layouts) > self._size:
+                self._layouts.popitem(last=False)
+        return layout
 
 
 def needs_growth(image: SlotImage) -> bool:

@@ -50,7 +50,8 @@ from lorakit.peft.tokens import (
     token_key,
 )
 
-__all__ = ["inspect_peft_adapter", "load_peft_adapter", "read_state_dict", "weights_file"]
+__all__ = ["inspect_peft_adapter", "load_peft_adapter", "plan_state_dict", "read_state_dict", "take_state_dict",
+           "weights_file"]
 
 logger = logging.getLogger("lorakit.adapter")
 
@@ -169,18 +170,27 @@ def read_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict
     embeddings, MoE experts, an activated LoRA) it returns None, and the caller reads the adapter as a folder.
     ``path`` names where it came from in errors."""
     where = f"adapter {name!r} at {path}"
+    plan = plan_state_dict(tensors, config, base_modules, where, strict=strict, tied=tied)
+    return None if plan is None else take_state_dict(name, tensors, config, path, plan)
+
+
+def plan_state_dict(tensors: Mapping[str, torch.Tensor], config: dict, base_modules: Mapping[str, BaseModule],
+                    where: str, *, strict: bool = True, tied: bool = False
+                    ) -> dict[str, tuple[str, str, int, float]] | None:
+    """``read_state_dict``'s checks of everything but the values: {module: (A's key, B's key, rank, scale)}, the same
+    for every state dict of the same config, keys, shapes and dtypes; None when it is more than plain LoRA."""
     _check_config(config, where)
     if any(config.get(field) for field in _NOT_PLAIN) or any(m.kind == "experts" for m in base_modules.values()):
         return None
     parts, copies, token_keys = _sort_keys(list(tensors), config, base_modules, where, strict, tied)
     if copies or token_keys or any(set(slot) - {"lora_A", "lora_B"} for slot in parts.values()):
         return None
-    modules, shapes = {}, {}
+    plan = {}
     for module, slot in parts.items():
         if set(slot) != {"lora_A", "lora_B"}:
             raise AdapterError(f"{where}: module {module!r} has {sorted(slot)} but needs exactly lora_A and lora_B; "
                                f"the weights are incomplete")
-        a, b = tensors[slot["lora_A"]].detach(), tensors[slot["lora_B"]].detach()
+        a, b = tensors[slot["lora_A"]], tensors[slot["lora_B"]]
         for t, label in ((a, "A"), (b, "B")):
             if not t.dtype.is_floating_point or t.dim() != 2:
                 raise AdapterError(f"{where}: module {module!r}: {label} must be a 2-D floating-point tensor, got "
@@ -188,8 +198,17 @@ def read_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict
         if base_modules[module].kind != "linear":
             return None
         rank, scale = _check_module(module, "linear", tuple(a.shape), tuple(b.shape), config, base_modules, where)
-        modules[module], shapes[module] = ModuleLora(a, b, rank, scale), (rank, scale)
-    _check_values(modules, where)
+        plan[module] = (slot["lora_A"], slot["lora_B"], rank, scale)
+    return plan
+
+
+def take_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict, path: Path,
+                    plan: Mapping[str, tuple[str, str, int, float]]) -> tuple[AdapterInfo, PeftAdapter]:
+    """The adapter ``plan_state_dict`` planned, its values checked (``_check_values``)."""
+    modules = {module: ModuleLora(tensors[a].detach(), tensors[b].detach(), rank, scale)
+               for module, (a, b, rank, scale) in plan.items()}
+    _check_values(modules, f"adapter {name!r} at {path}")
+    shapes = {module: (rank, scale) for module, (_, _, rank, scale) in plan.items()}
     return AdapterInfo(name, path, config, shapes), PeftAdapter(name, path, config, modules)
 
 

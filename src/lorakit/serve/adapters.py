@@ -27,6 +27,7 @@ import msgspec
 
 from lorakit.adapters.pool import TooManyVersions, VersionTaken, check_name
 from lorakit.adapters.shared import SharedWeights
+from lorakit.adapters.snapshot import SAFETENSORS_HEADER_BYTES
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
@@ -37,7 +38,6 @@ from lorakit.serve.state import ServerState
 __all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
 
 PUSH_PREFIX = "/v1/lora_adapters/"
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
 
 _OFF = "runtime adapter loading is off; start the server with --allow-runtime-lora"
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
@@ -90,7 +90,7 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
             raise ApiError(413, f"the pushed CUDA buffer has {weights.size} bytes, more than --max-push-bytes "
                                 f"{state.config.max_push_bytes}", "body")
     else:
-        weights, config = bytes(body), _pushed_config(bytes(body[:8 + MAX_HEADER_BYTES]) if len(body) > 8 else b"")
+        weights, config = body, _pushed_config(body)
     try:
         ref = await state.push_adapter(name, weights, config, number)
     except TooManyVersions as e:
@@ -120,18 +120,18 @@ def _ipc_push(body: bytes, peer: str | None) -> tuple[SharedWeights, dict]:
     return found.cuda_ipc, found.config
 
 
-def _pushed_config(head: bytes) -> dict:
+def _pushed_config(body: bytes) -> dict:
     """The config a pushed safetensors body carries in its header's metadata (ApiError 400 naming what is missing)."""
     fix = (f"send a safetensors file whose metadata holds the adapter's config as JSON under {CONFIG_KEY!r} "
            f"(lorakit.serve.push.push_body writes one)")
-    if len(head) < 8:
-        raise ApiError(400, f"the body is not a safetensors file (it has {len(head)} bytes); {fix}", "body")
-    (size,) = struct.unpack("<Q", head[:8])
-    if size > MAX_HEADER_BYTES or 8 + size > len(head):
+    if len(body) < 8:
+        raise ApiError(400, f"the body is not a safetensors file (it has {len(body)} bytes); {fix}", "body")
+    (size,) = struct.unpack("<Q", body[:8])
+    if size > SAFETENSORS_HEADER_BYTES or 8 + size > len(body):
         raise ApiError(400, f"the body's safetensors header claims {size} bytes, more than the body holds; {fix}",
                        "body")
     try:
-        header = parse_json(head[8:8 + size], "the body's safetensors header", fix)
+        header = parse_json(body[8:8 + size], "the body's safetensors header", fix)
         text = header.get("__metadata__", {}).get(CONFIG_KEY) if isinstance(header, dict) else None
         config = parse_json(text.encode(), f"the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
     except (AdapterError, AttributeError) as e:
