@@ -379,47 +379,58 @@ _SENDER = """
 import sys, msgspec, torch
 from safetensors.torch import load_file
 from lorakit.adapters.shared import share
-shared, buffer = share({k: v.cuda() for k, v in load_file(sys.argv[1]).items()})
-sys.stdout.buffer.write(msgspec.json.encode(shared) + b"\\n"); sys.stdout.flush()
-sys.stdin.readline()  # the buffer lives until the receiver is done
+for path in sys.argv[1:]:  # one push each, the next once the receiver is done with it (a training loop's pushes)
+    shared, buffer = share({k: v.cuda() for k, v in load_file(path).items()})
+    sys.stdout.buffer.write(msgspec.json.encode(shared) + b"\\n"); sys.stdout.flush()
+    sys.stdin.readline()
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_push_through_cuda_ipc_from_another_process_serves_as_peft_computes_it(base, tmp_path):
-    """Another process's GPU tensors, handed over by handle: the same content (sha256) as the same state dict pushed
-    in-process, served as PEFT computes it; a handle that cannot be opened is refused by name and the engine
-    serves on."""
+def test_pushes_through_cuda_ipc_from_another_process_serve_as_peft_computes_them(base, tmp_path):
+    """Another process's GPU tensors, handed over by handle, twice (the second push through the buffer kept open from
+    the first): each the same content (sha256) as the same state dict pushed in-process, served as PEFT computes it;
+    a handle that cannot be opened is refused by name and the engine serves on."""
     import os
     import subprocess
     import sys
 
     from safetensors.torch import save_file
 
-    from lorakit.adapters.shared import SharedWeights
+    from lorakit.adapters import shared as ipc
 
-    model = trained(base, 6).cuda()
-    state = get_peft_model_state_dict(model)
-    save_file({k: v.cpu() for k, v in state.items()}, tmp_path / "w.safetensors")
+    models = [trained(base, seed).cuda() for seed in (6, 7)]
+    states = [get_peft_model_state_dict(m) for m in models]
+    for i, state in enumerate(states):
+        save_file({k: v.cpu() for k, v in state.items()}, tmp_path / f"w{i}.safetensors")
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(tmp_path / "w.safetensors")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, *(str(tmp_path / f"w{i}.safetensors") for i in (0, 1))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                   [src, os.environ.get("PYTHONPATH", "")])})
+    engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, block_size=4, device="cuda")
+    prompt, shas, handles = [2, 7, 1, 8], [], []
     try:
-        shared = msgspec.json.decode(sender.stdout.readline(), type=SharedWeights)
-        engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, block_size=4, device="cuda")
-        bad = msgspec.structs.replace(shared, handle=bytes(len(shared.handle)))
-        with pytest.raises(AdapterError, match="CUDA IPC"):
-            engine.push_adapter("policy", bad, CONFIG)
-        assert engine.push_adapter("policy", shared, CONFIG) == 1
-        sha = engine.pool.versions["policy"][1]
-        prompt = [2, 7, 1, 8]
-        assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
+        for version, model in enumerate(models, start=1):
+            shared = msgspec.json.decode(sender.stdout.readline(), type=ipc.SharedWeights)
+            handles.append(shared.handle)
+            if version == 1:
+                bad = msgspec.structs.replace(shared, handle=bytes(len(shared.handle)))
+                with pytest.raises(AdapterError, match="CUDA IPC"):
+                    engine.push_adapter("policy", bad, CONFIG)
+            assert engine.push_adapter("policy", shared, CONFIG) == version
+            shas.append(engine.pool.versions["policy"][1])
+            assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(model, prompt)
+            sender.stdin.write(b"next\n")
+            sender.stdin.flush()
+        assert handles[0] == handles[1] and len(ipc._opened) == 1  # the second push opened nothing
     finally:
-        sender.communicate(b"done\n", timeout=60)
-    assert engine.push_adapter("policy", state, CONFIG) == 2
-    assert engine.pool.versions["policy"][1] == sha
+        ipc.close_shared()
+        sender.communicate(timeout=60)
+    assert sender.returncode == 0
+    for version, state in enumerate(states, start=3):
+        assert engine.push_adapter("policy", state, CONFIG) == version
+        assert engine.pool.versions["policy"][1] == shas[version - 3]
 
 
 def test_a_push_may_name_its_version_above_every_number_the_name_has_had(base):
