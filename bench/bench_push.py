@@ -1,8 +1,8 @@
 """Pushes to a running server while it streams: issue 49's latencies over HTTP and CUDA IPC, and the stall they cause.
 
-A Llama-3-8B-shaped model (random bf16 weights) served in this process (``create_app``: the engine on a thread, as
-``lorakit serve --engine-in-process``) with ``--allow-runtime-lora``, and a rank-16 adapter on all 7 projections of
-every layer (84 MB in bf16):
+A Llama-3-8B-shaped model (random bf16 weights) served with ``--allow-runtime-lora``, its engine in a core process of
+its own (``lorakit serve``'s default) and then in the server's process (``--engine-in-process``), and a rank-16 adapter
+on all 7 projections of every layer (84 MB in bf16):
 
 - HTTP from host memory: ``lorakit.serve.push.push_adapter`` of host tensors (a safetensors body), wall time from the
   call until the server answers with the new version (target <= 1 s);
@@ -18,6 +18,8 @@ every layer (84 MB in bf16):
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import statistics
@@ -35,6 +37,7 @@ from common import (arg_parser, make_model, parse_args, setup, setup_line, word_
                     write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine import Engine
+from lorakit.frontend.core_client import CoreClient
 from lorakit.serve.app import create_app
 from lorakit.serve.edge import uvicorn_config
 from lorakit.serve.push import push_adapter
@@ -167,75 +170,117 @@ def serve(engine):
     return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
+def build_engine(layers: int, tiny: bool, device: str) -> Engine:
+    """The served engine: the model, its word tokenizer, room for one long bystander (also in a core process)."""
+    torch.manual_seed(0)
+    model = make_model(layers, tiny, device)
+    model.config.max_position_embeddings = 8192  # rotary: no table to outgrow; room for a long bystander
+    return Engine(model, word_tokenizer(model.config.vocab_size), max_loras=2, max_num_seqs=4, max_seq_len=8192,
+                  graph_sizes=(1, 2, 4), device=device)
+
+
+def measure(url: str, folder: Path, args, cuda: bool, where: str) -> dict:
+    """Each kind of push from a client process of its own while the bystander streams: {kind: (push seconds,
+    the bystander's gaps during them, its median gap before)}."""
+    max_tokens = 8000 if cuda else 300
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    runs = {}
+    for mode in ("http", "ipc") if cuda else ("http",):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(args.pushes), mode,
+                                  str(WARMUP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the {mode} pusher failed to start")
+        stream = Stream(url, max_tokens)
+        sampler = Sampler(args.trace)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=600)
+        stream.close()
+        sampler.report(stream, args.out / f"push_stalls_{where}_{mode}.txt")
+        if child.returncode:
+            raise SystemExit(f"the {mode} pusher failed")
+        runs[mode] = (json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49]),
+                      statistics.median(stream.gaps(0, stream.times[49])))
+    return runs
+
+
 def main(argv=None) -> int:
     p = arg_parser(__doc__, smoke=True)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--pushes", type=int, default=20)
+    p.add_argument("--engine", choices=("core", "in-process", "both"), default="both",
+                   help="where the engine runs: its own core process (lorakit serve's default), the server's process "
+                        "(--engine-in-process), or each in turn")
     p.add_argument("--trace", action="store_true", help="sample every thread's stack during the pushes: what each "
-                   "did in the bystander's longest gaps, into OUT/push_stalls_{http,ipc}.txt")
+                   "did in the bystander's longest gaps, into OUT/push_stalls_{engine}_{http,ipc}.txt (the server's "
+                   "threads only: a core process's are not sampled)")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
-    torch.manual_seed(0)
-    model = make_model(2 if args.tiny else args.layers, args.tiny, args.device)
-    model.config.max_position_embeddings = 8192  # rotary: no table to outgrow; room for a long bystander
-    vocab = model.config.vocab_size
+    layers = 2 if args.tiny else args.layers
     tmp = Path(tempfile.mkdtemp())
-    folder = write_adapter(model, tmp / "pushed", 16, seed=9)
-    host = {k: v.to(torch.bfloat16 if cuda else v.dtype) for k, v in load_file(folder / "adapter_model.safetensors").items()}
-    config = json.loads((folder / "adapter_config.json").read_text())
-    engine = Engine(model, word_tokenizer(vocab), max_loras=2, max_num_seqs=4, max_seq_len=8192,
-                    graph_sizes=(1, 2, 4), device=args.device)
-    server, url = serve(engine)
-    try:
-        max_tokens = 8000 if cuda else 300
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        runs = {}
-        for mode in ("http", "ipc") if cuda else ("http",):
-            child = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(folder), str(args.pushes), mode,
-                                      str(WARMUP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            if child.stdout.readline().strip() != "ready":
-                raise SystemExit(f"the {mode} pusher failed to start")
-            stream = Stream(url, max_tokens)
-            sampler = Sampler(args.trace)
-            child.stdin.write("go\n")
-            child.stdin.flush()
-            out, _ = child.communicate(timeout=600)
-            stream.close()
-            sampler.report(stream, args.out / f"push_stalls_{mode}.txt")
-            if child.returncode:
-                raise SystemExit(f"the {mode} pusher failed")
-            runs[mode] = (json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49]),
-                          statistics.median(stream.gaps(0, stream.times[49])))
-        http_s, http_gaps, step = runs["http"]
-        ipc_s, ipc_gaps, _ = runs.get("ipc", ([], [], None))
-    finally:
-        server.should_exit = True
-        server.thread.join(60)
-    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    worst = lambda xs: 1e3 * max(xs) if xs else float("nan")  # noqa: E731
-    result = dict(adapter_mb=sum(v.numel() * v.element_size() for v in host.values()) / 1e6, pushes=args.pushes,
-                  http_ms=ms(http_s), http_max_ms=worst(http_s), ipc_ms=ms(ipc_s), ipc_max_ms=worst(ipc_s),
-                  step_ms=1e3 * step, stall_http_ms=worst(http_gaps), stall_ipc_ms=worst(ipc_gaps),
-                  http_s=http_s, ipc_s=ipc_s, tokens_during_http=len(http_gaps), tokens_during_ipc=len(ipc_gaps))
+    shape = make_model(layers, args.tiny, "meta")  # the model's shapes, no weights
+    folder = write_adapter(shape, tmp / "pushed", 16, seed=9)
+    host = load_file(folder / "adapter_model.safetensors")
+    results = {}
+    for where in ("core", "in-process") if args.engine == "both" else (args.engine,):
+        if where == "core":
+            engine = CoreClient(functools.partial(build_engine, layers, args.tiny, args.device),
+                                word_tokenizer(shape.config.vocab_size))
+            engine.launch()
+        else:
+            engine = build_engine(layers, args.tiny, args.device)
+        server, url = serve(engine)
+        try:
+            runs = measure(url, folder, args, cuda, where)
+        finally:
+            server.should_exit = True
+            server.thread.join(60)
+            del engine, server
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        results[where] = summary(runs)
     s = setup("device", "torch", "transformers", "commit", "date_utc", device=args.device, tiny=args.tiny,
-              layers=model.config.num_hidden_layers)
-    steps = lambda gap_ms: gap_ms / result["step_ms"]  # noqa: E731
-    text = f"""# Pushing a rank-16 adapter ({result['adapter_mb']:.1f} MB, {s['layers']} layers) to a server while it streams
+              layers=layers)
+    mb = sum(v.numel() * 2 for v in host.values()) / 1e6  # pushed in bf16
+    rows = []
+    for where, r in results.items():
+        steps = lambda gap_ms: gap_ms / r["step_ms"]  # noqa: E731
+        rows += [
+            f"| {where} | HTTP push from host memory, until answered | {r['http_ms']:.0f} ms | {r['http_max_ms']:.0f} ms "
+            f"| <= 1000 ms |",
+            f"| {where} | CUDA IPC push from another process, until answered | {r['ipc_ms']:.0f} ms | "
+            f"{r['ipc_max_ms']:.0f} ms | <= 60 ms |",
+            f"| {where} | a bystander stream's step (median gap before the pushes) | {r['step_ms']:.1f} ms | | |",
+            f"| {where} | its largest gap during the HTTP pushes | {r['stall_http_ms']:.1f} ms = "
+            f"{steps(r['stall_http_ms']):.1f} steps | | <= 2 steps |",
+            f"| {where} | its largest gap during the CUDA IPC pushes | {r['stall_ipc_ms']:.1f} ms = "
+            f"{steps(r['stall_ipc_ms']):.1f} steps | | <= 2 steps |",
+        ]
+    nl = "\n"
+    text = f"""# Pushing a rank-16 adapter ({mb:.1f} MB in bf16, {layers} layers) to a server while it streams
 
 {setup_line(s)}. {args.pushes} pushes of each kind from a client process of its own, after {WARMUP} warm-up pushes;
-the engine in-process (--engine-in-process), CUDA graphs; the bystander streams on the base model.
+the engine in its own core process (lorakit serve's default) and in the server's process (--engine-in-process), CUDA
+graphs; the bystander streams on the base model.
 
-| what | median | worst | target |
-|---|---|---|---|
-| HTTP push from host memory, until answered | {result['http_ms']:.0f} ms | {result['http_max_ms']:.0f} ms | <= 1000 ms |
-| CUDA IPC push from another process, until answered | {result['ipc_ms']:.0f} ms | {result['ipc_max_ms']:.0f} ms | <= 60 ms |
-| a bystander stream's step (median gap before the pushes) | {result['step_ms']:.1f} ms | | |
-| its largest gap during the HTTP pushes | {result['stall_http_ms']:.1f} ms = {steps(result['stall_http_ms']):.1f} steps | | <= 2 steps |
-| its largest gap during the CUDA IPC pushes | {result['stall_ipc_ms']:.1f} ms = {steps(result['stall_ipc_ms']):.1f} steps | | <= 2 steps |
+| engine | what | median | worst | target |
+|---|---|---|---|---|
+{nl.join(rows)}
 """
-    write_report(args.out, "bench_push", text, dict(setup=s, result=result))
+    write_report(args.out, "bench_push", text, dict(setup=s, adapter_mb=mb, pushes=args.pushes, result=results))
     return 0
+
+
+def summary(runs: dict) -> dict:
+    http_s, http_gaps, step = runs["http"]
+    ipc_s, ipc_gaps, _ = runs.get("ipc", ([], [], None))
+    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    worst = lambda xs: 1e3 * max(xs) if xs else float("nan")  # noqa: E731
+    return dict(http_ms=ms(http_s), http_max_ms=worst(http_s), ipc_ms=ms(ipc_s), ipc_max_ms=worst(ipc_s),
+                step_ms=1e3 * step, stall_http_ms=worst(http_gaps), stall_ipc_ms=worst(ipc_gaps), http_s=http_s,
+                ipc_s=ipc_s, tokens_during_http=len(http_gaps), tokens_during_ipc=len(ipc_gaps))
 
 
 if __name__ == "__main__":

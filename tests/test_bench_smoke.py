@@ -58,17 +58,22 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
 
 
 def test_bench_push_smoke_run(tmp_path):
-    """bench_push on the CPU: a tiny model served in-process, two pushes over HTTP from a process of their own while a
-    stream runs; the report has its rows and a latency, and the stall tracer writes what each thread did."""
+    """bench_push on the CPU: a tiny model served with its engine in a core process, then in-process, two pushes over
+    HTTP from a process of their own while a stream runs each time; the report has both engines' rows and latencies,
+    and the stall tracer writes what each of the server's threads did."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(BENCH / "bench_push.py"), "--out", str(tmp_path), "--device", "cpu",
                            "--tiny", "--pushes", "2", "--trace"], env=env, capture_output=True, text=True,
                           timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "bench_push.json").read_text())["result"]
-    assert len(result["http_s"]) == 2 and 0 < result["http_ms"] < 60_000 and result["tokens_during_http"] > 0
-    assert "HTTP push from host memory" in (tmp_path / "bench_push.md").read_text()
-    assert "lorakit-engine" in (tmp_path / "push_stalls_http.txt").read_text()
+    results = json.loads((tmp_path / "bench_push.json").read_text())["result"]
+    assert results.keys() == {"core", "in-process"}
+    for result in results.values():
+        assert len(result["http_s"]) == 2 and 0 < result["http_ms"] < 60_000 and result["tokens_during_http"] > 0
+    report = (tmp_path / "bench_push.md").read_text()
+    assert "| core | HTTP push from host memory" in report and "| in-process | HTTP push" in report
+    assert "lorakit-engine" in (tmp_path / "push_stalls_in-process_http.txt").read_text()
+    assert "MainThread" in (tmp_path / "push_stalls_core_http.txt").read_text()
 
 
 def test_bench_traffic_smoke_run(tmp_path):
