@@ -498,3 +498,32 @@ def test_a_malformed_safetensors_body_is_refused_by_what_is_wrong():
                         (b"\x02" + bytes(7) + b"[]", "not a JSON object")):
         with pytest.raises(AdapterError, match=phrase):
             safetensors_views(bad, "w")
+
+
+def test_a_request_for_a_version_gone_before_the_engine_took_it_is_told_404(base):
+    """A server resolved NAME@N, and the version ended before the engine took the request (a push and the last
+    request on the old version in between): the engine's error says the adapter is gone, and the client gets the 404 a
+    gone version gets at the edge, not a 400, whether the engine runs in the server's process or in a core process."""
+    from lorakit.adapters import AdapterGone
+    from lorakit.frontend.core import _Core
+    from lorakit.frontend.wire import Add
+    from lorakit.serve.protocol import ApiError
+    from lorakit.serve.metrics import Metrics
+    from lorakit.serve.state import _api_error, _Watched
+
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4)
+    engine.push_adapter("policy", get_peft_model_state_dict(trained(base, 1)), CONFIG)
+    old = engine.pool.ref("policy")
+    engine.push_adapter("policy", get_peft_model_state_dict(trained(base, 2)), CONFIG)  # v1 ends: nothing runs on it
+    with pytest.raises(AdapterGone, match="version 1") as gone:
+        engine.add_request([1, 2, 3], GREEDY, old)
+    assert _api_error(gone.value).status == 404
+    outputs = []
+    core = _Core.__new__(_Core)  # its add alone: what the core answers for such a request
+    core.engine, core.loop = engine, type("Loop", (), {"put": staticmethod(outputs.append)})()
+    core.add(Add("r1", [1, 2, 3], GREEDY, old))
+    (output,) = outputs
+    assert output.adapter_gone and "version 1" in output.error
+    told = []
+    _Watched(0, lambda index, item: told.append(item), Metrics(engine).request("policy"))(output)
+    assert isinstance(told[0], ApiError) and told[0].status == 404

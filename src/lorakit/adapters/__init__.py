@@ -3,7 +3,7 @@
 it). Built on lorakit.layers; the engine's scheduler holds slots through it. ``hub``: models and adapters named by
 Hugging Face hub id, downloaded once into the hub cache."""
 
-from lorakit.adapters.pool import AdapterPool, AdapterRef, PoolFull, TooManyVersions, VersionTaken
+from lorakit.adapters.pool import AdapterGone, AdapterPool, AdapterRef, PoolFull, TooManyVersions, VersionTaken
 from lorakit.adapters.snapshot import Snapshot
 
-__all__ = ["AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "TooManyVersions", "VersionTaken"]
+__all__ = ["AdapterGone", "AdapterPool", "AdapterRef", "PoolFull", "Snapshot", "TooManyVersions", "VersionTaken"]

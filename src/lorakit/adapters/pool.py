@@ -77,7 +77,7 @@ def resolve(registry: Mapping[str, T], name: str) -> T:
     """``registry[name]``, or the one "unknown adapter" error (AdapterError), naming the registered ones."""
     found = registry.get(name)
     if found is None:
-        raise AdapterError(f"unknown adapter {_shown(name)}; registered: {sorted(registry) or 'none'}")
+        raise AdapterGone(f"unknown adapter {_shown(name)}; registered: {sorted(registry) or 'none'}")
     return found
 
 
@@ -94,7 +94,7 @@ def _version(current: Mapping[str, _Version], claimed: Mapping[tuple[str, int], 
     old = claimed.get((adapter.name, adapter.version))
     if old is None:
         now = "removed" if v is None else f"replaced by version {v.number}"
-        raise AdapterError(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
+        raise AdapterGone(f"adapter {adapter.name!r} version {adapter.version} was {now} after this request "
                            f"was prepared for it; send it again")
     return old
 
@@ -107,6 +107,10 @@ def _shown(value) -> str:
 
 class VersionTaken(ValueError):
     """A push that names its version number, not above every number its name has had (numbers are never reused)."""
+
+
+class AdapterGone(AdapterError):
+    """The adapter a request names is not registered, or the version it names is gone (a server answers 404)."""
 
 
 class TooManyVersions(AdapterError):
@@ -364,7 +368,7 @@ class AdapterPool:
             v = claimed.get((name, number))
         if v is None:
             now = current.get(name)
-            raise AdapterError(f"adapter {name!r} has no version {number} alive"
+            raise AdapterGone(f"adapter {name!r} has no version {number} alive"
                                f"{f'; its current version is {now.number}' if now is not None else ''}")
         return _ref(v)
 

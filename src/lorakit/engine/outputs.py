@@ -42,13 +42,14 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with SamplingParams.prompt_logprobs, on the request's first output: one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    adapter_gone: bool = False  # the error: the adapter (version) it names was gone when it came (a server's 404)
 
     @classmethod
     def ended(cls, request_id: str, reason: FinishReason, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0,
-              error: str | None = None) -> RequestOutput:
+              error: str | None = None, adapter_gone: bool = False) -> RequestOutput:
         """A request's last output that brings no token: it ended with ``reason`` (``error``: why)."""
         return cls(request_id, "", [], True, reason, num_prompt_tokens=num_prompt_tokens,
-                   num_output_tokens=num_output_tokens, error=error)
+                   num_output_tokens=num_output_tokens, error=error, adapter_gone=adapter_gone)
 
 
 class Unread:

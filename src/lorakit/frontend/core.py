@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from lorakit.adapters.pool import AdapterGone
 from lorakit.engine.engine import Engine
 from lorakit.engine.errors import FatalEngineError, Overloaded
 from lorakit.engine.lifeline import die_with_parent, name_process
@@ -238,8 +239,9 @@ class _Core:
         try:
             self.engine.add_request(message.prompt_ids, message.params, message.adapter, message.request_id, grammar)
         except (ValueError, TypeError) as e:  # AdapterError too: unloaded or replaced since the server resolved it
-            self.loop.put(RequestOutput.ended(message.request_id, FinishReason.ERROR,
-                                              num_prompt_tokens=len(message.prompt_ids), error=str(e)))
+            self.loop.put(RequestOutput.ended(message.request_id, FinishReason.ERROR, error=str(e),
+                                              num_prompt_tokens=len(message.prompt_ids),
+                                              adapter_gone=isinstance(e, AdapterGone)))
 
     def compile(self, message: Add | CompileGrammar, spec: StructuredOutput, adapter=None, client: str | None = None
                 ) -> None:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorakit.adapters.pool import AdapterRef
+from lorakit.adapters.pool import AdapterGone, AdapterRef
 from lorakit.adapters.shared import SharedWeights
 from lorakit.engine import Engine, RequestOutput, SamplingParams
 from lorakit.engine.detokenize import rust_tokenizer
@@ -482,6 +482,8 @@ class ServerState:
 def _api_error(error: BaseException) -> BaseException:
     """What a client is told of an engine's error: a request it refused (ValueError, AdapterError) is a 400, a gone
     engine a 503; anything else is itself (a bug)."""
+    if isinstance(error, AdapterGone):  # unloaded, or the version named ended, since the server resolved it
+        return ApiError(404, str(error), "model")
     if isinstance(error, (ValueError, AdapterError)):
         return ApiError(400, str(error), "prompt")
     if isinstance(error, EngineDead):
@@ -509,7 +511,8 @@ class _Watched:
         reason = item.finish_reason
         if reason == FinishReason.ERROR:
             self.end(FinishReason.ERROR)
-            self.listener(self.index, ApiError(400, item.error or "the request failed", "model"))
+            self.listener(self.index, ApiError(404 if item.adapter_gone else 400, item.error or "the request failed",
+                                               "model"))
         elif reason == FinishReason.ABORT:
             self.end(FinishReason.ERROR)
             why = f" ({item.error})" if item.error else ""
