@@ -527,3 +527,37 @@ def test_a_request_for_a_version_gone_before_the_engine_took_it_is_told_404(base
     told = []
     _Watched(0, lambda index, item: told.append(item), Metrics(engine).request("policy"))(output)
     assert isinstance(told[0], ApiError) and told[0].status == 404
+
+
+def test_pushed_versions_share_the_cpu_budget_and_a_push_past_it_is_refused_by_name(base, tmp_path):
+    """Pushed images live outside the CPU cache (there is no file to read them again from) but within its budget:
+    they push cached folder images out, and a push that cannot fit is refused naming the budget, every version
+    serving on; once a pushed adapter is unregistered, the push fits."""
+    from _peft_models import save_adapter
+
+    probe = Engine(copy.deepcopy(base), max_loras=2, block_size=4)
+    probe.push_adapter("probe", get_peft_model_state_dict(trained(base, 1)), CONFIG)
+    size = probe.pool.memory()["kept_bytes"]
+    folder = save_adapter(base, "folder", CONFIG, tmp_path, seed=3).path
+    engine = Engine(copy.deepcopy(base), max_loras=2, block_size=4, cpu_budget_bytes=2 * size + size // 2)
+    engine.register_adapter("folder", folder)
+    assert engine.pool.memory()["cpu_adapters"] == 1
+    engine.push_adapter("a", get_peft_model_state_dict(trained(base, 1)), CONFIG)
+    engine.push_adapter("a", get_peft_model_state_dict(trained(base, 2)), CONFIG)  # v1 ends: its memory comes back
+    engine.push_adapter("b", get_peft_model_state_dict(trained(base, 3)), CONFIG)
+    memory = engine.pool.memory()
+    assert memory["kept_bytes"] == 2 * size and memory["cpu_bytes"] == 0  # the folder's image made room
+    with pytest.raises(AdapterError, match="do not fit the CPU budget for adapters.*unregister pushed adapters"):
+        engine.push_adapter("c", get_peft_model_state_dict(trained(base, 4)), CONFIG)
+    assert engine.pool.adapters == {"folder": 1, "a": 2, "b": 1}
+    prompt = [3, 1, 4]
+    assert run(engine, {"x": (prompt, "folder")})["x"] == peft_tokens(_peft_of(base, folder), prompt)  # read again
+    engine.unregister_adapter("b")
+    assert engine.push_adapter("c", get_peft_model_state_dict(trained(base, 4)), CONFIG) == 1
+    assert run(engine, {"y": (prompt, "c")})["y"] == peft_tokens(trained(base, 4), prompt)
+
+
+def _peft_of(base, folder):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), folder).eval()

@@ -167,11 +167,26 @@ class PoolStats:
 
 @dataclass
 class ImageCache:
-    """Packed adapter images on the CPU within ``budget`` bytes, the least recently used dropped first."""
+    """Packed adapter images on the CPU within ``budget`` bytes, the least recently used dropped first; ``reserved``
+    of the budget is held by images kept outside it (pushed versions, replaced ones requests still run on)."""
 
     budget: int
     images: OrderedDict = field(default_factory=OrderedDict)  # key -> SlotImage, oldest first
     nbytes: int = 0
+    reserved: int = 0
+
+    def reserve(self, nbytes: int) -> list:
+        """``nbytes`` more (or fewer) held outside; returns the keys dropped to make room."""
+        self.reserved += nbytes
+        return self._fit(0)
+
+    def _fit(self, more: int) -> list:
+        dropped = []
+        while self.images and self.nbytes + self.reserved + more > self.budget:
+            old, old_image = self.images.popitem(last=False)
+            self.nbytes -= old_image.nbytes
+            dropped.append(old)
+        return dropped
 
     def get(self, key) -> SlotImage | None:
         image = self.images.get(key)
@@ -181,13 +196,9 @@ class ImageCache:
 
     def put(self, key, image: SlotImage) -> list:
         """Keep ``image`` (unless it alone is over the budget); returns the keys dropped to make room."""
-        if key in self.images or image.nbytes > self.budget:
+        if key in self.images or image.nbytes + self.reserved > self.budget:
             return []
-        dropped = []
-        while self.images and self.nbytes + image.nbytes > self.budget:
-            old, old_image = self.images.popitem(last=False)
-            self.nbytes -= old_image.nbytes
-            dropped.append(old)
+        dropped = self._fit(image.nbytes)
         self.images[key] = image
         self.nbytes += image.nbytes
         return dropped
@@ -306,6 +317,14 @@ class AdapterPool:
                                       f"each running requests (versions {busy}); a new one would evict a version in "
                                       f"use: retry once they end, or raise max_versions "
                                       f"(lorakit serve: --max-versions-per-adapter)")
+            freed = old.kept.nbytes if old is not None and old.claims == 0 and old.kept is not None else 0
+            if not snapshot.files and self._cpu.reserved - freed + image.nbytes > self._cpu.budget:
+                snapshot.image = image
+                raise AdapterError(f"adapter {snapshot.name!r} pushed from memory: its {image.nbytes / 2**20:.1f} MiB "
+                                   f"do not fit the CPU budget for adapters ({self._cpu.budget / 2**20:.1f} MiB), "
+                                   f"{(self._cpu.reserved - freed) / 2**20:.1f} MiB of which hold pushed versions and "
+                                   f"replaced ones requests still run on; unregister pushed adapters no longer "
+                                   f"served, or raise cpu_budget_bytes")
             last = self._numbers.get(snapshot.name, 0)
             if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version <= last):
                 raise VersionTaken(f"adapter {snapshot.name!r}: version {version!r} is not above its last version "
@@ -320,7 +339,7 @@ class AdapterPool:
             if snapshot.files:
                 self._cache(version, image)
             else:  # pushed from memory: nothing to read it again from
-                version.kept = image
+                self._keep(version, image)
             if snapshot.name in self._pins:  # the new version takes the pin
                 self._make_resident([version], evict=True, strict=False)
             logger.info("registered %r from %s (%.1f MiB, rank <= %d, sha256 %s)", version, snapshot.info.path,
@@ -531,8 +550,7 @@ class AdapterPool:
                 "cpu_bytes": self._cpu.nbytes,
                 "cpu_budget": self._cpu.budget,
                 "cpu_adapters": len(self._cpu.images),
-                "kept_bytes": sum(v.kept.nbytes for v in [*self._current.values(), *self._claimed.values()]
-                                  if v.kept is not None),
+                "kept_bytes": self._cpu.reserved,
                 "registered": len(self._current),
                 "claimed_old_versions": len(self._claimed),
                 "slots": slots,
@@ -647,6 +665,13 @@ class AdapterPool:
                      f"register it again")
         logger.warning("%s", v.changed)
 
+    def _keep(self, v: _Version, image: SlotImage) -> None:
+        """Hold ``v``'s image outside the CPU cache, within its budget (cached images dropped to make room)."""
+        v.kept = image
+        for old in self._cpu.reserve(image.nbytes):
+            self.stats.cpu_evictions += 1
+            logger.debug("dropped %r from the CPU cache", old)
+
     def _cache(self, v: _Version, image: SlotImage) -> None:
         v.nbytes = image.nbytes
         if v.kept is not None:
@@ -704,14 +729,18 @@ class AdapterPool:
             return
         self._claimed[v.name, v.number] = v
         if v.kept is None:
-            v.kept = self._cpu.get(v)
+            image = self._cpu.get(v)
             self._cpu.pop(v)
+            if image is not None:
+                self._keep(v, image)
 
     def _drop(self, v: _Version) -> None:
         """A retired version no request claims: its images go, and its slot once nobody holds it."""
         self._claimed.pop((v.name, v.number), None)
         self._cpu.pop(v)
-        v.kept = None
+        if v.kept is not None:
+            self._cpu.reserve(-v.kept.nbytes)
+            v.kept = None
         self._reads.pop(v, None)  # a read in flight finishes unseen
         if v.refs == 0:
             self._free(v)
