@@ -83,7 +83,7 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
     if name == state.config.model_name:
         raise ApiError(400, f"{name!r} is the base model's name; pick another", "lora_name")
     number = parse_version(version)
-    weights: bytes | SharedWeights
+    weights: bytes | memoryview | SharedWeights
     if content_type.split(";")[0].strip().lower() == IPC_CONTENT_TYPE:
         weights, config = _ipc_push(body, peer)
         if weights.size > state.config.max_push_bytes:
@@ -131,7 +131,7 @@ def _pushed_config(body: bytes) -> dict:
         raise ApiError(400, f"the body's safetensors header claims {size} bytes, more than the body holds; {fix}",
                        "body")
     try:
-        header = parse_json(body[8:8 + size], "the body's safetensors header", fix)
+        header = parse_json(bytes(body[8:8 + size]), "the body's safetensors header", fix)
         text = header.get("__metadata__", {}).get(CONFIG_KEY) if isinstance(header, dict) else None
         config = parse_json(text.encode(), f"the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
     except (AdapterError, AttributeError) as e:

@@ -30,7 +30,7 @@ import lorakit
 from lorakit.engine import Engine
 from lorakit.serve import adapters, openai, sglang, tokenize
 from lorakit.serve.auth import BearerAuth
-from lorakit.serve.edge import BodyGate
+from lorakit.serve.edge import BODY_KEY, BodyGate
 from lorakit.serve.metrics import CountResponses
 from lorakit.serve.protocol import ApiError, ChatBody, CompletionBody, LoadBody, UnloadBody, parse_body
 from lorakit.serve.state import CLIENT, ServeConfig, ServerState
@@ -124,7 +124,9 @@ async def unload_lora_adapter(body: UnloadBody, state: State):
 
 
 async def push_lora_adapter(lora_name: str, request: Request, state: State):
-    return await adapters.push(lora_name, await request.body(), state, request.headers.get("content-type", ""),
+    body = request.scope.get(BODY_KEY)  # as BodyGate read it: 84 MB not joined into bytes again
+    return await adapters.push(lora_name, await request.body() if body is None else body, state,
+                               request.headers.get("content-type", ""),
                                request.client.host if request.client is not None else None,
                                request.query_params.get("version"))
 

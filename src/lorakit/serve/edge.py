@@ -20,9 +20,10 @@ from fastapi.responses import JSONResponse
 from lorakit.serve.protocol import ApiError
 from lorakit.serve.streaming import RAW_SEND, WRITE_BODY
 
-__all__ = ["MAX_HEADER_BYTES", "BodyBudget", "BodyGate", "default_bytes_in_flight", "guarded_protocol",
+__all__ = ["BODY_KEY", "MAX_HEADER_BYTES", "BodyBudget", "BodyGate", "default_bytes_in_flight", "guarded_protocol",
            "machine_memory", "uvicorn_config"]
 
+BODY_KEY = "lorakit.body"  # the scope's key for the body BodyGate read: a handler may take it without a copy
 MAX_HEADER_BYTES = 64 * 2**10  # a request line and headers; browsers and proxies stay under 16 KiB
 LINGER = 2.0  # seconds a refused connection is read (and what it sends dropped) after its answer, before it closes
 MEMORY_SHARE = 8  # the default budget for bodies in flight: one eighth of the machine's memory
@@ -126,6 +127,7 @@ class BodyGate:
                                              f"(--body-timeout); send it faster, or smaller")) from None
             if body is None:  # the client left while sending: nobody to answer
                 return
+            scope[BODY_KEY] = body
             handed = False
 
             async def replay():
@@ -133,7 +135,7 @@ class BodyGate:
                 if handed:
                     return await receive()
                 handed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
             await self.app(scope, replay, send)
         except _Refused as refused:
             e = refused.error
@@ -142,9 +144,11 @@ class BodyGate:
         finally:
             held.release()
 
-    async def _read(self, receive, declared: int | None, held: _Held, limit: int, flag: str) -> bytes | None:
+    async def _read(self, receive, declared: int | None, held: _Held, limit: int, flag: str
+                    ) -> bytes | memoryview | None:
         """The whole body (None: the client left). A declared length is held already; the bytes of a chunked body
-        are taken from the budget as they come."""
+        are taken from the budget as they come. A body of several messages with a declared length is a view of the
+        anonymous map it was gathered in (freed with its last view): not copied again under the GIL."""
         message = await receive()
         if message["type"] != "http.request":
             return None
@@ -166,7 +170,10 @@ class BodyGate:
                     buffer[size:size + len(chunk)] = chunk
                 size += len(chunk)
                 if not message.get("more_body", False):
-                    return buffer[:size] if buffer is not None else b"".join(chunks)
+                    if buffer is None:
+                        return b"".join(chunks)
+                    body, buffer = memoryview(buffer)[:size], None  # the view keeps the map
+                    return body
                 message = await receive()
                 if message["type"] != "http.request":
                     return None
