@@ -44,7 +44,8 @@ from lorakit.serve.push import push_adapter
 from lorakit.serve.state import ServeConfig
 
 # The pushing client, a process of its own as a trainer is: the adapter on the host (a safetensors body over HTTP) or
-# on its GPU (CUDA IPC), WARMUP pushes, then N pushes, each timed; their times as JSON.
+# on its GPU (CUDA IPC), WARMUP pushes, then N pushes, each timed; each one's start and end (perf_counter: the host's
+# monotonic clock, the same in every process) as JSON.
 WARMUP = 3
 _CHILD = """
 import json, sys, time, torch
@@ -59,14 +60,14 @@ for _ in range(warmup):  # the server's pinned buffers allocated, its slot layou
     push_adapter(url, mode, weights, config, cuda_ipc=ipc)
 print("ready", flush=True)
 sys.stdin.readline()  # go
-times = []
+spans = []
 for _ in range(n):
     if ipc:
         torch.cuda.synchronize()
     start = time.perf_counter()
     push_adapter(url, mode, weights, config, cuda_ipc=ipc)
-    times.append(time.perf_counter() - start)
-print(json.dumps(times))
+    spans.append((start, time.perf_counter()))
+print(json.dumps(spans))
 """
 
 
@@ -106,11 +107,13 @@ class Stream:
 
 class Sampler:
     """Every thread's Python stack, sampled each millisecond (``--trace``): what each thread was doing while the
-    bystander waited longest. A gap between samples is a stretch in which no thread gave up the GIL."""
+    bystander waited longest. A gap between samples is a stretch in which no thread gave up the GIL. ``file``: the
+    samples also appended there as JSON lines (an engine core process's, read back by the server's sampler)."""
 
-    def __init__(self, on: bool):
+    def __init__(self, on: bool, file: str | None = None):
         self.samples: list[tuple[float, dict[str, str]]] = []
         self.stop = threading.Event()
+        self.file = open(file, "a") if file else None
         if on:
             threading.Thread(target=self._run, daemon=True, name="sampler").start()
 
@@ -129,20 +132,37 @@ class Sampler:
                     frame = frame.f_back
                 stacks[names.get(ident, str(ident))] = " < ".join(parts)
             self.samples.append((now, stacks))
+            if self.file is not None:
+                self.file.write(json.dumps([now, stacks]) + "\n")
+                if len(self.samples) % 100 == 0:
+                    self.file.flush()
 
-    def report(self, stream: "Stream", path: Path, worst: int = 3) -> None:
-        """The ``worst`` longest gaps of the stream: each thread's stacks sampled within them, most frequent first."""
+    def report(self, stream: "Stream", path: Path, spans: list, core: Path | None = None, worst: int = 3) -> None:
+        """The ``worst`` longest gaps of the stream: where they fell among the pushes' ``spans``, and each thread's
+        stacks sampled within them (the core process's too, from its file), most frequent first."""
         self.stop.set()
         if not self.samples:
             return
+        theirs = []
+        if core is not None and core.exists():
+            for line in core.read_text().splitlines():
+                try:
+                    when, stacks = json.loads(line)
+                except ValueError:  # the last line, cut off when the core stopped
+                    continue
+                theirs.append((when, {f"core {name}": stack for name, stack in stacks.items()}))
         t = stream.times[49:]
         gaps = sorted(zip(t, t[1:]), key=lambda ab: ab[0] - ab[1])[:worst]
         lines = []
         for a, b in gaps:
             inside = [(when, stacks) for when, stacks in self.samples if a <= when <= b]
             spacing = max((y[0] - x[0] for x, y in zip(inside, inside[1:])), default=float("nan"))
-            lines.append(f"## gap of {1e3 * (b - a):.1f} ms: {len(inside)} samples, longest between two "
+            during = [i for i, (s, e) in enumerate(spans) if s < b and e > a]
+            where = (f"push {during[0] + 1} of {len(spans)}, {1e3 * (a - spans[during[0]][0]):+.0f} ms from its start "
+                     f"({1e3 * (spans[during[0]][1] - spans[during[0]][0]):.0f} ms long)" if during else "between pushes")
+            lines.append(f"## gap of {1e3 * (b - a):.1f} ms ({where}): {len(inside)} samples, longest between two "
                          f"{1e3 * spacing:.1f} ms")
+            inside += [(when, stacks) for when, stacks in theirs if a <= when <= b]
             by_thread: dict[str, dict[str, int]] = {}
             for _, stacks in inside:
                 for name, stack in stacks.items():
@@ -170,8 +190,11 @@ def serve(engine):
     return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
-def build_engine(layers: int, tiny: bool, device: str) -> Engine:
-    """The served engine: the model, its word tokenizer, room for one long bystander (also in a core process)."""
+def build_engine(layers: int, tiny: bool, device: str, trace: str | None = None) -> Engine:
+    """The served engine: the model, its word tokenizer, room for one long bystander (also in a core process, whose
+    threads' stacks are then sampled into the file ``trace``)."""
+    if trace:
+        Sampler(True, trace)
     torch.manual_seed(0)
     model = make_model(layers, tiny, device)
     model.config.max_position_embeddings = 8192  # rotary: no table to outgrow; room for a long bystander
@@ -179,7 +202,7 @@ def build_engine(layers: int, tiny: bool, device: str) -> Engine:
                   graph_sizes=(1, 2, 4), device=device)
 
 
-def measure(url: str, folder: Path, args, cuda: bool, where: str) -> dict:
+def measure(url: str, folder: Path, args, cuda: bool, where: str, core: Path | None = None) -> dict:
     """Each kind of push from a client process of its own while the bystander streams: {kind: (push seconds,
     the bystander's gaps during them, its median gap before)}."""
     max_tokens = 8000 if cuda else 300
@@ -197,10 +220,11 @@ def measure(url: str, folder: Path, args, cuda: bool, where: str) -> dict:
         child.stdin.flush()
         out, _ = child.communicate(timeout=600)
         stream.close()
-        sampler.report(stream, args.out / f"push_stalls_{where}_{mode}.txt")
         if child.returncode:
             raise SystemExit(f"the {mode} pusher failed")
-        runs[mode] = (json.loads(out.strip().splitlines()[-1]), stream.gaps(stream.times[49]),
+        spans = json.loads(out.strip().splitlines()[-1])
+        sampler.report(stream, args.out / f"push_stalls_{where}_{mode}.txt", spans, core)
+        runs[mode] = ([e - s for s, e in spans], stream.gaps(stream.times[49]),
                       statistics.median(stream.gaps(0, stream.times[49])))
     return runs
 
@@ -212,9 +236,9 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=("core", "in-process", "both"), default="both",
                    help="where the engine runs: its own core process (lorakit serve's default), the server's process "
                         "(--engine-in-process), or each in turn")
-    p.add_argument("--trace", action="store_true", help="sample every thread's stack during the pushes: what each "
-                   "did in the bystander's longest gaps, into OUT/push_stalls_{engine}_{http,ipc}.txt (the server's "
-                   "threads only: a core process's are not sampled)")
+    p.add_argument("--trace", action="store_true", help="sample every thread's stack during the pushes (the server's "
+                   "and the engine core process's): what each did in the bystander's longest gaps, into "
+                   "OUT/push_stalls_{engine}_{http,ipc}.txt")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     layers = 2 if args.tiny else args.layers
@@ -224,15 +248,17 @@ def main(argv=None) -> int:
     host = load_file(folder / "adapter_model.safetensors")
     results = {}
     for where in ("core", "in-process") if args.engine == "both" else (args.engine,):
+        core = tmp / "core_samples.jsonl" if where == "core" and args.trace else None
         if where == "core":
-            engine = CoreClient(functools.partial(build_engine, layers, args.tiny, args.device),
+            engine = CoreClient(functools.partial(build_engine, layers, args.tiny, args.device,
+                                                  str(core) if core else None),
                                 word_tokenizer(shape.config.vocab_size))
             engine.launch()
         else:
             engine = build_engine(layers, args.tiny, args.device)
         server, url = serve(engine)
         try:
-            runs = measure(url, folder, args, cuda, where)
+            runs = measure(url, folder, args, cuda, where, core)
         finally:
             server.should_exit = True
             server.thread.join(60)
