@@ -23,14 +23,14 @@ import stat
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.adapters.shared import SharedWeights, check_shared, open_shared
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
-from lorakit.peft import AdapterError, AdapterInfo
+from lorakit.peft import AdapterError, AdapterInfo, check_values
 from lorakit.peft.config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
 
 __all__ = ["PUSHED", "Changed", "FileRecord", "Snapshot", "read_pushed", "read_snapshot", "read_tokenizer", "reread"]
@@ -115,23 +115,16 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
         _check_tensors(weights, where, max_bytes)
         cuda = next((t.device for t in weights.values() if t.is_cuda), None)
         with _side_stream(cuda):
-            found = handle.read_state_dict(name, weights, json.loads(config_bytes), PUSHED, strict=strict)
-            if found is not None:
-                info, adapter = found
-                _check_size(image_bytes(handle, info), max_bytes, where)
-                image = handle.pack(adapter, pin=pin)
-                return Snapshot(name, info, image_digest(config_bytes, image), (), image)
+            snapshot = _from_tensors(handle, name, weights, config_bytes, strict, pin, max_bytes)
+            if snapshot is not None:
+                return snapshot
     data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
     if isinstance(weights, (bytes, bytearray, memoryview)):  # read where it lies, as tensors (plain LoRA)
-        found = handle.read_state_dict(name, safetensors_views(data, where), json.loads(config_bytes), PUSHED,
-                                       strict=strict)
-        if found is not None:
-            info, adapter = found
-            _check_size(image_bytes(handle, info), max_bytes, where)
-            image = handle.pack(adapter, pin=pin)
-            return Snapshot(name, info, image_digest(config_bytes, image), (), image)
+        snapshot = _from_tensors(handle, name, safetensors_views(data, where), config_bytes, strict, pin, max_bytes)
+        if snapshot is not None:
+            return snapshot
     with _private_copy(PUSHED, where, in_memory=True) as copy:
         (copy / CONFIG_NAME).write_bytes(config_bytes)
         (copy / WEIGHTS_NAME).write_bytes(data)
@@ -140,6 +133,25 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
         adapter = handle.read_adapter(name, copy, strict=strict)
     image = handle.pack(adapter, pin=pin)
     return Snapshot(name, dataclasses.replace(info, path=PUSHED), image_digest(config_bytes, image), (), image)
+
+
+def _from_tensors(handle: LoraHandle, name: str, tensors, config_bytes: bytes, strict: bool, pin: bool,
+                  max_bytes: int) -> Snapshot | None:
+    """A plain-LoRA state dict checked and packed where its tensors lie (None: it needs the folder reader); its
+    values are checked while the packed image is hashed."""
+    found = handle.read_state_dict(name, tensors, json.loads(config_bytes), PUSHED, strict=strict, values=False)
+    if found is None:
+        return None
+    info, adapter = found
+    where = f"adapter {name!r} pushed from memory"
+    _check_size(image_bytes(handle, info), max_bytes, where)
+    image = handle.pack(adapter, pin=pin)
+    digest = hash_image(config_bytes, image)
+    try:
+        check_values(adapter.modules, f"adapter {name!r} at {PUSHED}")
+    finally:
+        sha256 = digest()  # the hashing threads done with the image, whatever the check found
+    return Snapshot(name, info, sha256, (), image)
 
 
 _streams: dict = {}
@@ -171,6 +183,12 @@ def image_digest(config: bytes, image: SlotImage) -> str:
     """A pushed adapter's identity: the sha256 of its config's sha256 and of the sha256 of each MiB of its packed
     image (the weights as the slots hold them), the chunks hashed on threads (an 8B model's rank-16 adapter is 84 MB:
     ~50 ms on one core)."""
+    return hash_image(config, image)()
+
+
+def hash_image(config: bytes, image: SlotImage) -> Callable[[], str]:
+    """``image_digest``, started on the hashing threads: the returned call waits for it (call it before the image
+    is written or freed)."""
     global _hashers
     data = image.buffer.numpy().data
     threads = min(16, os.cpu_count() or 1)
@@ -183,8 +201,9 @@ def image_digest(config: bytes, image: SlotImage) -> str:
         return b"".join(hashlib.sha256(data[i * _HASH_CHUNK:(i + 1) * _HASH_CHUNK]).digest()
                         for i in range(first, min(first + per, chunks)))
 
-    parts = _hashers.map(run, range(0, chunks, per))
-    return hashlib.sha256(hashlib.sha256(config).digest() + b"".join(parts)).hexdigest()
+    parts = [_hashers.submit(run, first) for first in range(0, chunks, per)]
+    head = hashlib.sha256(config).digest()
+    return lambda: hashlib.sha256(head + b"".join(part.result() for part in parts)).hexdigest()
 
 
 SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors library's own bound

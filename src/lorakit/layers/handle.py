@@ -110,11 +110,11 @@ class LoraHandle:
                          f"adapter {name!r} at {path}")
         return self._tie_tokens(adapter)
 
-    def read_state_dict(self, name: str, tensors, config: dict, path: Path, strict: bool = True
-                        ) -> tuple[AdapterInfo, PeftAdapter] | None:
+    def read_state_dict(self, name: str, tensors, config: dict, path: Path, strict: bool = True,
+                        values: bool = True) -> tuple[AdapterInfo, PeftAdapter] | None:
         """A plain-LoRA PEFT state dict in memory, checked for this model with its tensors left where they are
-        (``read_state_dict``); None when it needs the folder reader (more than plain LoRA, or a tensor-parallel
-        vocabulary)."""
+        (``read_state_dict``; ``values=False``: all but its values, which the caller checks with ``check_values``);
+        None when it needs the folder reader (more than plain LoRA, or a tensor-parallel vocabulary)."""
         if self.vocab_parallel:
             return None
         where = f"adapter {name!r} at {path}"
@@ -134,7 +134,7 @@ class LoraHandle:
         if plan is None:
             return None
         self._check_rank(max((rank for _, _, rank, _ in plan.values()), default=0), where)
-        return take_state_dict(name, tensors, config, path, plan)
+        return take_state_dict(name, tensors, config, path, plan, values)
 
     def _check_rank(self, rank: int, where: str) -> None:
         if rank > self.config.max_rank:

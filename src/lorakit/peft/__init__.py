@@ -6,9 +6,9 @@ refused with ``AdapterError``, the one adapter error type, naming the adapter, t
 
 from lorakit.peft.adapter import AdapterInfo, BaseModule, ModuleLora, ModuleTokens, PeftAdapter, activation_start
 from lorakit.peft.config import CONFIG_NAME, WEIGHTS_NAME, AdapterError, read_adapter_config
-from lorakit.peft.read import (inspect_peft_adapter, load_peft_adapter, plan_state_dict, read_state_dict,
-                               take_state_dict, weights_file)
+from lorakit.peft.read import (check_values, inspect_peft_adapter, load_peft_adapter, plan_state_dict,
+                               read_state_dict, take_state_dict, weights_file)
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "AdapterError", "AdapterInfo", "BaseModule", "ModuleLora", "ModuleTokens",
            "PeftAdapter", "activation_start", "inspect_peft_adapter", "load_peft_adapter", "read_adapter_config",
-           "plan_state_dict", "read_state_dict", "take_state_dict", "weights_file"]
+           "check_values", "plan_state_dict", "read_state_dict", "take_state_dict", "weights_file"]

@@ -50,8 +50,8 @@ from lorakit.peft.tokens import (
     token_key,
 )
 
-__all__ = ["inspect_peft_adapter", "load_peft_adapter", "plan_state_dict", "read_state_dict", "take_state_dict",
-           "weights_file"]
+__all__ = ["check_values", "inspect_peft_adapter", "load_peft_adapter", "plan_state_dict", "read_state_dict",
+           "take_state_dict", "weights_file"]
 
 logger = logging.getLogger("lorakit.adapter")
 
@@ -203,16 +203,19 @@ def plan_state_dict(tensors: Mapping[str, torch.Tensor], config: dict, base_modu
 
 
 def take_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict, path: Path,
-                    plan: Mapping[str, tuple[str, str, int, float]]) -> tuple[AdapterInfo, PeftAdapter]:
-    """The adapter ``plan_state_dict`` planned, its values checked (``_check_values``)."""
+                    plan: Mapping[str, tuple[str, str, int, float]], values: bool = True
+                    ) -> tuple[AdapterInfo, PeftAdapter]:
+    """The adapter ``plan_state_dict`` planned, its values checked (``check_values``; ``values=False``: the caller
+    checks them)."""
     modules = {module: ModuleLora(tensors[a].detach(), tensors[b].detach(), rank, scale)
                for module, (a, b, rank, scale) in plan.items()}
-    _check_values(modules, f"adapter {name!r} at {path}")
+    if values:
+        check_values(modules, f"adapter {name!r} at {path}")
     shapes = {module: (rank, scale) for module, (_, _, rank, scale) in plan.items()}
     return AdapterInfo(name, path, config, shapes), PeftAdapter(name, path, config, modules)
 
 
-def _check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
+def check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
     """Every A and B finite, and within float32 where it is wider: each tensor's largest magnitude, reduced where it
     lies (a GPU's tensors on the GPU) and read back at once."""
     tensors = [(module, label, t) for module, lora in modules.items() for label, t in (("A", lora.A), ("B", lora.B))]
