@@ -37,6 +37,7 @@ from common import (arg_parser, make_model, parse_args, setup, setup_line, word_
                     write_report)  # bench/ is on sys.path when this file runs as a script
 
 from lorakit.engine import Engine
+from lorakit.frontend.core import freeze_heap
 from lorakit.frontend.core_client import CoreClient
 from lorakit.serve.app import create_app
 from lorakit.serve.edge import uvicorn_config
@@ -186,6 +187,7 @@ def serve(engine):
     while not server.started:
         assert thread.is_alive(), "the server did not start"
         time.sleep(0.05)
+    freeze_heap()  # as lorakit serve's server does once it is up: no full collection walks the startup's objects
     server.thread = thread
     return server, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
