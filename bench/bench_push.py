@@ -159,8 +159,11 @@ class Sampler:
             inside = [(when, stacks) for when, stacks in self.samples if a <= when <= b]
             spacing = max((y[0] - x[0] for x, y in zip(inside, inside[1:])), default=float("nan"))
             during = [i for i, (s, e) in enumerate(spans) if s < b and e > a]
-            where = (f"push {during[0] + 1} of {len(spans)}, {1e3 * (a - spans[during[0]][0]):+.0f} ms from its start "
-                     f"({1e3 * (spans[during[0]][1] - spans[during[0]][0]):.0f} ms long)" if during else "between pushes")
+            where = "between pushes"
+            if during:
+                start, end = spans[during[0]]
+                where = (f"push {during[0] + 1} of {len(spans)}, {1e3 * (a - start):+.0f} ms from its start "
+                         f"({1e3 * (end - start):.0f} ms long)")
             lines.append(f"## gap of {1e3 * (b - a):.1f} ms ({where}): {len(inside)} samples, longest between two "
                          f"{1e3 * spacing:.1f} ms")
             inside += [(when, stacks) for when, stacks in theirs if a <= when <= b]
@@ -276,8 +279,8 @@ def main(argv=None) -> int:
     for where, r in results.items():
         steps = lambda gap_ms: gap_ms / r["step_ms"]  # noqa: E731
         rows += [
-            f"| {where} | HTTP push from host memory, until answered | {r['http_ms']:.0f} ms | {r['http_max_ms']:.0f} ms "
-            f"| <= 1000 ms |",
+            f"| {where} | HTTP push from host memory, until answered | {r['http_ms']:.0f} ms | "
+            f"{r['http_max_ms']:.0f} ms | <= 1000 ms |",
             f"| {where} | CUDA IPC push from another process, until answered | {r['ipc_ms']:.0f} ms | "
             f"{r['ipc_max_ms']:.0f} ms | <= 60 ms |",
             f"| {where} | a bystander stream's step (median gap before the pushes) | {r['step_ms']:.1f} ms | | |",

@@ -247,7 +247,8 @@ def check_pushes(world, live, model_name: str = "tiny") -> None:
         assert r.status_code == 404 and "version" in r.json()["error"]["message"], (gone, r.text)
     body = push_body(*state_dict("chat"))
     url = f"{live.url}/v1/lora_adapters/pushed"
-    for bad, phrase in ((body[:-64], "not a readable safetensors file"), (body[:6], "not a safetensors file"),
+    for bad, phrase in ((body[:-64], "not a readable safetensors file"),
+                        (body[:6], "has 6 bytes: not a readable safetensors file"),
                         (push_body(state_dict("chat")[0], {}) .replace(b"adapter_config", b"adapter_confog"),
                          "no 'adapter_config'")):
         r = httpx.put(url, content=bad, timeout=120)

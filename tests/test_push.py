@@ -405,9 +405,9 @@ def test_pushes_through_cuda_ipc_from_another_process_serve_as_peft_computes_the
     for i, state in enumerate(states):
         save_file({k: v.cpu() for k, v in state.items()}, tmp_path / f"w{i}.safetensors")
     src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, *(str(tmp_path / f"w{i}.safetensors") for i in (0, 1))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                  [src, os.environ.get("PYTHONPATH", "")])})
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     engine = Engine(copy.deepcopy(base).cuda(), max_loras=2, block_size=4, device="cuda")
     prompt, shas, handles = [2, 7, 1, 8], [], []
     try:

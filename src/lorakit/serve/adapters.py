@@ -20,14 +20,13 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import os
-import struct
 from pathlib import Path
 
 import msgspec
 
 from lorakit.adapters.pool import TooManyVersions, VersionTaken, check_name
 from lorakit.adapters.shared import SharedWeights
-from lorakit.adapters.snapshot import SAFETENSORS_HEADER_BYTES
+from lorakit.adapters.snapshot import safetensors_header
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
 from lorakit.peft.config import parse_json
@@ -120,22 +119,16 @@ def _ipc_push(body: bytes, peer: str | None) -> tuple[SharedWeights, dict]:
     return found.cuda_ipc, found.config
 
 
-def _pushed_config(body: bytes) -> dict:
+def _pushed_config(body: bytes | memoryview) -> dict:
     """The config a pushed safetensors body carries in its header's metadata (ApiError 400 naming what is missing)."""
     fix = (f"send a safetensors file whose metadata holds the adapter's config as JSON under {CONFIG_KEY!r} "
            f"(lorakit.serve.push.push_body writes one)")
-    if len(body) < 8:
-        raise ApiError(400, f"the body is not a safetensors file (it has {len(body)} bytes); {fix}", "body")
-    (size,) = struct.unpack("<Q", body[:8])
-    if size > SAFETENSORS_HEADER_BYTES or 8 + size > len(body):
-        raise ApiError(400, f"the body's safetensors header claims {size} bytes, more than the body holds; {fix}",
-                       "body")
     try:
-        header = parse_json(bytes(body[8:8 + size]), "the body's safetensors header", fix)
-        text = header.get("__metadata__", {}).get(CONFIG_KEY) if isinstance(header, dict) else None
+        header, _ = safetensors_header(body, "the pushed body")
+        text = header.get("__metadata__", {}).get(CONFIG_KEY)
         config = parse_json(text.encode(), f"the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
     except (AdapterError, AttributeError) as e:
-        raise ApiError(400, str(e) if isinstance(e, AdapterError) else f"the body's header is malformed; {fix}",
+        raise ApiError(400, f"{e}; {fix}" if isinstance(e, AdapterError) else f"the body's header is malformed; {fix}",
                        "body") from None
     if not isinstance(config, dict):
         raise ApiError(400, f"the body's safetensors metadata has no {CONFIG_KEY!r} object; {fix}", "body")
