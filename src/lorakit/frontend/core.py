@@ -191,11 +191,14 @@ class _Core:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)  # a pushed adapter's bytes stay where zmq put them
             except zmq.Again:
                 return commands
+            body = self.inbox.recv(copy=False) if frame.more else None  # a Push's bytes (wire.to_frames)
             try:
                 message = self.decode(frame.buffer)
             except msgspec.ValidationError:  # the client checked it: a bug, logged, and the core goes on
                 logger.exception("a message from the server could not be read")
                 continue
+            if body is not None:
+                message.weights = body.buffer
             commands.append(lambda message=message: self.handle(message))
 
     def handle(self, message: ToCore) -> None:

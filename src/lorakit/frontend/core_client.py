@@ -48,7 +48,7 @@ from lorakit.frontend.client import Adapter
 from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import RequestStream
 from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, CompileGrammar, Failed, \
-    FromCore, Push, Register, Reply, Shutdown, Step, ToCore, Unregister
+    FromCore, Push, Register, Reply, Shutdown, Step, ToCore, Unregister, to_frames
 
 __all__ = ["CoreClient"]
 
@@ -58,9 +58,12 @@ CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``
 # A pass over the streams longer than PACE_ABOVE seconds is followed by a pause of as long again (its share of the
 # event loop is then READ_SHARE), in which the loop's other work runs: new requests (their HTTP, chat templates and
 # tokenizing), slow clients' writes. Steps that come meanwhile wait, and the next pass merges them (one event per
-# stream for all of them). Why 0.5: docs/serve-internals.md.
+# stream for all of them). Why 0.5: docs/serve-internals.md. A pass is timed by this thread's CPU time (waiting for
+# the GIL another thread holds is not the pass's work) and counted at most PACE_MAX: a pass held up by a garbage
+# collection is not followed by a pause as long, which doubled the stall (bench/results/bench_push_stalls_core_http_h200_1965bbf.txt).
 READ_SHARE = 0.5
 PACE_ABOVE = 0.001
+PACE_MAX = 0.02
 
 
 HISTORY = 16  # versions of a name a server remembers for NAME@N; the core decides which still live
@@ -405,7 +408,7 @@ class CoreClient:
 
     def _send(self, message: ToCore) -> None:
         try:
-            self._to_core.send(self._encode(message), zmq.NOBLOCK)
+            self._to_core.send_multipart(to_frames(message, self._encode), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise EngineDead("the engine core is not reading its messages") from None
 
@@ -422,12 +425,12 @@ class CoreClient:
         each request's outputs in them merged into one before they are delivered: a server that falls behind
         catches up with one output (one detokenizing pass, one event) per request, not one per step it missed. A
         long pass is followed by a pause of as long again (READ_SHARE), so that streams never take the whole event
-        loop from the requests that arrive."""
+        loop from the requests that arrive (a pass's CPU time, at most PACE_MAX, paces it)."""
         sock, outputs = self._from_core, Unread()
         rest = 1 / READ_SHARE - 1
         while True:
             batch = [await sock.recv()]
-            started = time.perf_counter()
+            started = time.thread_time()
             while len(batch) < CATCH_UP_STEPS:
                 ready = sock.recv(zmq.NOBLOCK)  # done at once: a message, or zmq.Again
                 if ready.exception() is not None:
@@ -446,9 +449,9 @@ class CoreClient:
                     await self._handle(message)
             self._deliver(outputs)
             if rest > 0:
-                spent = time.perf_counter() - started
+                spent = time.thread_time() - started
                 if spent > PACE_ABOVE:
-                    await asyncio.sleep(spent * rest)
+                    await asyncio.sleep(min(spent, PACE_MAX) * rest)
 
     async def _handle(self, message: FromCore) -> None:
         """One of the core's messages other than a Step."""
