@@ -21,6 +21,7 @@ import math
 import os
 import stat
 import tempfile
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -177,6 +178,7 @@ def _side_stream(device):
 
 _HASH_CHUNK = 1 << 20
 _hashers: ThreadPoolExecutor | None = None
+_hashers_lock = threading.Lock()
 
 
 def image_digest(config: bytes, image: SlotImage) -> str:
@@ -192,8 +194,9 @@ def hash_image(config: bytes, image: SlotImage) -> Callable[[], str]:
     global _hashers
     data = image.buffer.numpy().data
     threads = min(16, os.cpu_count() or 1)
-    if _hashers is None:
-        _hashers = ThreadPoolExecutor(threads, thread_name_prefix="lorakit-hash")
+    with _hashers_lock:  # two first pushes at once make one pool
+        if _hashers is None:
+            _hashers = ThreadPoolExecutor(threads, thread_name_prefix="lorakit-hash")
     chunks = -(-len(data) // _HASH_CHUNK)
     per = -(-chunks // threads)  # one task per thread, each a run of chunks: few hand-overs of the GIL
 

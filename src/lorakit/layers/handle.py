@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch import nn
 
 from lorakit.layers.context import LoraContext
 from lorakit.layers.embedding import LoraEmbedding
-from lorakit.layers.image import Layouts, SlotImage, pack_adapter, store_of
+from lorakit.layers.image import Plans, SlotImage, pack_adapter, store_of
 from lorakit.layers.linear import LoraLinearGroup
 from lorakit.layers.moe import ExpertSlots
 from lorakit.layers.sharded import ShardedLayer, check_vocab_parallel, full_features
@@ -38,9 +37,6 @@ from lorakit.peft import (
     plan_state_dict,
     take_state_dict,
 )
-
-
-_UNPLANNED = object()
 
 
 class LoraHandle:
@@ -68,9 +64,8 @@ class LoraHandle:
                      and layers[self._input_name].weight is layers[self._output_name].weight)
         self._stores = {id(store): store for store in (store_of(layer)[0] for layer in layers.values())}
         self.slots = SlotTable(config.max_loras)
-        self._layouts = Layouts()  # images of the last few adapter shapes packed, planned once each
-        self._plans: dict = {}  # the structures of the last few state dicts pushed, checked once each
-        self._plans_lock = threading.Lock()
+        self._layouts = Plans()  # images of the last few adapter shapes packed, planned once each
+        self._structures = Plans()  # the structures of the last few state dicts pushed, checked once each
         # A tensor-parallel model's vocab-parallel embedding / head: no rank holds its whole weight, which a saved whole
         # matrix of it (modules_to_save, a resized vocabulary) is compared against, so such adapters are refused.
         self.vocab_parallel = {name: self.base_modules[name] for name in vocab_parallel or () if name in layers}
@@ -122,15 +117,10 @@ class LoraHandle:
             key = (json.dumps(config, sort_keys=True), strict, tuple((k, t.shape, t.dtype) for k, t in tensors.items()))
         except (TypeError, ValueError, AttributeError):  # not JSON, not tensors: the checks say what is wrong
             key = None
-        with self._plans_lock:
-            plan = self._plans.get(key, _UNPLANNED) if key is not None else _UNPLANNED
-        if plan is _UNPLANNED:
-            plan = plan_state_dict(tensors, config, self.base_modules, where, strict=strict, tied=self.tied)
-            if key is not None:
-                with self._plans_lock:
-                    self._plans[key] = plan
-                    while len(self._plans) > 8:
-                        self._plans.pop(next(iter(self._plans)))
+
+        def check():
+            return plan_state_dict(tensors, config, self.base_modules, where, strict=strict, tied=self.tied)
+        plan = check() if key is None else self._structures.get(key, check)
         if plan is None:
             return None
         self._check_rank(max((rank for _, _, rank, _ in plan.values()), default=0), where)

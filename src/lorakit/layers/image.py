@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -213,7 +214,7 @@ def layout_key(modules: Mapping[str, ModuleLora]) -> tuple:
 
 
 def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: bool,
-                 layouts: Layouts | None = None) -> SlotImage:
+                 layouts: Plans | None = None) -> SlotImage:
     """Lay ``adapter`` out as its slots hold it, cast to each store's dtype, in one (pinned) CPU buffer. ``layouts``:
     a cache of layouts by ``layout_key`` (a handle's), for adapters without token rows."""
     modules = {module: shard_lora(layer, adapter.modules[module])  # a tensor-parallel layer keeps its shard
@@ -269,26 +270,27 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
     return SlotImage(adapter.name, buffer, layout.stores, tuple(tokens))
 
 
-class Layouts:
-    """The layouts of the last few adapter shapes a handle packed (any thread)."""
+class Plans:
+    """What was planned for the last few shapes of a thing (a handle's image layouts, its pushed state dicts'
+    checked structures), each planned once: any thread."""
 
     def __init__(self, size: int = 8):
-        self._layouts: OrderedDict[tuple, Layout] = OrderedDict()
+        self._plans: OrderedDict[Hashable, Any] = OrderedDict()
         self._size = size
         self._lock = threading.Lock()
 
-    def get(self, key: tuple, plan) -> Layout:
+    def get(self, key: Hashable, plan: Callable[[], Any]) -> Any:
+        """The plan kept for ``key``, else ``plan()``'s (kept; the oldest dropped past ``size``)."""
         with self._lock:
-            layout = self._layouts.get(key)
-            if layout is not None:
-                self._layouts.move_to_end(key)
-                return layout
-        layout = plan()
+            if key in self._plans:
+                self._plans.move_to_end(key)
+                return self._plans[key]
+        made = plan()
         with self._lock:
-            self._layouts[key] = layout
-            while len(self._layouts) > self._size:
-                self._layouts.popitem(last=False)
-        return layout
+            self._plans[key] = made
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return made
 
 
 def needs_growth(image: SlotImage) -> bool:
