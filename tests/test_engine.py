@@ -4,6 +4,7 @@ with preemption) gives each request exactly the greedy tokens it gets alone."""
 
 import asyncio
 import copy
+import time
 
 import pytest
 import torch
@@ -420,6 +421,60 @@ def test_the_core_client_merges_the_steps_that_queued_up_into_one_output_per_req
     for r in ("x", "y"):  # one output each, with all three tokens and their text
         (out,) = got[r]
         assert out.token_ids == [0, 1, 2] and out.text == "aba" and out.finish_reason == "length"
+
+
+def test_the_core_clients_pause_after_a_pass_counts_its_own_work_at_most_pace_max(monkeypatch):
+    """A pass over the core's steps is followed by a pause of its CPU time (READ_SHARE 0.5), at most PACE_MAX: a pass
+    that waited (on the GIL another thread held, as the push stall's trace showed for a garbage collection) is not
+    followed by a pause as long, which doubled a stall."""
+    import msgspec
+    import zmq
+
+    from lorakit.frontend import core_client
+    from lorakit.frontend.core_client import PACE_MAX, CoreClient
+    from lorakit.frontend.wire import Step
+
+    step = msgspec.msgpack.Encoder().encode(Step([]))
+
+    class Socket:  # one step a pass, three passes
+        def __init__(self):
+            self.queued = [step] * 3
+
+        def recv(self, flags=0):
+            future = asyncio.get_running_loop().create_future()
+            if flags & zmq.NOBLOCK:
+                future.set_exception(zmq.Again())
+            elif self.queued:
+                future.set_result(self.queued.pop(0))
+            return future
+
+    def busy(seconds):  # CPU time of this thread
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    passes = iter([lambda: busy(0.1), lambda: time.sleep(0.1), lambda: busy(0.005)])  # long, waiting, short
+    pauses = []
+    sleep = asyncio.sleep
+
+    async def recorded(seconds):
+        pauses.append(seconds)
+        await sleep(0)
+
+    monkeypatch.setattr(core_client.asyncio, "sleep", recorded)
+
+    async def main():
+        client = CoreClient(None)
+        client._from_core = Socket()
+        client._deliver = lambda outputs: next(passes, lambda: None)()
+        reader = asyncio.ensure_future(client._read())
+        for _ in range(20):
+            await sleep(0)
+        reader.cancel()
+
+    asyncio.run(main())
+    assert len(pauses) == 2 and pauses[0] == pytest.approx(PACE_MAX)  # the waiting pass: no pause
+    assert 0.004 < pauses[1] < PACE_MAX
 
 
 def test_a_request_stream_aborts_once_and_only_a_request_the_engine_still_runs():
