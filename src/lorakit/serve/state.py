@@ -420,9 +420,8 @@ class ServerState:
 
     async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict,
                            version: int | None = None) -> AdapterRef:
-        """Checks weights pushed from memory (a safetensors file's bytes, or a client's CUDA buffer; AdapterError for bad
-        ones) while the engine
-        keeps stepping, then installs them between steps as ``name``'s new version."""
+        """Checks weights pushed from memory (a safetensors file's bytes, or a client's CUDA buffer; AdapterError for
+        bad ones) while the engine keeps stepping, then installs them between steps as ``name``'s new version."""
         return await self.engine.push_adapter(name, weights, config, version)
 
     async def unregister_adapter(self, name: str) -> None:
