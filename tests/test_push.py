@@ -155,6 +155,8 @@ def _bad_pushes(base):
         ("a body cut short", save(good)[:-100], CONFIG, "safetensors"),
         ("no tensors", {}, CONFIG, "non-empty dict"),
         ("not a config", good, "r=4", "LoraConfig"),
+        ("a state dict without its config", good, None, "no config"),
+        ("bytes without a config in their metadata", save(good), None, "no 'adapter_config'"),
     ]
 
 
@@ -168,6 +170,21 @@ def test_bad_pushes_are_refused_by_name_and_the_previous_version_serves(base):
             engine.push_adapter("policy", weights, config)
         assert "pushed from memory" in str(refused.value), what
         assert engine.pool.adapters == {"policy": 1}, what
+    assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(good, prompt)
+
+
+def test_a_safetensors_body_carries_its_config_read_with_its_tensors(base):
+    """Bytes as the push endpoint takes them (``push_body``: the config in the header's metadata) need no config
+    beside them: the header is read once, for both, and the version is the one the state dict and its config give."""
+    from lorakit.serve.push import push_body
+
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_rank=16, block_size=4)
+    good = trained(base, 5)
+    state = get_peft_model_state_dict(good)
+    engine.push_adapter("policy", push_body(state, CONFIG), None)
+    engine.push_adapter("same", state, CONFIG)
+    assert engine.pool.versions["policy"][1] == engine.pool.versions["same"][1]
+    prompt = [9, 8, 7]
     assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(good, prompt)
 
 

@@ -102,7 +102,8 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     """An adapter pushed from memory, checked in full as a folder would be (config, keys, shapes, rank, every value):
     ``weights`` is a PEFT state dict (``get_peft_model_state_dict``'s keys; tensors on any device), the bytes of a
     safetensors file of one, or one in another process's CUDA memory (``SharedWeights``, opened only for the read);
-    ``config`` its ``LoraConfig``, or the dict ``adapter_config.json`` holds. A state dict of
+    ``config`` its ``LoraConfig``, or the dict ``adapter_config.json`` holds (None: the one a safetensors file's
+    bytes carry in their metadata, ``safetensors_config``; their header is read once). A state dict of
     plain LoRA on linear modules is checked where its tensors lie and packed straight from them; anything else is
     written to a private folder in memory and read as a folder is. Its sha256 is ``image_digest``'s: of the config and
     the packed weights, the same for the same adapter however it was pushed. Changes nothing; raises AdapterError."""
@@ -111,6 +112,16 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
         check_shared(weights, max_bytes, f"{where} through CUDA IPC")  # before any CUDA call
         with _side_stream(weights.device), open_shared(weights, max_bytes, f"{where} through CUDA IPC") as tensors:
             return read_pushed(handle, name, tensors, config, strict=strict, pin=pin, max_bytes=max_bytes)
+    header = None
+    if isinstance(weights, (bytes, bytearray, memoryview)):
+        if len(weights) > max_bytes:
+            _check_size(len(weights), max_bytes, where)
+        header = safetensors_header(weights, where)  # read once: for its config and its tensors
+        if config is None:
+            config = safetensors_config(header[0], where)
+    elif config is None:
+        raise AdapterError(f"{where}: no config; pass its LoraConfig (or adapter_config.json's dict) with a state "
+                           f"dict (only a safetensors file's bytes may carry theirs, under {CONFIG_KEY!r})")
     config_bytes = config_json(config, where)
     if isinstance(weights, Mapping):
         _check_tensors(weights, where, max_bytes)
@@ -119,11 +130,12 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
             snapshot = _from_tensors(handle, name, weights, config_bytes, strict, pin, max_bytes)
             if snapshot is not None:
                 return snapshot
-    data = weights if isinstance(weights, (bytes, bytearray, memoryview)) else _safetensors(weights, where, max_bytes)
+    data = weights if header is not None else _safetensors(weights, where, max_bytes)
     if len(data) > max_bytes:
         _check_size(len(data), max_bytes, where)
-    if isinstance(weights, (bytes, bytearray, memoryview)):  # read where it lies, as tensors (plain LoRA)
-        snapshot = _from_tensors(handle, name, safetensors_views(data, where), config_bytes, strict, pin, max_bytes)
+    if header is not None:  # read where it lies, as tensors (plain LoRA)
+        snapshot = _from_tensors(handle, name, safetensors_views(data, where, header), config_bytes, strict, pin,
+                                 max_bytes)
         if snapshot is not None:
             return snapshot
     with _private_copy(PUSHED, where, in_memory=True) as copy:
@@ -210,6 +222,7 @@ def hash_image(config: bytes, image: SlotImage) -> Callable[[], str]:
 
 
 SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors library's own bound
+CONFIG_KEY = "adapter_config"  # the safetensors metadata key a pushed adapter's config (JSON) travels under
 # safetensors' dtype names, those torch has
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -232,13 +245,27 @@ def safetensors_header(data, where: str) -> tuple[dict, int]:
     return header, 8 + size
 
 
-def safetensors_views(data, where: str) -> dict:
+def safetensors_config(header: dict, where: str) -> dict:
+    """The adapter config a pushed safetensors file carries in its header's metadata, under CONFIG_KEY (as
+    ``lorakit.serve.push.push_body`` writes it); AdapterError naming what is missing."""
+    fix = (f"send a safetensors file whose metadata holds the adapter's config as JSON under {CONFIG_KEY!r} "
+           f"(lorakit.serve.push.push_body writes one)")
+    metadata = header.get("__metadata__", {})
+    text = metadata.get(CONFIG_KEY) if isinstance(metadata, dict) else None
+    config = parse_json(text.encode(), f"{where}: the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where}: its safetensors metadata has no {CONFIG_KEY!r} object; {fix}")
+    return config
+
+
+def safetensors_views(data, where: str, header: tuple[dict, int] | None = None) -> dict:
     """The tensors of the safetensors file in ``data`` as CPU tensors viewing its bytes (no copy: they keep ``data``
     alive and must not be written), each entry checked as the safetensors library checks it: a known dtype, a shape
-    of sizes >= 0, offsets that tile the data exactly. AdapterError (naming the entry) otherwise."""
+    of sizes >= 0, offsets that tile the data exactly. AdapterError (naming the entry) otherwise. ``header``:
+    ``safetensors_header``'s answer for ``data``, when it was read already."""
     import torch
 
-    header, start = safetensors_header(data, where)
+    header, start = header or safetensors_header(data, where)
     end = len(data) - start
     entries = []
     for key, entry in header.items():

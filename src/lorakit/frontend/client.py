@@ -95,7 +95,7 @@ class EngineClient(Protocol):
 
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int: ...
 
-    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict,
+    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef: ...
 
     async def unregister_adapter(self, name: str) -> None: ...
@@ -182,7 +182,7 @@ class InProcessClient:
             checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
         return await self.async_engine.call(self.engine.registry.install, checked)
 
-    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict,
+    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:

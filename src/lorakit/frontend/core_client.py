@@ -384,7 +384,7 @@ class CoreClient:
         self._learn(Adapter.of(facts, tokenizer))
         return facts.ref.version
 
-    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict,
+    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef:
         """Have the core check and install weights pushed from memory (a safetensors file's bytes) as ``name``'s new
         version; it carries no tokenizer."""

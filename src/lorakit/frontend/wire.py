@@ -66,7 +66,7 @@ class Push(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     name: str
     weights: memoryview | SharedWeights  # a view of the message as received: 84 MB are not copied under the GIL
-    config: dict
+    config: dict | None  # None: the one the safetensors bytes carry in their metadata
     server: int = 0
     version: int | None = None  # the new version's number (above the name's last), else the last plus one
 

@@ -26,12 +26,10 @@ import msgspec
 
 from lorakit.adapters.pool import TooManyVersions, VersionTaken, check_name
 from lorakit.adapters.shared import SharedWeights
-from lorakit.adapters.snapshot import safetensors_header
 from lorakit.adapters.hub import ADAPTER_FILES, check_revision, from_hub, hub_id, repo_folder
 from lorakit.peft import AdapterError
-from lorakit.peft.config import parse_json
 from lorakit.serve.protocol import ApiError, LoadBody, UnloadBody, parse_version
-from lorakit.serve.push import CONFIG_KEY, IPC_CONTENT_TYPE, IpcPush, is_loopback
+from lorakit.serve.push import IPC_CONTENT_TYPE, IpcPush, is_loopback
 from lorakit.serve.state import ServerState
 
 __all__ = ["PUSH_PREFIX", "confined", "load", "push", "unload"]
@@ -89,7 +87,7 @@ async def push(name: str, body: bytes, state: ServerState, content_type: str = "
             raise ApiError(413, f"the pushed CUDA buffer has {weights.size} bytes, more than --max-push-bytes "
                                 f"{state.config.max_push_bytes}", "body")
     else:
-        weights, config = body, _pushed_config(body)
+        weights, config = body, None  # its config is in its header, read with its tensors (not here, on the loop)
     try:
         ref = await state.push_adapter(name, weights, config, number)
     except TooManyVersions as e:
@@ -117,22 +115,6 @@ def _ipc_push(body: bytes, peer: str | None) -> tuple[SharedWeights, dict]:
         raise ApiError(400, f"the CUDA IPC push is malformed ({e}); send one from lorakit.serve.push.push_adapter",
                        "body") from None
     return found.cuda_ipc, found.config
-
-
-def _pushed_config(body: bytes | memoryview) -> dict:
-    """The config a pushed safetensors body carries in its header's metadata (ApiError 400 naming what is missing)."""
-    fix = (f"send a safetensors file whose metadata holds the adapter's config as JSON under {CONFIG_KEY!r} "
-           f"(lorakit.serve.push.push_body writes one)")
-    try:
-        header, _ = safetensors_header(body, "the pushed body")
-        text = header.get("__metadata__", {}).get(CONFIG_KEY)
-        config = parse_json(text.encode(), f"the {CONFIG_KEY!r} metadata", fix) if isinstance(text, str) else None
-    except (AdapterError, AttributeError) as e:
-        raise ApiError(400, f"{e}; {fix}" if isinstance(e, AdapterError) else f"the body's header is malformed; {fix}",
-                       "body") from None
-    if not isinstance(config, dict):
-        raise ApiError(400, f"the body's safetensors metadata has no {CONFIG_KEY!r} object; {fix}", "body")
-    return config
 
 
 async def unload(body: UnloadBody, state: ServerState) -> dict:

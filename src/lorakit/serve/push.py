@@ -25,7 +25,6 @@ from lorakit.adapters.shared import SharedWeights, share
 
 __all__ = ["IPC_CONTENT_TYPE", "IpcPush", "is_loopback", "push_adapter", "push_body"]
 
-CONFIG_KEY = "adapter_config"  # the safetensors metadata key a pushed adapter's config (JSON) travels under
 IPC_CONTENT_TYPE = "application/vnd.lorakit.cuda-ipc+json"
 
 
@@ -46,7 +45,7 @@ def push_body(weights, config) -> bytes:
     endpoint takes: a safetensors file whose metadata holds the config as JSON."""
     from safetensors.torch import save
 
-    from lorakit.adapters.snapshot import config_json
+    from lorakit.adapters.snapshot import CONFIG_KEY, config_json
 
     host = {key: value.detach().to("cpu").contiguous() for key, value in weights.items()}
     return save(host, metadata={CONFIG_KEY: config_json(config, "the pushed adapter").decode()})

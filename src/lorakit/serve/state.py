@@ -418,7 +418,7 @@ class ServerState:
         version."""
         return await self.engine.register_adapter(name, path, roots or self.config.lora_roots or None)
 
-    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict,
+    async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef:
         """Checks weights pushed from memory (a safetensors file's bytes, or a client's CUDA buffer; AdapterError for
         bad ones) while the engine keeps stepping, then installs them between steps as ``name``'s new version."""
