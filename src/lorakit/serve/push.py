@@ -57,8 +57,7 @@ def push_adapter(url: str, name: str, weights, config, *, api_key: str | None = 
     version and the content's sha256). ``cuda_ipc``: hand the tensors over through CUDA IPC (they must be on one GPU
     and the server on this host); None: when they are on a GPU and ``url`` names the loopback. ``version``: the
     number the new version takes (above every one the name has had, e.g. the training step), else the last plus one.
-    Raises
-    ``RuntimeError`` with the server's message when it refuses the push."""
+    Raises ``RuntimeError`` with the server's message when it refuses the push."""
     if cuda_ipc is None:
         cuda_ipc = is_loopback(urllib.parse.urlsplit(url).hostname) and all(
             getattr(t, "is_cuda", False) for t in weights.values())
