@@ -130,10 +130,12 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
             snapshot = _from_tensors(handle, name, weights, config_bytes, strict, pin, max_bytes)
             if snapshot is not None:
                 return snapshot
-    data = weights if header is not None else _safetensors(weights, where, max_bytes)
-    if len(data) > max_bytes:
-        _check_size(len(data), max_bytes, where)
-    if header is not None:  # read where it lies, as tensors (plain LoRA)
+    if header is None:
+        data = _safetensors(weights, where, max_bytes)
+        if len(data) > max_bytes:
+            _check_size(len(data), max_bytes, where)
+    else:  # read where it lies, as tensors (plain LoRA); its size was checked before its header was read
+        data = weights
         snapshot = _from_tensors(handle, name, safetensors_views(data, where, header), config_bytes, strict, pin,
                                  max_bytes)
         if snapshot is not None:

@@ -60,7 +60,8 @@ CATCH_UP_STEPS = 64  # the most queued messages of the core read in one pass (``
 # tokenizing), slow clients' writes. Steps that come meanwhile wait, and the next pass merges them (one event per
 # stream for all of them). Why 0.5: docs/serve-internals.md. A pass is timed by this thread's CPU time (waiting for
 # the GIL another thread holds is not the pass's work) and counted at most PACE_MAX: a pass held up by a garbage
-# collection is not followed by a pause as long, which doubled the stall (bench/results/bench_push_stalls_core_http_h200_1965bbf.txt).
+# collection is not followed by a pause as long, which doubled the stall
+# (bench/results/bench_push_stalls_core_http_h200_1965bbf.txt).
 READ_SHARE = 0.5
 PACE_ABOVE = 0.001
 PACE_MAX = 0.02
