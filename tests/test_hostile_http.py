@@ -485,8 +485,5 @@ def test_a_body_gathered_in_a_map_is_unmapped_off_the_loop_once_nothing_views_it
     time.sleep(3 * Unmapper.RETRY)
     assert not mapped.closed and bytes(seen["body"]) == b"".join(pieces)  # viewed: kept
     del seen["body"]
-    deadline = time.monotonic() + 5
-    while not mapped.closed and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert mapped.closed  # by the Unmapper's thread: this one only dropped the view
+    wait_for(lambda: mapped.closed, timeout=5)  # by the Unmapper's thread: this one only dropped the view
     assert UNMAPPER._thread.name == "lorakit-unmap"
