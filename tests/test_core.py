@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from _serve_helpers import LiveServer, check_pushes, children, engine_pid, gone, reference, wait_gone
-from helpers import FakeHub, free_port
+from helpers import FakeHub, free_port, wait_for
 from lorakit.engine import Engine, EngineConfig, SamplingParams
 from lorakit.frontend.core_client import CoreClient
 from lorakit.engine.lifeline import parent_death_signal
@@ -138,6 +138,39 @@ def test_runtime_load_hot_swap_and_unload_go_through_the_core(world, server):
 
 def test_pushes_over_http_go_through_the_core(world, server):
     check_pushes(world, server)
+
+
+def test_a_large_pushed_body_is_mapped_by_the_core_where_the_server_holds_it(world, server, tmp_path, monkeypatch):
+    """A body of several HTTP messages is gathered in a memfd, and the core maps it there instead of receiving its
+    bytes (through zmq, 84 MB held every step behind them for 50-60 ms on an H200): the version answers as its folder
+    does, and neither process keeps the map once the push is answered."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from _peft_models import save_adapter
+    from lorakit.frontend import core_client
+    from lorakit.serve.push import push_adapter
+
+    cfg = LoraConfig(r=64, lora_alpha=32, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    folder = Path(save_adapter(world[0], "big", cfg, tmp_path, seed=5, std=0.1).path)
+    weights = load_file(folder / "adapter_model.safetensors")
+    assert sum(t.nbytes for t in weights.values()) > 2 << 16  # two reads of the socket at least: several messages
+    handed, describe = [], core_client.describe
+    monkeypatch.setattr(core_client, "describe", lambda body: handed.append(describe(body)) or handed[-1])
+    answer = push_adapter(server.url, "big", weights, json.loads((folder / "adapter_config.json").read_text()))
+    client = server.server.config.app.state.server.engine
+    assert handed and handed[-1] is not None and client._body_files  # handed over where it lies, and mapped
+    prompt = "What is the capital of France?"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "big", "prompt": prompt, "max_tokens": 8,
+                                                         "temperature": 0}, timeout=120)
+    assert r.status_code == 200 and r.json()["lorakit"]["version"] == answer["version"], r.text
+    assert r.json()["choices"][0]["text"] == reference(world, prompt, "big", adapter_path=folder, max_tokens=8,
+                                                       temperature=0.0).text
+
+    def mapped(pid):
+        return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "lorakit-body" in line]
+    wait_for(lambda: not mapped(client.core_pid) and not mapped(os.getpid()), timeout=5)
 
 
 def test_a_core_that_cannot_start_says_why(world, tmp_path):
@@ -555,3 +588,85 @@ def test_a_pushed_body_is_let_go_on_the_reader_thread_read_or_refused():
             assert len(freed) == 1 and freed[0].startswith("lorakit-adapter-read"), (name, freed)
     finally:
         core.reader.shutdown()
+
+
+def test_a_pushed_body_in_a_memfd_is_read_by_the_core_through_a_map_of_its_own():
+    """The core maps a BodyFile's pages (the server's memfd, through /proc), reads the weights there on its reader
+    thread and leaves its map to the Unmapper; the server's map and descriptor go when it is closed."""
+    import concurrent.futures as futures
+    import types
+
+    from lorakit.frontend.bodies import BodyMap, describe, gather_map
+    from lorakit.frontend.core import _Core
+    from lorakit.frontend.wire import BodyFile, Push
+
+    payload = os.urandom(3 << 16)
+    held = gather_map(len(payload) + 100)
+    held[:len(payload)] = payload
+    body = memoryview(held)[:len(payload)]
+    where = describe(body)
+    assert isinstance(held, BodyMap) and where == BodyFile(os.getpid(), held.fd, len(payload))
+    seen = []
+
+    def read_pushed(name, weights, config):
+        seen.append((bytes(weights), threading.current_thread().name))
+        return "checked"
+
+    core = _Core.__new__(_Core)
+    core.engine = types.SimpleNamespace(registry=types.SimpleNamespace(read_pushed=read_pushed))
+    core.reader = futures.ThreadPoolExecutor(1, thread_name_prefix="lorakit-adapter-read")
+    try:
+        call = Push(call_id=1, name="p", weights=where, config=None)
+        assert core.reader.submit(core.read_pushed, call).result() == "checked"
+    finally:
+        core.reader.shutdown()
+    assert seen == [(payload, seen[0][1])] and seen[0][1].startswith("lorakit-adapter-read")
+
+    def maps():
+        return sum("lorakit-body" in line for line in Path("/proc/self/maps").read_text().splitlines())
+    wait_for(lambda: maps() == 1, timeout=5)  # the core's map closed by the Unmapper; the server's stays
+    fd = held.fd
+    del body
+    held.close()
+    assert maps() == 0 and held.fd == -1 and not os.path.exists(f"/proc/self/fd/{fd}")
+
+
+def test_a_body_file_the_core_cannot_map_is_named_and_the_server_sends_the_bytes_instead(caplog):
+    """open_body refuses what it cannot map with the reason (BodyFileError); the server then pushes the bytes, and
+    pushes bytes from then on."""
+    import asyncio
+
+    from lorakit.adapters.pool import AdapterRef
+    from lorakit.frontend.bodies import gather_map, open_body
+    from lorakit.frontend.wire import AdapterFacts, BodyFile, BodyFileError
+
+    held = gather_map(100)
+    read, write = os.pipe()
+    try:
+        for where, why in ((BodyFile(os.getpid(), 10**6, 10), "cannot be opened"),
+                           (BodyFile(os.getpid(), held.fd, 101), "not a file of 101 bytes"),
+                           (BodyFile(os.getpid(), read, 10), "not a file of 10 bytes")):
+            with pytest.raises(BodyFileError, match=why):
+                open_body(where)
+    finally:
+        os.close(read)
+        os.close(write)
+
+    sent = []
+
+    async def call(kind, **fields):  # a core that cannot open the server's descriptors
+        sent.append(type(fields["weights"]).__name__)
+        if isinstance(fields["weights"], BodyFile):
+            raise BodyFileError("the pushed body in server 1's descriptor 5 cannot be opened (Permission denied)")
+        return AdapterFacts(AdapterRef(fields["name"], len(sent), "0" * 64), "<pushed>", [])
+
+    client = CoreClient(None)
+    client._call = call
+    body = memoryview(held)[:100]
+    assert asyncio.run(client.push_adapter("p", body, None)).version == 2
+    assert asyncio.run(client.push_adapter("p", body, None)).version == 3
+    assert sent == ["BodyFile", "memoryview", "memoryview"]
+    assert "cannot map pushed bodies" in caplog.text and "Permission denied" in caplog.text
+    del body
+    held.close()
+

@@ -99,7 +99,7 @@ def test_bodies_in_flight_are_bounded_all_together_and_their_memory_comes_back(w
                     error = openai_error(*response(sock), 408)
                     assert "--body-timeout" in error["message"], error
             wait_for(lambda: held.held < 1000)  # the Bystander's alone
-            end = time.monotonic() + 5  # unmapped on a thread of the server's own (edge.Unmapper), promptly
+            end = time.monotonic() + 5  # unmapped on a thread of the server's own (bodies.Unmapper), promptly
             while (left := rss_mib() - before) >= 24 and time.monotonic() < end:
                 time.sleep(0.05)
             assert left < 24, f"{left:.0f} MiB of the bodies stayed in the server after their connections closed"
@@ -468,7 +468,8 @@ def test_a_body_gathered_in_a_map_is_unmapped_off_the_loop_once_nothing_views_it
     map to the Unmapper's thread, which closes it once the last view is gone, never under a reader."""
     import mmap
 
-    from lorakit.serve.edge import BODY_KEY, UNMAPPER, Unmapper
+    from lorakit.frontend.bodies import UNMAPPER, Unmapper
+    from lorakit.serve.edge import BODY_KEY
 
     seen = {}
 

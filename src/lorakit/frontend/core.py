@@ -35,9 +35,10 @@ from lorakit.engine.outputs import FinishReason, RequestOutput
 from lorakit.engine.registry import CheckedAdapter
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
+from lorakit.frontend.bodies import UNMAPPER, open_body
 from lorakit.frontend.client import kv_tokens
-from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, Call, CompileGrammar, Failed, FromCore, \
-    Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
+from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, BodyFile, Call, CompileGrammar, Failed, \
+    FromCore, Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
 
 __all__ = ["facts", "freeze_heap", "run_core"]
 
@@ -234,14 +235,20 @@ class _Core:
     def read_pushed(self, call: Push) -> CheckedAdapter:
         """``call``'s weights read (packed into an image of their own), then let go here, on the reader's thread:
         freeing the frame zmq received them in (84 MB) takes ~10 ms, which the loop's thread would spend between two
-        steps."""
+        steps. Weights the server holds in a memfd (``BodyFile``) are mapped here and unmapped by ``UNMAPPER``."""
         weights, call.weights = call.weights, None
+        mapped = open_body(weights) if isinstance(weights, BodyFile) else None
         try:
+            if mapped is not None:
+                weights = memoryview(mapped)
             return self.engine.registry.read_pushed(call.name, weights, call.config)
         except BaseException as e:
-            del weights
             traceback.clear_frames(e.__traceback__)  # the views its frames hold go too
             raise
+        finally:
+            del weights
+            if mapped is not None:
+                UNMAPPER.release(mapped)
 
     def unregister(self, call: Unregister) -> None:
         def unregister():

@@ -44,11 +44,12 @@ from lorakit.adapters.snapshot import read_tokenizer
 from lorakit.peft import AdapterError
 from lorakit.engine.structured import StructuredOutput
 from lorakit.engine.stats import EngineStats
+from lorakit.frontend.bodies import describe
 from lorakit.frontend.client import Adapter
 from lorakit.frontend.core import run_core
 from lorakit.frontend.streams import RequestStream
-from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, Call, CompileGrammar, Failed, \
-    FromCore, Push, Register, Reply, Shutdown, Step, ToCore, Unregister, to_frames
+from lorakit.frontend.wire import ERRORS, Abort, AdapterFacts, Adapters, Add, Beat, BodyFileError, Call, \
+    CompileGrammar, Failed, FromCore, Push, Register, Reply, Shutdown, Step, ToCore, Unregister, to_frames
 
 __all__ = ["CoreClient"]
 
@@ -99,6 +100,7 @@ class CoreClient:
         self._stats = EngineStats()
         self._heard = 0.0  # time.monotonic() of the core's last message
         self._folder: str | None = None
+        self._body_files = True  # large pushed bodies handed to the core where they lie (until it cannot map one)
         self._context = zmq.Context()
         self._to_core = self._from_core = None
         self._reader: asyncio.Task | None = None
@@ -388,8 +390,15 @@ class CoreClient:
     async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef:
         """Have the core check and install weights pushed from memory (a safetensors file's bytes) as ``name``'s new
-        version; it carries no tokenizer."""
-        found = await self._call(Push, name=name, weights=weights, config=config, version=version)
+        version; it carries no tokenizer. Bytes in a memfd (``BodyGate``'s of a large body) are mapped by the core, not
+        sent (``lorakit.frontend.bodies``)."""
+        where = describe(weights) if self._body_files else None
+        try:
+            found = await self._call(Push, name=name, weights=where or weights, config=config, version=version)
+        except BodyFileError as e:  # e.g. /proc hidden from the core: the bytes, now and from now on
+            logger.warning("the engine core cannot map pushed bodies (%s); sending their bytes instead", str(e))
+            self._body_files = False
+            found = await self._call(Push, name=name, weights=weights, config=config, version=version)
         facts = msgspec.convert(found, AdapterFacts)
         self._learn(Adapter.of(facts, False))
         return facts.ref

@@ -9,12 +9,14 @@ arrive as a ``SamplingParams``, checked again there, and a step's outputs as the
                        Adapters (another server registered or removed one), Failed (cannot step any more), Beat
 
 A Push's safetensors bytes travel as a second frame of its message (``to_frames``), sent and received without a copy:
-encoding 84 MB into the message and copying it into zmq held the server's event loop (and its streams) ~100 ms.
+encoding 84 MB into the message and copying it into zmq held the server's event loop (and its streams) ~100 ms. A
+large body the server gathered in a memfd does not travel at all: the Push names where it lies (``BodyFile``) and the
+core maps it (``lorakit.frontend.bodies``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -27,7 +29,7 @@ from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
 from lorakit.peft import AdapterError
 
-__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "Call", "CompileGrammar", "Failed", "FromCore",
+__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "BodyFile", "BodyFileError", "Call", "CompileGrammar", "Failed", "FromCore",
            "Push", "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore", "Unregister", "to_frames"]
 
 # What a server sends ...
@@ -58,14 +60,26 @@ class Register(msgspec.Struct, tag=True, array_like=True):
     server: int = 0
 
 
+class BodyFile(NamedTuple):
+    """A safetensors body the server holds in a memfd: the core maps it from ``/proc/pid/fd/fd``."""
+
+    pid: int
+    fd: int
+    size: int  # bytes, from the file's start
+
+
+class BodyFileError(OSError):
+    """The core could not map a ``BodyFile``: the server sends the bytes instead."""
+
+
 class Push(msgspec.Struct, tag=True, array_like=True):
     """Check and install an adapter pushed from memory as ``name``'s new version: ``weights``, a safetensors file's
-    bytes or a buffer in a client's CUDA memory (opened by the core); ``config``, its adapter_config.json's object. The
-    reply's result: its ``AdapterFacts``."""
+    bytes (or where the server holds them), or a buffer in a client's CUDA memory (both opened by the core);
+    ``config``, its adapter_config.json's object. The reply's result: its ``AdapterFacts``."""
 
     call_id: int
     name: str
-    weights: memoryview | SharedWeights  # a view of the message as received: 84 MB are not copied under the GIL
+    weights: memoryview | SharedWeights | BodyFile  # a view of the message as received: not copied under the GIL
     config: dict | None  # None: the one the safetensors bytes carry in their metadata
     server: int = 0
     version: int | None = None  # the new version's number (above the name's last), else the last plus one
@@ -74,7 +88,7 @@ class Push(msgspec.Struct, tag=True, array_like=True):
 def to_frames(message: ToCore, encode: Callable[[Any], bytes]) -> list:
     """``message`` as the frames of one zmq message: a Push's bytes, not encoded, as a second frame (the receiver puts
     them back in ``weights`` as a view of that frame); any other message, encoded, alone."""
-    if isinstance(message, Push) and not isinstance(message.weights, SharedWeights):
+    if isinstance(message, Push) and not isinstance(message.weights, (SharedWeights, BodyFile)):
         return [encode(msgspec.structs.replace(message, weights=memoryview(b""))), message.weights]
     return [encode(message)]
 
@@ -167,6 +181,7 @@ class Beat(msgspec.Struct, tag=True, array_like=True):
 ToCore = Add | Abort | Call
 FromCore = Step | Reply | Adapters | Ready | Failed | Beat
 ERRORS = {"AdapterError": AdapterError, "ValueError": ValueError, "TypeError": TypeError,  # raised again by kind
-          "Overloaded": Overloaded, "TooManyVersions": TooManyVersions, "VersionTaken": VersionTaken}
+          "Overloaded": Overloaded, "TooManyVersions": TooManyVersions, "VersionTaken": VersionTaken,
+          "BodyFileError": BodyFileError}
 
 

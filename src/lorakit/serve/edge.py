@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import mmap
 import os
-import queue
 import select
-import threading
 from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
+from lorakit.frontend.bodies import UNMAPPER, gather_map
 from lorakit.serve.protocol import ApiError
 from lorakit.serve.streaming import RAW_SEND, WRITE_BODY
 
@@ -98,48 +96,6 @@ async def _within(awaitable, seconds: float):
     return await asyncio.wait_for(awaitable, seconds)
 
 
-class Unmapper:
-    """Unmaps the anonymous maps large bodies are gathered in, on a thread of its own once nothing views them.
-
-    Unmapping 84 MB takes 10-20 ms of a CPU (longer on a busy machine: 70 ms was measured), and whoever drops a map's
-    last reference does it: left to itself, that was the event loop (the request's objects collected in a cycle, or
-    the endpoint's frame), which held every stream up while it ran. Here the thread holds each map until its views
-    are gone (a zero-copy send in flight, an exception's frames), then closes it; the loop only ever drops views."""
-
-    RETRY = 0.05  # seconds between tries at a map something still views
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def release(self, buffer: mmap.mmap) -> None:
-        """``buffer`` closed on this thread, once its last view is released."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # also in a child made by fork
-                self._thread = threading.Thread(target=self._run, name="lorakit-unmap", daemon=True)
-                self._thread.start()
-        self._queue.put(buffer)
-
-    def _run(self) -> None:
-        waiting: list[mmap.mmap] = []
-        while True:
-            try:
-                waiting.append(self._queue.get(timeout=self.RETRY if waiting else None))
-            except queue.Empty:
-                pass
-            viewed = []
-            for buffer in waiting:
-                try:
-                    buffer.close()  # munmap without the GIL
-                except BufferError:  # a view of it is still alive: later
-                    viewed.append(buffer)
-            waiting = viewed
-
-
-UNMAPPER = Unmapper()
-
-
 class BodyGate:
     """Reads a request's body whole before the app runs, within its bounds (see the module), and hands it on in one
     message; after it, ``receive`` is the server's (a disconnect still reaches the app). Plain ASGI: streamed
@@ -197,15 +153,15 @@ class BodyGate:
                     ) -> bytes | memoryview | None:
         """The whole body (None: the client left). A declared length is held already; the bytes of a chunked body
         are taken from the budget as they come. A body of several messages with a declared length is a view of the
-        anonymous map it was gathered in (freed with its last view): not copied again under the GIL."""
+        map it was gathered in (``bodies.gather_map``; unmapped by ``UNMAPPER`` once its views are gone): not copied
+        again under the GIL."""
         message = await receive()
         if message["type"] != "http.request":
             return None
         chunk = message.get("body", b"")
         if not message.get("more_body", False) and declared is not None:  # most requests: one message
             return chunk
-        # Private: its pages are only allotted as they are written, and cheaper to free than a shared map's.
-        buffer = mmap.mmap(-1, declared, flags=mmap.MAP_PRIVATE) if declared else None
+        buffer = gather_map(declared) if declared else None  # a memfd's: the engine core maps it, no copy sent
         chunks, size = [], 0
         try:
             while True:
