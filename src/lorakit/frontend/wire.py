@@ -29,8 +29,9 @@ from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
 from lorakit.peft import AdapterError
 
-__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "BodyFile", "BodyFileError", "Call", "CompileGrammar", "Failed", "FromCore",
-           "Push", "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore", "Unregister", "to_frames"]
+__all__ = ["ERRORS", "Abort", "Adapters", "AdapterFacts", "Add", "Beat", "BodyFile", "BodyFileError", "Call",
+           "CompileGrammar", "Failed", "FromCore", "Push", "Ready", "Register", "Reply", "Shutdown", "Step", "ToCore",
+           "Unregister", "to_frames"]
 
 # What a server sends ...
 
