@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.adapters.shared import SharedWeights, check_shared, open_shared
+from lorakit.gil import pause, yielding, yielding_here
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
 from lorakit.peft import AdapterError, AdapterInfo, check_values
@@ -214,9 +215,15 @@ def hash_image(config: bytes, image: SlotImage) -> Callable[[], str]:
     chunks = -(-len(data) // _HASH_CHUNK)
     per = -(-chunks // threads)  # one task per thread, each a run of chunks: few hand-overs of the GIL
 
+    beside_engine = yielding_here()  # the hashing threads give the GIL back as their caller does
+
     def run(first: int) -> bytes:
-        return b"".join(hashlib.sha256(data[i * _HASH_CHUNK:(i + 1) * _HASH_CHUNK]).digest()
-                        for i in range(first, min(first + per, chunks)))
+        digests = []
+        with yielding() if beside_engine else contextlib.nullcontext():
+            for i in range(first, min(first + per, chunks)):
+                pause()
+                digests.append(hashlib.sha256(data[i * _HASH_CHUNK:(i + 1) * _HASH_CHUNK]).digest())
+        return b"".join(digests)
 
     parts = [_hashers.submit(run, first) for first in range(0, chunks, per)]
     head = hashlib.sha256(config).digest()
@@ -273,6 +280,7 @@ def safetensors_views(data, where: str, header: tuple[dict, int] | None = None) 
     for key, entry in header.items():
         if key == "__metadata__":
             continue
+        pause()
         ok = (isinstance(entry, dict) and entry.get("dtype") in _SAFETENSORS_DTYPES
               and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
               and len(entry["data_offsets"]) == 2
@@ -282,8 +290,12 @@ def safetensors_views(data, where: str, header: tuple[dict, int] | None = None) 
                                f"format describes (dtype, shape, data_offsets); re-save the adapter")
         entries.append((entry["data_offsets"][0], entry["data_offsets"][1], key, entry))
     entries.sort(key=lambda e: (e[0], e[1]))
+    with warnings.catch_warnings():  # read only, and never written: they are copied into the image
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        whole = torch.frombuffer(data, dtype=torch.uint8) if len(data) else None
     at, tensors = 0, {}
     for begin, stop, key, entry in entries:
+        pause()
         dtype = getattr(torch, _SAFETENSORS_DTYPES[entry["dtype"]])
         count = math.prod(entry["shape"])
         if begin != at or stop - begin != count * dtype.itemsize or stop > end:
@@ -297,10 +309,7 @@ def safetensors_views(data, where: str, header: tuple[dict, int] | None = None) 
             tensors[key] = torch.frombuffer(bytearray(data[start + begin:start + stop]), dtype=dtype).view(
                 entry["shape"])
         else:
-            with warnings.catch_warnings():  # read only, and never written: they are copied into the image
-                warnings.filterwarnings("ignore", "The given buffer is not writable")
-                view = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
-            tensors[key] = view.view(entry["shape"])
+            tensors[key] = whole[start + begin:start + stop].view(dtype).view(entry["shape"])
     if at != end:
         raise AdapterError(f"{where}: {WEIGHTS_NAME} has {end - at} bytes of data no entry names: not a readable "
                            f"safetensors file; re-save the adapter")

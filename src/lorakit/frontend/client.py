@@ -22,6 +22,7 @@ from lorakit.adapters.pool import AdapterRef
 from lorakit.adapters.shared import SharedWeights
 from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.frontend.streams import RequestStream
+from lorakit.gil import beside
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
@@ -179,14 +180,14 @@ class InProcessClient:
     async def register_adapter(self, name: str, path: str | Path, roots: Sequence[Path] | None) -> int:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
-            checked = await asyncio.to_thread(self.engine.registry.read, name, path, roots)
+            checked = await asyncio.to_thread(beside, self.engine.registry.read, name, path, roots)
         return await self.async_engine.call(self.engine.registry.install, checked)
 
     async def push_adapter(self, name: str, weights: bytes | memoryview | SharedWeights, config: dict | None,
                            version: int | None = None) -> AdapterRef:
         self._reading = self._reading or asyncio.Lock()
         async with self._reading:
-            checked = await asyncio.to_thread(self.engine.registry.read_pushed, name, weights, config)
+            checked = await asyncio.to_thread(beside, self.engine.registry.read_pushed, name, weights, config)
         version = await self.async_engine.call(self.engine.registry.install, checked, version)
         return AdapterRef(name, version, checked.snapshot.sha256)  # this push's, whatever was pushed since
 

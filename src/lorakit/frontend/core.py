@@ -37,6 +37,7 @@ from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.frontend.bodies import UNMAPPER, open_body
 from lorakit.frontend.client import kv_tokens
+from lorakit.gil import beside
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, BodyFile, Call, CompileGrammar, Failed, \
     FromCore, Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
 
@@ -223,13 +224,15 @@ class _Core:
         self.compile(call, call.spec, call.adapter, call.client)
 
     def register(self, call: Register) -> None:
-        """The folder read on the reader thread while the loop steps, installed between steps."""
-        read = self.reader.submit(self.engine.registry.read, call.name, call.path, call.roots)
+        """The folder read on the reader thread while the loop steps (giving the GIL back to it: ``lorakit.gil``),
+        installed between steps."""
+        read = self.reader.submit(beside, self.engine.registry.read, call.name, call.path, call.roots)
         self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
 
     def push(self, call: Push) -> None:
-        """Weights pushed from memory, checked on the reader thread while the loop steps, installed between steps."""
-        read = self.reader.submit(self.read_pushed, call)
+        """Weights pushed from memory, checked on the reader thread while the loop steps (as ``register``), installed
+        between steps."""
+        read = self.reader.submit(beside, self.read_pushed, call)
         self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
 
     def read_pushed(self, call: Push) -> CheckedAdapter:

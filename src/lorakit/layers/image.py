@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lorakit.gil import pause
 from lorakit.layers.dora import write_gain
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
@@ -256,6 +257,7 @@ def pack_adapter(adapter: PeftAdapter, layers: Mapping[str, nn.Module], pin: boo
         tokens.append(TokenImage(store, k, added, ids1, rows))
         zeros += [buffer[end: round_up(end, _ALIGN)] for end in (ids1.offset + ids1.nbytes, rows.offset + rows.nbytes)]
     for module, what, expert, spec in layout.copies:
+        pause()
         dst.append(view(*spec))
         tensor = getattr(modules[module], what)
         src.append(tensor if expert is None else tensor[expert])

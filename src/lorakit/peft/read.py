@@ -24,6 +24,7 @@ import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
+from lorakit.gil import pause
 from lorakit.peft.adapter import AdapterInfo, BaseModule, ModuleLora, PeftAdapter
 from lorakit.peft.config import (
     _TRAINING_ONLY_KEYS,
@@ -187,6 +188,7 @@ def plan_state_dict(tensors: Mapping[str, torch.Tensor], config: dict, base_modu
         return None
     plan = {}
     for module, slot in parts.items():
+        pause()
         if set(slot) != {"lora_A", "lora_B"}:
             raise AdapterError(f"{where}: module {module!r} has {sorted(slot)} but needs exactly lora_A and lora_B; "
                                f"the weights are incomplete")
@@ -207,8 +209,10 @@ def take_state_dict(name: str, tensors: Mapping[str, torch.Tensor], config: dict
                     ) -> tuple[AdapterInfo, PeftAdapter]:
     """The adapter ``plan_state_dict`` planned, its values checked (``check_values``; ``values=False``: the caller
     checks them)."""
-    modules = {module: ModuleLora(tensors[a].detach(), tensors[b].detach(), rank, scale)
-               for module, (a, b, rank, scale) in plan.items()}
+    modules = {}
+    for module, (a, b, rank, scale) in plan.items():
+        pause()
+        modules[module] = ModuleLora(tensors[a].detach(), tensors[b].detach(), rank, scale)
     if values:
         check_values(modules, f"adapter {name!r} at {path}")
     shapes = {module: (rank, scale) for module, (_, _, rank, scale) in plan.items()}
@@ -227,8 +231,13 @@ def check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
         group = [tensors[i][2] for i in indices]
         # max |value| per tensor, NaN where one is NaN: on a GPU one fused reduction (clip_grad_norm_'s) and one
         # read back for all, on the CPU one reduction per tensor (faster there)
-        fused = device.type != "cpu" and hasattr(torch, "_foreach_norm")
-        norms = torch._foreach_norm(group, float("inf")) if fused else [t.abs().amax() for t in group]
+        if device.type != "cpu" and hasattr(torch, "_foreach_norm"):
+            norms = torch._foreach_norm(group, float("inf"))
+        else:
+            norms = []
+            for t in group:
+                pause()  # beside a stepping engine: lorakit.gil
+                norms.append(t.abs().amax())
         for i, v in zip(indices, torch.stack(norms).double().tolist()):
             largest[i] = v
     for (module, label, t), v in zip(tensors, largest):
