@@ -39,7 +39,7 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(BENCH)!r})\n"
               "import bench_attention, bench_engine, bench_logits, bench_ops, bench_patch, bench_pool, bench_serve, "
               "bench_prefix, bench_step, bench_tp, bench_traffic, tune_pdl, bench_grammar, bench_frontend, bench_quant, "
-              "bench_push, profile_push\n"
+              "bench_push, profile_push, bench_beside\n"
               f"sys.exit(bench_pool.main(['--out', {str(tmp_path)!r}, '--device', 'cpu', '--tiny']))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=HANG_S)
@@ -55,6 +55,18 @@ def test_bench_scripts_import_and_pool_smoke_run(tmp_path):
     md = (tmp_path / "bench_pool.md").read_text()
     assert row_labels(md) == row_labels(reference.with_suffix(".md").read_text())
     assert md.splitlines()[2].startswith("cpu, torch ")
+
+
+def test_bench_beside_smoke_run(tmp_path):
+    """bench_beside on a tiny model: a row of steps idle, and one paced and one not for each reading stage."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(BENCH / "bench_beside.py"), "--out", str(tmp_path), "--device", "cpu",
+                           "--tiny", "--stages"], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "bench_beside.json").read_text())
+    assert [(r["paced"], r["reads"] > 0, r["max"] >= r["p50"] > 0) for r in results["result"]] == \
+        [(False, True, True), (True, True, True)] * 4
+    assert results["setup"]["tensors"] == 2 * 7 * 2 and results["idle"]["p50"] >= 1e3 * 0.005
 
 
 def test_bench_push_smoke_run(tmp_path):
