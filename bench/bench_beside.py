@@ -119,8 +119,8 @@ def main(argv=None) -> int:
             results.append({"work": what, "paced": paced, **r})
             rows.append([what, "yes" if paced else "no", *(fmt(r[k], ".2f") for k in ("p50", "p90", "p99", "max")),
                          fmt(r["read_ms"])])
-    s = setup("device", "torch", "commit", "date_utc", device="cpu", tiny=args.tiny, tensors=len(host), body_bytes=len(body),
-              step_calls=STEP_CALLS, step_wait_ms=1e3 * STEP_WAIT_S, steps=n_steps)
+    s = setup("device", "torch", "commit", "date_utc", device="cpu", tiny=args.tiny, tensors=len(host),
+              body_bytes=len(body), step_calls=STEP_CALLS, step_wait_ms=1e3 * STEP_WAIT_S, steps=n_steps)
     md = (f"# An engine-like thread's steps beside a reader of pushed adapters\n\n{setup_line(s)}. A body of "
           f"{len(host)} tensors ({len(body) / 1e6:.1f} MB, rank 16); the simulated step is {STEP_CALLS} small torch "
           f"calls and a {1e3 * STEP_WAIT_S:.0f} ms wait with the GIL released; {n_steps} steps a row. Paced: the "

@@ -18,6 +18,7 @@ from _peft_models import TARGETS, tiny_model
 from lorakit import AdapterError
 from lorakit.adapters import TooManyVersions
 from lorakit.adapters.snapshot import config_json
+from lorakit.peft import check_values
 from lorakit.engine import Engine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -186,6 +187,38 @@ def test_a_safetensors_body_carries_its_config_read_with_its_tensors(base):
     assert engine.pool.versions["policy"][1] == engine.pool.versions["same"][1]
     prompt = [9, 8, 7]
     assert run(engine, {"a": (prompt, "policy")})["a"] == peft_tokens(good, prompt)
+
+
+def test_a_body_s_values_are_checked_in_one_pass_and_a_bad_one_is_still_named(base, monkeypatch):
+    """A safetensors body of one dtype is checked in one reduction over its data (no tensor-by-tensor scan when it
+    is sound); a NaN, an inf or a float64 past float32 sends it to the scan, which names the module; a bad value in
+    a weight strict=False ignores does not refuse the adapter."""
+    from lorakit.adapters import snapshot
+    from lorakit.serve.push import push_body
+
+    scans = []
+    monkeypatch.setattr(snapshot, "check_values", lambda modules, where: scans.append(where) or
+                        check_values(modules, where))
+    engine = Engine(copy.deepcopy(base), max_loras=2, max_rank=16, block_size=4)
+    good = get_peft_model_state_dict(trained(base, 6))
+    engine.push_adapter("policy", push_body(good, CONFIG), None)
+    assert scans == []
+    key = next(k for k in good if "v_proj.lora_B" in k)
+    module = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+    for value, dtype in ((float("nan"), torch.float32), (float("-inf"), torch.float32), (1e39, torch.float64)):
+        bad = {k: v.to(dtype) for k, v in good.items()}
+        bad[key] = bad[key].clone()
+        bad[key][1, 0] = value
+        with pytest.raises(AdapterError, match=f"module {module!r}: B"):
+            engine.push_adapter("policy", push_body(bad, CONFIG), None)
+    assert len(scans) == 3 and engine.pool.adapters == {"policy": 1}
+
+    loose = Engine(copy.deepcopy(base), max_loras=2, max_rank=16, block_size=4, lora_strict=False)
+    ignored, other = dict(good), key.replace("v_proj", "k_proj")  # k_proj is not a target
+    ignored[other] = torch.full_like(good[key], float("nan"))
+    ignored[other.replace("lora_B", "lora_A")] = good[key.replace("lora_B", "lora_A")].clone()
+    assert loose.push_adapter("policy", push_body(ignored, CONFIG), None) == 1
+    assert len(scans) == 4
 
 
 def test_a_push_past_max_versions_is_refused_until_the_old_requests_end(base):

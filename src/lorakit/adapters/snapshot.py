@@ -138,7 +138,7 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
     else:  # read where it lies, as tensors (plain LoRA); its size was checked before its header was read
         data = weights
         snapshot = _from_tensors(handle, name, safetensors_views(data, where, header), config_bytes, strict, pin,
-                                 max_bytes)
+                                 max_bytes, lambda: _values_fine(data, header))
         if snapshot is not None:
             return snapshot
     with _private_copy(PUSHED, where, in_memory=True) as copy:
@@ -152,9 +152,10 @@ def read_pushed(handle: LoraHandle, name: str, weights, config, *, strict: bool,
 
 
 def _from_tensors(handle: LoraHandle, name: str, tensors, config_bytes: bytes, strict: bool, pin: bool,
-                  max_bytes: int) -> Snapshot | None:
+                  max_bytes: int, fine: Callable[[], bool] | None = None) -> Snapshot | None:
     """A plain-LoRA state dict checked and packed where its tensors lie (None: it needs the folder reader); its
-    values are checked while the packed image is hashed."""
+    values are checked while the packed image is hashed: by ``fine()`` where given (True: all of them are), else,
+    or where it answers False, tensor by tensor (``check_values``, which names a bad one)."""
     found = handle.read_state_dict(name, tensors, json.loads(config_bytes), PUSHED, strict=strict, values=False)
     if found is None:
         return None
@@ -164,7 +165,8 @@ def _from_tensors(handle: LoraHandle, name: str, tensors, config_bytes: bytes, s
     image = handle.pack(adapter, pin=pin)
     digest = hash_image(config_bytes, image)
     try:
-        check_values(adapter.modules, f"adapter {name!r} at {PUSHED}")
+        if fine is None or not fine():
+            check_values(adapter.modules, f"adapter {name!r} at {PUSHED}")
     finally:
         sha256 = digest()  # the hashing threads done with the image, whatever the check found
     return Snapshot(name, info, sha256, (), image)
@@ -236,6 +238,27 @@ CONFIG_KEY = "adapter_config"  # the safetensors metadata key a pushed adapter's
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _values_fine(data, header: tuple[dict, int]) -> bool:
+    """Whether every value of a safetensors file's bytes ``data`` is finite and within float32, read in one reduction
+    over its data where its entries share one floating dtype (``check_values``'s test of each tensor, without 448
+    reductions that each copy their tensor). False where they do not, or where a value is not: ``check_values``
+    then reads tensor by tensor (only the adapter's: a weight strict=False ignores may hold anything)."""
+    import torch
+
+    entries, start = header
+    dtypes = {entry["dtype"] for key, entry in entries.items() if key != "__metadata__"}
+    dtype = getattr(torch, _SAFETENSORS_DTYPES[dtypes.pop()]) if len(dtypes) == 1 else None
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or start % dtype.itemsize \
+            or len(data) == start:
+        return False
+    with warnings.catch_warnings():  # read only
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        values = torch.frombuffer(data, dtype=dtype, offset=start)
+    low, high = torch.aminmax(values)
+    largest = torch.maximum(high, -low).item()  # NaN where a value is NaN
+    return math.isfinite(largest) and largest <= torch.finfo(torch.float32).max
 
 
 def safetensors_header(data, where: str) -> tuple[dict, int]:
