@@ -5,7 +5,7 @@ reads an adapter meanwhile (a push, a folder being loaded) takes the GIL while t
 the engine's thread asks for the GIL, and CPython hands it over only once the switch interval (5 ms) has passed with
 no release; each release by the reader (every torch call, every hashed chunk) wakes the waiting thread to find the
 GIL taken again and starts its wait over. A reader doing many small calls so holds the engine off for as long as it
-reads: 3-4 steps of a bystander stream per push on an H100 (bench/results/push_stall_round7.md).
+reads: 3-5 steps of a bystander stream per HTTP push on an H100 and an H200 (bench/results/push_stall_round7.md).
 
 So the readers' loops call ``pause()`` between small pieces of work. On a thread inside ``yielding()`` it sleeps
 ``PAUSE`` (the GIL released) once per ``EVERY`` of work: long enough for a thread woken by the release to take the
@@ -24,7 +24,7 @@ from typing import TypeVar
 __all__ = ["EVERY", "PAUSE", "beside", "pause", "yielding", "yielding_here"]
 
 EVERY = 0.0005  # seconds of work between two pauses
-PAUSE = 0.00002  # seconds asked of sleep; Linux's timer slack makes it about 70 us
+PAUSE = 0.00002  # seconds asked of sleep; with Linux's timer slack it sleeps about 0.1 ms
 
 T = TypeVar("T")
 _due = threading.local()
