@@ -243,7 +243,9 @@ def main(argv=None) -> int:
                         "(--engine-in-process), or each in turn")
     p.add_argument("--trace", action="store_true", help="sample every thread's stack during the pushes (the server's "
                    "and the engine core process's): what each did in the bystander's longest gaps, into "
-                   "OUT/push_stalls_{engine}_{http,ipc}.txt")
+                   "OUT/push_stalls_{engine}_{http,ipc}.txt. The samplers take the GIL each millisecond in both "
+                   "processes, which lengthens the pushes and the gaps they measure (2-4x on an H100): read the "
+                   "targets from a run without it")
     args = parse_args(p, argv)
     cuda = args.device == "cuda"
     layers = 2 if args.tiny else args.layers
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
 
 {setup_line(s)}. {args.pushes} pushes of each kind from a client process of its own, after {WARMUP} warm-up pushes;
 the engine in its own core process (lorakit serve's default) and in the server's process (--engine-in-process), CUDA
-graphs; the bystander streams on the base model.
+graphs; the bystander streams on the base model.{TRACED if args.trace else ""}
 
 | engine | what | median | worst | target |
 |---|---|---|---|---|
@@ -302,6 +304,11 @@ graphs; the bystander streams on the base model.
 """
     write_report(args.out, "bench_push", text, dict(setup=s, adapter_mb=mb, pushes=args.pushes, result=results))
     return 0
+
+
+TRACED = """ Sampled (--trace): the samplers' own use of the GIL, each
+millisecond in both processes, lengthens the pushes and the gaps (on an H100, HTTP 500-600 ms and gaps of 3-5 steps
+sampled, 214-254 ms and 1.1 steps not: bench/results/push_stall_round7.md); the targets are read from a run without."""
 
 
 def summary(runs: dict) -> dict:
