@@ -5,7 +5,8 @@ reads an adapter meanwhile (a push, a folder being loaded) takes the GIL while t
 the engine's thread asks for the GIL, and CPython hands it over only once the switch interval (5 ms) has passed with
 no release; each release by the reader (every torch call, every hashed chunk) wakes the waiting thread to find the
 GIL taken again and starts its wait over. A reader doing many small calls so holds the engine off for as long as it
-reads: 3-5 steps of a bystander stream per HTTP push on an H100 and an H200 (bench/results/push_stall_round7.md).
+reads, the longer the more threads contend: with `bench_push.py --trace`'s stack samplers as two more, a bystander
+stream's largest gap was 4.8 steps per HTTP push on an H200, and 2.5 paced (bench/results/push_stall_round7.md).
 
 So the readers' loops call ``pause()`` between small pieces of work. On a thread inside ``yielding()`` it sleeps
 ``PAUSE`` (the GIL released) once per ``EVERY`` of work: long enough for a thread woken by the release to take the

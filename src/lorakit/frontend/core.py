@@ -37,9 +37,9 @@ from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import Pending, StructuredOutput
 from lorakit.frontend.bodies import UNMAPPER, open_body
 from lorakit.frontend.client import kv_tokens
-from lorakit.gil import beside
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, BodyFile, Call, CompileGrammar, Failed, \
     FromCore, Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
+from lorakit.gil import beside
 
 __all__ = ["facts", "freeze_heap", "run_core"]
 
