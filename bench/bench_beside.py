@@ -1,11 +1,11 @@
-"""An engine-like thread's steps while another thread reads pushed adapters, with and without ``lorakit.gil``'s pauses.
+"""An engine-like thread's steps while another thread reads pushed adapters, with and without the readers' pauses.
 
 The engine's thread is simulated on the CPU: each step 60 small torch calls (each releases the GIL, as the engine's
 own do) and a 5 ms wait with the GIL released (the GPU's share of a step). Beside it a reader thread reads a pushed
 safetensors body as the engine core's reader does (``AdapterPool.read_pushed``, with its hashing threads), back to
-back, either plainly or inside ``lorakit.gil.yielding()``. Reported: the step's time idle and while reading
-(median, p90, p99, largest), the read's median; each reading stage alone too (the body's views, the value checks, the
-sha256), where ``--stages``. A Llama-3-8B-like adapter's structure (rank 16 on all 7 projections of 32 layers: 448
+back, either plainly or inside ``lorakit.peft.gil.yielding()`` (its pauses). Reported: the step's time idle and while
+reading (median, p90, p99, largest), the read's median; each reading stage alone too (the body's views, the value
+checks, the sha256), where ``--stages``. A Llama-3-8B-like adapter's structure (rank 16 on all 7 projections of 32 layers: 448
 tensors) at a quarter of its width, so it runs on a CPU; no GPU needed, and no timing value against one.
 
     PYTHONPATH=src python bench/bench_beside.py --out DIR [--stages]
@@ -28,7 +28,7 @@ from common import arg_parser, fmt, parse_args, setup, setup_line, table, word_t
 
 from lorakit import Engine
 from lorakit.adapters.snapshot import hash_image, safetensors_views
-from lorakit.gil import beside
+from lorakit.peft.gil import beside
 from lorakit.peft import check_values
 from lorakit.peft.adapter import ModuleLora
 from lorakit.serve.push import push_body
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     md = (f"# An engine-like thread's steps beside a reader of pushed adapters\n\n{setup_line(s)}. A body of "
           f"{len(host)} tensors ({len(body) / 1e6:.1f} MB, rank 16); the simulated step is {STEP_CALLS} small torch "
           f"calls and a {1e3 * STEP_WAIT_S:.0f} ms wait with the GIL released; {n_steps} steps a row. Paced: the "
-          f"reader inside `lorakit.gil.yielding()`.\n\n"
+          f"reader inside `lorakit.peft.gil.yielding()`.\n\n"
           + table("| reading | paced | step p50 ms | p90 | p99 | largest | read median ms |", rows) + "\n")
     write_report(args.out, "bench_beside", md, {"setup": s, "idle": idle_row, "result": results})
     return 0

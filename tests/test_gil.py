@@ -1,4 +1,4 @@
-"""lorakit.gil: readers beside a stepping engine pause once per EVERY of work, only inside yielding()."""
+"""lorakit.peft.gil: readers beside a stepping engine pause once per EVERY of work, only inside yielding()."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lorakit import gil
+from lorakit.peft import gil
 
 
 @pytest.fixture

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.adapters.shared import SharedWeights, check_shared, open_shared
-from lorakit.gil import pause, yielding, yielding_here
 from lorakit.layers.handle import LoraHandle
 from lorakit.layers.image import SlotImage
 from lorakit.peft import AdapterError, AdapterInfo, check_values
 from lorakit.peft.config import CONFIG_NAME, MAX_CONFIG_BYTES, WEIGHTS_NAME, parse_json
+from lorakit.peft.gil import pause, yielding, yielding_here
 
 __all__ = ["PUSHED", "Changed", "FileRecord", "Snapshot", "read_pushed", "read_snapshot", "read_tokenizer", "reread"]
 

@@ -22,10 +22,10 @@ from lorakit.adapters.pool import AdapterRef
 from lorakit.adapters.shared import SharedWeights
 from lorakit.frontend.async_engine import AsyncEngine
 from lorakit.frontend.streams import RequestStream
-from lorakit.gil import beside
 from lorakit.engine.sampling import SamplingParams
 from lorakit.engine.stats import EngineStats
 from lorakit.engine.structured import StructuredOutput
+from lorakit.peft.gil import beside
 
 __all__ = ["Adapter", "EngineClient", "InProcessClient", "kv_tokens"]
 

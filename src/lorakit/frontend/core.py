@@ -39,7 +39,7 @@ from lorakit.frontend.bodies import UNMAPPER, open_body
 from lorakit.frontend.client import kv_tokens
 from lorakit.frontend.wire import Abort, Adapters, AdapterFacts, Add, Beat, BodyFile, Call, CompileGrammar, Failed, \
     FromCore, Push, Ready, Register, Reply, Shutdown, Step, ToCore, Unregister
-from lorakit.gil import beside
+from lorakit.peft.gil import beside
 
 __all__ = ["facts", "freeze_heap", "run_core"]
 
@@ -224,8 +224,8 @@ class _Core:
         self.compile(call, call.spec, call.adapter, call.client)
 
     def register(self, call: Register) -> None:
-        """The folder read on the reader thread while the loop steps (giving the GIL back to it: ``lorakit.gil``),
-        installed between steps."""
+        """The folder read on the reader thread while the loop steps (giving the GIL back to it:
+        ``lorakit.peft.gil``), installed between steps."""
         read = self.reader.submit(beside, self.engine.registry.read, call.name, call.path, call.roots)
         self.loop.after(read, lambda read: self.answer(call, lambda: self.install(call, read.result())))
 

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorakit.gil import pause
 from lorakit.layers.dora import write_gain
 from lorakit.layers.embedding import LoraEmbedding
 from lorakit.layers.linear import LoraLinear, LoraLinearMember
@@ -36,6 +35,7 @@ from lorakit.layers.slots import LoraSlots
 from lorakit.layers.tokens import TokenRows
 from lorakit.ops import round_up
 from lorakit.peft import ModuleLora, PeftAdapter
+from lorakit.peft.gil import pause
 
 _ALIGN = 64  # bytes; every part starts at a multiple, so byte views reinterpret cleanly as any dtype
 

@@ -24,7 +24,6 @@ import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorakit.gil import pause
 from lorakit.peft.adapter import AdapterInfo, BaseModule, ModuleLora, PeftAdapter
 from lorakit.peft.config import (
     _TRAINING_ONLY_KEYS,
@@ -41,6 +40,7 @@ from lorakit.peft.experts import (
     fold_expert_linears,
     with_expert_linears,
 )
+from lorakit.peft.gil import pause
 from lorakit.peft.targets import MATCH_SECONDS, lora_targets, token_targets
 from lorakit.peft.tokens import (
     TokenParts,
@@ -236,7 +236,7 @@ def check_values(modules: Mapping[str, ModuleLora], where: str) -> None:
         else:
             norms = []
             for t in group:
-                pause()  # beside a stepping engine: lorakit.gil
+                pause()  # beside a stepping engine: lorakit.peft.gil
                 norms.append(t.abs().amax())
         for i, v in zip(indices, torch.stack(norms).double().tolist()):
             largest[i] = v

@@ -11,7 +11,8 @@ stream's largest gap was 4.8 steps per HTTP push on an H200, and 2.5 paced (benc
 So the readers' loops call ``pause()`` between small pieces of work. On a thread inside ``yielding()`` it sleeps
 ``PAUSE`` (the GIL released) once per ``EVERY`` of work: long enough for a thread woken by the release to take the
 GIL, so the engine waits at most about ``EVERY`` for it. Elsewhere (the engine's own thread, a script's) it costs a
-lookup and does nothing.
+lookup and does nothing. It sits in ``peft``, the ground floor, because the PEFT reader's loops are among those that
+pause.
 """
 
 from __future__ import annotations
