@@ -18,6 +18,7 @@ and a Llama-3-70B-shaped fp8 model with 8 adapters on one GPU.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import tempfile
@@ -32,34 +33,39 @@ from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating
 
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import _launch_fp8_linear, quantize_fp8, quantize_int4
+from lorakit.ops.quant import (_launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8,
+                               quantize_int4)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 64, 256, 2048)
+KERNELS = ("bf16", "fp8", "scaled_mm", "int4", "int4 triton")  # the columns every run has
 PROMPT, DECODE = 128, 64
 LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8)
 
 
-def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS) -> tuple[list[dict], list[dict]]:
+def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
     for label, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         w8, scale = quantize_fp8(w)
         packed, sz = quantize_int4(w, 128)
-        weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz)
+        codes, sz32 = int4_codes(w, 128)
+        weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz,
+                       q4=pack_int4_rows(codes), s4=sz32[..., 0].T.contiguous().bfloat16(),
+                       z4=(sz32[..., 1] - 8 * sz32[..., 0]).T.contiguous().bfloat16())
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             x8, xs = quantize_fp8(x)
             master = dict(weights, x=x, x8=x8, xs=xs[:, None])
-            r, b = kernel_row(label, n, k, m, master, gbps, sweep)
+            r, b = kernel_row(label, n, k, m, master, gbps, sweep, libraries)
             rows.append(r)
             best += b
     return rows, best
 
 
-def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
+def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False) -> tuple[dict, list[dict]]:
     """One shape's times; each timed copy is a clone of ``master``'s tensors that the call reads."""
     def only(*keys):
         return lambda i: {key: master[key].clone() if key != "w8t" else master["w8"].clone().T for key in keys}
@@ -75,20 +81,21 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
         "int4": rotating_us(lambda c: torch.ops.aten._weight_int4pack_mm(c["x"], c["packed"], 128, c["sz"]),
                             only("x", "packed", "sz"))[0],
     }
-    wbytes = {"bf16": 2 * n * k, "fp8": n * k, "scaled_mm": n * k, "int4": n * k // 2 + 4 * n * (k // 128)}
+    if m <= 64:  # the Triton int4 prototype, its best config of a few
+        us["int4 triton"] = min(_or_nan(lambda config=config: rotating_us(
+            lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, config),
+            only("x", "q4", "s4", "z4"))[0]) for config in int4_configs(m))
+    wbytes = {"bf16": 2 * n * k, "fp8": n * k, "scaled_mm": n * k, "int4": n * k // 2 + 4 * n * (k // 128),
+              "int4 triton": n * k // 2 + 4 * n * (k // 128)}
+    if libraries:
+        for name, (make, call, nbytes) in library_kernels().items():
+            us[name] = _or_nan(lambda: rotating_us(call, lambda i: make(master["w"].clone(), master["x"].clone()))[0])
+            wbytes[name] = nbytes(n, k)
     row = dict(shape=label, m=m, n=n, k=k, **{f"{s}_us": t for s, t in us.items()},
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
     if sweep and m <= 64:
         tried = []
-        if m <= 16:  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, SPLIT_K)
-            tiles = [(16, 32, 512, 3, 1), (16, 64, 256, 4, 1), (16, 64, 512, 2, 1), (16, 64, 256, 4, 2),
-                     (16, 64, 256, 3, 4), (16, 128, 256, 3, 4), (16, 128, 128, 3, 8)]
-        else:
-            tiles = [(64, 128, 128, 3, 1), (16, 64, 256, 3, 1), (64, 64, 128, 4, 1), (64, 128, 128, 3, 2),
-                     (16, 128, 256, 3, 2), (64, 128, 128, 3, 4)]
-        for (block_m, block_n, block_k, stages, split_k), f16 in itertools.product(tiles, (True,)):
-            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=f16, SPLIT_K=split_k,
-                          num_warps=4, num_stages=stages)
+        for config in sweep_configs(m):
             try:
                 t = rotating_us(lambda c, config=config: _launch_fp8_linear(c["x"], c["w8"], c["scale"], None,
                                                                             config), only("x", "w8", "scale"))[0]
@@ -96,17 +103,122 @@ def kernel_row(label, n, k, m, master, gbps, sweep) -> tuple[dict, list[dict]]:
                 print(f"config {config} failed: {type(e).__name__}", flush=True)
                 continue
             tried.append((t, config))
-        t, config = min(tried, key=lambda tc: tc[0])
-        best.append(dict(shape=label, m=m, us=t, heuristic_us=us["fp8"], **config))
-        print(best[-1], flush=True)
+        for family in sorted({config_family(config) for _, config in tried}):
+            t, config = min((tc for tc in tried if config_family(tc[1]) == family), key=lambda tc: tc[0])
+            best.append(dict(shape=label, m=m, family=family, us=t, heuristic_us=us["fp8"],
+                             pct=100 * n * k / (t * 1e-6) / (gbps * 1e9), config=config))
+            print(best[-1], flush=True)
     print({key: round(v, 1) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
     return row, best
+
+
+@functools.cache
+def library_kernels() -> dict:
+    """Other libraries' weight-only decode GEMMs, those installed: name -> (make(w bf16 [N, K], x) -> the state a
+    call reads, call(state) -> y, weight bytes(n, k)). Each is checked once against x @ w.T (its quantization error
+    only) before it is timed: a kernel that returns garbage is left out, not timed."""
+    found = {}
+    try:
+        import gemlite
+        from gemlite.helper import A16W8_FP8, A16Wn
+
+        gemlite.set_autotune("fast")
+
+        def gemlite_fp8(w, x):
+            w8, scale = quantize_fp8(w)
+            return dict(x=x, layer=A16W8_FP8(device=w.device, dtype=torch.bfloat16).from_weights(
+                w8, bias=None, scales=scale[:, None].to(torch.bfloat16)))
+
+        def gemlite_int4(w, x):
+            n, k = w.shape
+            g = w.float().view(n, k // 128, 128)
+            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+            scale = ((hi - lo) / 15).clamp(min=1e-6)
+            zero = (-lo / scale).round()
+            codes = (g / scale + zero).round().clamp(0, 15).to(torch.uint8).view(n, k)
+            return dict(x=x, layer=A16Wn(device=w.device, dtype=torch.bfloat16).from_weights(
+                codes, scale.view(n, -1).to(torch.bfloat16), zero.view(n, -1).to(torch.bfloat16), W_nbits=4,
+                group_size=128))
+
+        found["gemlite fp8"] = (gemlite_fp8, lambda c: c["layer"](c["x"]), lambda n, k: n * k + 2 * n)
+        found["gemlite int4"] = (gemlite_int4, lambda c: c["layer"](c["x"]), lambda n, k: n * k // 2 + 4 * n * (k // 128))
+    except Exception as e:  # not installed, or it cannot load here
+        print(f"gemlite: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401  (registers torch.ops.fbgemm)
+        from fbgemm_gpu.experimental.gen_ai.quantize import quantize_int4_preshuffle
+
+        def fbgemm_fp8(w, x):  # per-tensor scale: its only fp8 weight-only GEMV
+            w8, scale = torch.ops.fbgemm.quantize_fp8_per_tensor(w)
+            return dict(x=x, w8=w8, scale=scale)
+
+        def fbgemm_int4(w, x):
+            wq, (scale, zero) = quantize_int4_preshuffle(w, dtype="bf16")
+            return dict(x=x, wq=wq, scale=scale, zero=zero)
+
+        found["fbgemm fp8 gemv"] = (fbgemm_fp8, lambda c: torch.ops.fbgemm.bf16fp8bf16_fast_gemv(c["x"], c["w8"],
+                                                                                                 c["scale"]),
+                                    lambda n, k: n * k)
+        found["fbgemm int4 (cutlass, preshuffled)"] = (
+            fbgemm_int4, lambda c: torch.ops.fbgemm.bf16i4bf16_shuffled(c["x"], c["wq"], c["scale"], c["zero"]),
+            lambda n, k: n * k // 2 + 4 * n * (k // 128))
+    except Exception as e:
+        print(f"fbgemm_gpu genai: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+    checked = {}
+    for name, (make, call, nbytes) in found.items():
+        try:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            w = torch.randn(512, 1024, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+            x = torch.randn(3, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
+            err = float((call(make(w, x)).float() - x.float() @ w.float().T).norm() / (x.float() @ w.float().T).norm())
+            print(f"{name}: relative error against the bf16 weight {err:.3g}", flush=True)
+            if err < 0.2:
+                checked[name] = (make, call, nbytes)
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+    return checked
+
+
+def int4_configs(m: int) -> list[dict]:
+    return [dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=block_n, num_warps=4, num_stages=stages)
+            for block_n, stages in itertools.product((16, 32, 64), (3, 5))]
+
+
+def sweep_configs(m: int) -> list[dict]:
+    """The fp8 kernel's configs a sweep times at ``m`` rows: the tiled kernel's (split K included) and, up to 16
+    rows, the decode kernel's (a program per column block over the whole of K; on the tensor cores, or for one row
+    on the CUDA cores)."""
+    configs = []
+    if m <= 16:  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, SPLIT_K)
+        tiles = [(16, 32, 512, 3, 1), (16, 64, 256, 4, 1), (16, 64, 512, 2, 1), (16, 64, 256, 4, 2),
+                 (16, 64, 256, 3, 4), (16, 128, 128, 3, 8)]
+    else:
+        tiles = [(64, 128, 128, 3, 1), (16, 64, 256, 3, 1), (64, 64, 128, 4, 1), (64, 128, 128, 3, 2),
+                 (16, 128, 256, 3, 2), (64, 128, 128, 3, 4)]
+    for block_m, block_n, block_k, stages, split_k in tiles:
+        configs.append(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
+                            num_warps=4, num_stages=stages))
+    if m <= 16:
+        for block_n, block_k, stages, warps in itertools.product((16, 32, 64), (256, 512), (3, 4), (4,)):
+            configs.append(dict(KERNEL="decode", DOT=True, F16=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                                num_warps=warps, num_stages=stages))
+    if m == 1:
+        for block_n, block_k, stages in itertools.product((8, 16, 32), (256, 512), (2, 4)):
+            configs.append(dict(KERNEL="decode", DOT=False, F16=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
+                                num_warps=4, num_stages=stages))
+    return configs
+
+
+def config_family(config: dict) -> str:
+    if config.get("KERNEL") != "decode":
+        return "tiles, split K" if config["SPLIT_K"] > 1 else "tiles"
+    return "decode, tensor cores" if config["DOT"] else "decode, CUDA cores"
 
 
 def _or_nan(fn) -> float:
     try:
         return fn()
-    except RuntimeError as e:  # torch._scaled_mm refuses a shape (or the device has no fp8 tensor cores)
+    except Exception as e:  # torch._scaled_mm refuses a shape (no fp8 tensor cores), a config out of resources
         print(f"skipped: {e}".splitlines()[0], flush=True)
         return float("nan")
 
@@ -221,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="engine rows from plain CUDA graphs")
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--kernels-only", action="store_true")
+    p.add_argument("--libraries", action="store_true",
+                   help="also time other libraries' weight-only kernels where installed (gemlite, fbgemm_gpu genai)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--only-70b", action="store_true", help="the 70B rows alone (no kernels, no 8B engine)")
     p.add_argument("--rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=ROWS,
@@ -232,7 +346,7 @@ def main(argv=None) -> int:
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
     if cuda and not args.skip_kernels:
-        kernels, best = kernel_rows(gbps, args.sweep, args.rows)
+        kernels, best = kernel_rows(gbps, args.sweep, args.rows, args.libraries)
     with tempfile.TemporaryDirectory() as tmp:
         if not (args.kernels_only or args.only_70b):
             engine = engine_rows(args, gbps, Path(tmp))
@@ -243,19 +357,22 @@ def main(argv=None) -> int:
     parts = [f"# Quantized bases: kernels, the 8B engine, 70B on one GPU\n\n{setup_line(s)}; copy {gbps:.0f} GB/s "
              f"measured in the same run.\n"]
     if kernels:
+        libs = [key[:-3] for key in kernels[0] if key.endswith("_us") and key[:-3] not in KERNELS]
         parts.append("## Kernels: y = x @ W.T at Llama-3-8B's shapes (us; % = weight bytes / time / copy bandwidth)\n\n"
-                     + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | "
-                             "fp8 vs bf16 | int4 vs bf16 |",
+                     + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 triton | "
+                             + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 |",
                              ([f"{r['shape']} ({r['n']} x {r['k']})", r["m"],
-                               *(f"{fmt(r[f'{k}_us'])} ({fmt(r[f'{k}_pct'], '.0f')} %)"
-                                 for k in ("bf16", "fp8", "scaled_mm", "int4")),
+                               *(f"{fmt(r.get(f'{k}_us', float('nan')))} ({fmt(r.get(f'{k}_pct', float('nan')), '.0f')} %)"
+                                 for k in (*KERNELS, *libs)),
                                fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4_us"], ".2f")]
                               for r in kernels)))
     if best:
-        parts.append("## fp8 decode tiles: the best of the sweep against the heuristic\n\n" + table(
-            "| shape | M | best (us) | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | float16 dot | split K |",
-            ([b["shape"], b["m"], fmt(b["us"]), fmt(b["heuristic_us"]), b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
-              b["num_stages"], b["F16"], b["SPLIT_K"]] for b in best)))
+        parts.append("## fp8 decode: each kernel family's best config in the sweep against the heuristic\n\n" + table(
+            "| shape | M | family | best (us) | % of copy | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | "
+            "warps | split K |",
+            ([b["shape"], b["m"], b["family"], fmt(b["us"]), fmt(b["pct"], ".0f"), fmt(b["heuristic_us"]),
+              b["config"]["BLOCK_M"], b["config"]["BLOCK_N"], b["config"]["BLOCK_K"], b["config"]["num_stages"],
+              b["config"]["num_warps"], b["config"].get("SPLIT_K", 1)] for b in best)))
     if engine:
         mode = "compiled decode graphs" if args.compile and cuda else "CUDA graphs"
         parts.append(f"## Engine decode, Llama-3-8B shape, {mode}\n\n" + table(

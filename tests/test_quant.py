@@ -26,7 +26,7 @@ from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
 from lorakit.ops.quant import (_fp8_linear_torch, _launch_fp8_linear, dequantize_fp8, dequantize_int4, fp8_config,
-                               int4_codes, quantize_fp8)
+                               int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8)
 
 VOCAB = QUANT_VOCAB
 # Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
@@ -102,7 +102,43 @@ def test_fp8_kernel_matches_the_torch_path_interpreted(m, n, k, dtype, bias, see
     if m < 128:  # K split over 3 programs (partials summed in order by the reduce kernel): the same within rounding
         split = _launch_fp8_linear(x, w8, scale, b, dict(fp8_config(m, n, k, 132), BLOCK_K=16, SPLIT_K=3))
         assert rel_err(split, ref) < TOLERANCE[dtype]
+    for config in DECODE_CONFIGS:  # a program per column block over the whole of K, tensor or CUDA cores
+        if m <= config["BLOCK_M"]:
+            decode = _launch_fp8_linear(x, w8, scale, b, config)
+            assert decode.dtype == dtype and rel_err(decode, ref) < TOLERANCE[dtype], config
     assert rel_err(_fp8_linear_torch(x, w8, scale, b), ref) < TOLERANCE[dtype]
+
+
+DECODE_CONFIGS = [dict(KERNEL="decode", DOT=True, F16=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
+                       num_stages=2),
+                  dict(KERNEL="decode", DOT=False, F16=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=32, num_warps=4,
+                       num_stages=2)]
+
+
+def test_the_decode_kernel_refuses_more_rows_than_its_block():
+    x = torch.randn(2, 32)
+    w8, scale = quantize_fp8(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="up to BLOCK_M rows"):
+        _launch_fp8_linear(x, w8, scale, None, DECODE_CONFIGS[1])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
+@settings(max_examples=8, deadline=None)
+@given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3]),
+       group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([16, 32]), seed=st.integers(0, 1000))
+def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, seed):
+    """The Triton int4 kernel (codes into the dot exact, scale and zero after it) against x @ dequant(W).T in float64,
+    in float16 (the interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = groups * group_size
+    codes, scales_zeros = int4_codes(torch.randn(n, k, generator=gen), group_size)
+    scale = scales_zeros[..., 0].T.contiguous().half()
+    zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).T.contiguous().half()
+    x = torch.randn(m, k, generator=gen).half()
+    y = int4_triton_linear(x, pack_int4_rows(codes), scale, zero, group_size,
+                           dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=4, num_stages=2))
+    w = codes.double() * scale.double().repeat_interleave(group_size, 1) + zero.double().repeat_interleave(group_size, 1)
+    assert y.dtype == torch.float16 and rel_err(y, x.double() @ w.T) < TOLERANCE[torch.float16]
 
 
 def test_fp8_config_takes_the_swept_tiles():

@@ -99,6 +99,64 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
+def _fp8_rows_dot(x_rows, w_rows, m_mask, n_mask, K, F16: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # W's tile as the dot's left operand (K contiguous, as the tensor cores read it), x's rows transposed as its
+    # right: acc [BLOCK_N, BLOCK_M], a column per row of x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if F16:
+            acc = tl.dot(wt.to(tl.float16), tl.trans(xt.to(tl.float16)), acc)
+        else:
+            acc = dot(wt.to(xt.dtype), tl.trans(xt), acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Decode (M <= BLOCK_M): a program per BLOCK_N output channels, every row of x, the whole of K, so each weight
+    # byte is read once and no partial sums are written or added (one launch, the same sum every run). Narrow
+    # column blocks give the many programs a small layer needs to fill the GPU without splitting K.
+    # DOT: on the tensor cores (W's tile the left operand, x's rows padded to BLOCK_M >= 16); else (BLOCK_M = 1)
+    # products and sums on the CUDA cores in float32, reduced once at the end.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if DOT:
+        acc = _fp8_rows_dot(x_rows, w_rows, m_mask, n_mask, K, F16, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        if F16:  # as _fp8_linear_kernel: a sum past float16's range is computed again in x's dtype
+            if tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1)) > 0:
+                acc = _fp8_rows_dot(x_rows, w_rows, m_mask, n_mask, K, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            wt = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+            wide += wt.to(tl.float32) * xt.to(tl.float32)[None, :]
+        acc = tl.sum(wide, axis=1)[:, None]  # [BLOCK_N, 1]
+    acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
 def _fp8_reduce_kernel(ws_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -172,6 +230,18 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
         return y
     config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
     config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
+    kernel = config.pop("KERNEL", "tiles")
+    if kernel == "decode":
+        if m > config["BLOCK_M"] or (not config["DOT"] and config["BLOCK_M"] != 1):
+            raise ValueError(f"fp8_linear: the decode kernel takes up to BLOCK_M rows (1 without DOT), got {m} "
+                             f"rows and {config}")
+        _fp8_decode_kernel[(cdiv(n, config["BLOCK_N"]),)](
+            x, weight, scale, bias if bias is not None else scale, y,
+            m, n, k,
+            x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
+        )
+        return y
     split_k = config.setdefault("SPLIT_K", 1)
     # the partials of a split K (a float32 tensor stands in, unread, when K is not split)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else scale
@@ -304,6 +374,74 @@ def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size:
     scale = scales_zeros[..., 0].float().T.repeat_interleave(group_size, dim=1)  # [N, K]
     zero = scales_zeros[..., 1].float().T.repeat_interleave(group_size, dim=1)
     return ((codes.float() - 8) * scale + zero).to(dtype).view(n, k)
+
+
+@triton.jit
+def _int4_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    GROUP: tl.constexpr, MAGIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # y = x @ W.T with W[n, k] = code * scale[n, g] + zero[n, g], g = k // GROUP: a program per BLOCK_N output
+    # channels and BLOCK_M rows, over the whole of K a group at a time. Each group's codes go into the tensor cores
+    # exact, as MAGIC + code (the code ORed into the mantissa of MAGIC, a power of two, and the result read as a
+    # float: one bit operation where a conversion would take several), and the scale and zero come after the dot:
+    #   sum_k W[n, k] x[m, k] = scale * sum_k (MAGIC + code) x[m, k] + (zero - MAGIC * scale) * sum_k x[m, k]
+    # so each product is exact and the sums float32 (x in float16 or bfloat16: the codes are exact in either).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_b = tl.arange(0, GROUP // 2)  # a group's bytes, two codes a byte (the even input's low)
+    offs_k = tl.arange(0, GROUP)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        packed = tl.load(w_rows + g * (GROUP // 2) + offs_b[None, :], mask=n_mask[:, None], other=0)
+        codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, GROUP)  # [n, 2j] low, [n, 2j + 1] high
+        xt = tl.load(x_rows + g * GROUP + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        w = (codes.to(tl.uint16) | bits).to(xt.dtype, bitcast=True)
+        part = tl.dot(w, tl.trans(xt))  # [n, m]
+        scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        xsum = tl.sum(xt.to(tl.float32), axis=1)  # [m]
+        acc += part * scale[:, None] + (zero - MAGIC * scale)[:, None] * xsum[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """The Triton int4 kernel's layout of ``codes`` (int [N, K] in 0..15): uint8 [N, K / 2], K contiguous, two codes
+    a byte, the even input's in the low four bits."""
+    return (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8).contiguous()
+
+
+def int4_triton_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       group_size: int, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (float16 or bfloat16) @ W.T with W = code * scale + zero per group (``packed``: pack_int4_rows's
+    layout; ``scale``, ``zero``: [N, K / group_size]), float32 sums, in x's dtype. A prototype beside tinygemm,
+    measured in bench/bench_quant.py."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"int4_triton_linear: x must be float16 or bfloat16, got {x.dtype}")
+    if k % group_size or packed.shape[1] * 2 != k or scale.shape != (n, k // group_size) or zero.shape != scale.shape:
+        raise ValueError(f"int4_triton_linear: x [M, K={k}] with group size {group_size} needs packed [N, {k // 2}] "
+                         f"and scale, zero [N, {k // group_size}], got {tuple(packed.shape)}, {tuple(scale.shape)} "
+                         f"and {tuple(zero.shape)}")
+    config = dict(config or dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32, num_warps=4, num_stages=4))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (cdiv(n, config["BLOCK_N"]), cdiv(m, config["BLOCK_M"]))
+    _int4_kernel[grid](x, packed, scale.contiguous(), zero.contiguous(), y, m, n, k, x.stride(0), packed.stride(0),
+                       k // group_size, y.stride(0), GROUP=group_size,
+                       MAGIC=128 if x.dtype == torch.bfloat16 else 1024, **config)
+    return y
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
