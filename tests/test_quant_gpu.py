@@ -52,6 +52,35 @@ def test_fp8_kernel_keeps_bfloat16_activations_beyond_float16s_range():
     assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
+    """The decode kernel (each config family the sweep times: tensor cores, and CUDA cores for one row) and the
+    Triton int4 kernel, in bfloat16 at real sizes, against float64; a massive activation stays finite."""
+    from lorakit.ops.quant import _launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8
+
+    for n, k in ((6144, 4096), (4096, 14336)):
+        gen = torch.Generator(device="cuda").manual_seed(m + n)
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        x[0, 7] = 3e5
+        w8, scale = quantize_fp8(w)
+        ref = x.double() @ (w8.double() * scale.double()[:, None]).T
+        configs = [dict(KERNEL="decode", DOT=True, F16=True, BLOCK_M=max(16, m), BLOCK_N=32, BLOCK_K=256,
+                        num_warps=4, num_stages=3)]
+        if m == 1:
+            configs.append(dict(KERNEL="decode", DOT=False, F16=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512,
+                                num_warps=4, num_stages=2))
+        for config in configs:
+            y = _launch_fp8_linear(x, w8, scale, None, config)
+            assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE, config
+        codes, scales_zeros = int4_codes(w, 128)
+        s4 = scales_zeros[..., 0].T.contiguous().bfloat16()
+        z4 = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).T.contiguous().bfloat16()
+        w4 = codes.double() * s4.double().repeat_interleave(128, 1) + z4.double().repeat_interleave(128, 1)
+        y = int4_triton_linear(x, pack_int4_rows(codes), s4, z4, 128)
+        assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE
+
+
 def _linear(w, bias):
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
     with torch.no_grad():
