@@ -126,8 +126,8 @@ def library_kernels() -> dict:
 
         def gemlite_fp8(w, x):
             w8, scale = quantize_fp8(w)
-            return dict(x=x, layer=A16W8_FP8(device=w.device, dtype=torch.bfloat16).from_weights(
-                w8, bias=None, scales=scale[:, None].to(torch.bfloat16)))
+            return dict(x=x, w8=w8, layer=A16W8_FP8(device=w.device, dtype=torch.bfloat16).from_weights(
+                w8, bias=None, scales=scale[:, None].to(torch.bfloat16)))  # w8: counted by rotating_us
 
         def gemlite_int4(w, x):
             n, k = w.shape
@@ -136,7 +136,8 @@ def library_kernels() -> dict:
             scale = ((hi - lo) / 15).clamp(min=1e-6)
             zero = (-lo / scale).round()
             codes = (g / scale + zero).round().clamp(0, 15).to(torch.uint8).view(n, k)
-            return dict(x=x, layer=A16Wn(device=w.device, dtype=torch.bfloat16).from_weights(
+            packed = codes[:, ::2] | codes[:, 1::2] << 4  # the bytes it holds, for rotating_us's count of copies
+            return dict(x=x, packed=packed, layer=A16Wn(device=w.device, dtype=torch.bfloat16).from_weights(
                 codes, scale.view(n, -1).to(torch.bfloat16), zero.view(n, -1).to(torch.bfloat16), W_nbits=4,
                 group_size=128))
 
@@ -202,6 +203,10 @@ def sweep_configs(m: int) -> list[dict]:
         for block_n, block_k, stages, warps in itertools.product((16, 32, 64), (256, 512), (3, 4), (4,)):
             configs.append(dict(KERNEL="decode", DOT=True, F16=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
                                 num_warps=warps, num_stages=stages))
+    elif m <= 64:  # every row in one block: W read once
+        for block_n, block_k, stages in itertools.product((32, 64, 128), (128, 256), (3, 4)):
+            configs.append(dict(KERNEL="decode", DOT=True, F16=True, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k,
+                                num_warps=4, num_stages=stages))
     if m == 1:
         for block_n, block_k, stages in itertools.product((8, 16, 32), (256, 512), (2, 4)):
             configs.append(dict(KERNEL="decode", DOT=False, F16=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,

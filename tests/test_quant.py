@@ -100,7 +100,7 @@ def test_fp8_kernel_matches_the_torch_path_interpreted(m, n, k, dtype, bias, see
     assert y.dtype == dtype and y.shape == (m, n)
     assert rel_err(y, ref) < TOLERANCE[dtype]
     if m < 128:  # K split over 3 programs (partials summed in order by the reduce kernel): the same within rounding
-        split = _launch_fp8_linear(x, w8, scale, b, dict(fp8_config(m, n, k, 132), BLOCK_K=16, SPLIT_K=3))
+        split = _launch_fp8_linear(x, w8, scale, b, dict(fp8_config(100, n, k), BLOCK_K=16, SPLIT_K=3))
         assert rel_err(split, ref) < TOLERANCE[dtype]
     for config in DECODE_CONFIGS:  # a program per column block over the whole of K, tensor or CUDA cores
         if m <= config["BLOCK_M"]:
@@ -141,11 +141,22 @@ def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, gro
     assert y.dtype == torch.float16 and rel_err(y, x.double() @ w.T) < TOLERANCE[torch.float16]
 
 
-def test_fp8_config_takes_the_swept_tiles():
-    for m in (1, 16, 64):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)):
-            config = fp8_config(m, n, k, 132)
-            assert config["F16"] and config["BLOCK_M"] in (16, 64) and n // config["BLOCK_N"] >= 16
+def test_fp8_config_takes_each_gpu_s_swept_tiles():
+    """Each swept GPU's table: at 8B's shapes every row count up to the dequant path gets a config its kernel
+    takes (the decode kernel: no more rows than its block; the CUDA cores: one row), and enough column blocks to
+    fill the GPU; a GPU not swept takes the H200's."""
+    for gpu in ("H200", "H100"):
+        for m in (1, 2, 16, 17, 64, 65, 127):
+            for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)):
+                config = fp8_config(m, n, k, gpu)
+                if config.get("KERNEL") == "decode":
+                    assert m <= config["BLOCK_M"] and (config["DOT"] or config["BLOCK_M"] == 1), (gpu, m, n, k)
+                    assert config["F16"] == config["DOT"]
+                else:
+                    assert config["F16"] and config["BLOCK_M"] in (16, 64)
+                assert n // config["BLOCK_N"] >= 16, (gpu, m, n, k, config)
+    assert fp8_config(1, 28672, 4096, "NVIDIA A100-SXM4-80GB") == fp8_config(1, 28672, 4096, "H200")
+    assert fp8_config(1, 28672, 4096, "H100")["KERNEL"] == "decode"  # the CUDA cores' kernel won there
 
 
 def test_mixed_batch_matches_peft_on_the_dequantized_base(quantized_setup):

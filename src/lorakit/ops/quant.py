@@ -19,11 +19,13 @@ the CPU); their packed layouts differ, so a weight is packed for the device it l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, num_sms, unobserved
+from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, unobserved
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -188,23 +190,58 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOC
 FP8_DEQUANT_ROWS = 128
 
 
-def fp8_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Tile sizes for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W: the best tiles
-    of the H200 sweep at Llama-3-8B's shapes (bench/results/bench_quant_sweep_02b43ff.md), all with the float16 dot.
-    Rows in blocks of 16 (the blocks of one column block run together, sharing its W tiles through L2) but for a wide
-    layer at 64 rows; long K steps."""
-    if m <= 16:
-        if n >= 16384:  # gate_up
-            tiles = (16, 64, 512, 2)
-        elif k >= 8192 or n <= 4096:  # down, o
-            tiles = (16, 32, 512, 3)
-        else:  # qkv
-            tiles = (16, 64, 256, 4)
+# The fastest config of each shape class and row range in a sweep on that GPU (bench_quant.py --sweep), as
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, SPLIT_K, kernel): "tiles" (_fp8_linear_kernel), "decode" (_fp8_decode_kernel on
+# the tensor cores), "decode-fma" (the same on the CUDA cores, one row). Shape classes: "wide" gate_up (N >= 16384),
+# "narrow" o and down (K >= 8192 or N <= 4096: few column blocks), "qkv" the rest; "down" narrows the narrow class at
+# 17-64 rows. Row ranges: 1, up to 16, up to 64 (beyond: the tiled kernel at its 64-row tiles).
+_FP8_TABLES = {
+    # H200, 02b43ff (bench/results/bench_quant_sweep_02b43ff.md): the tiled kernel only
+    "H200": {("wide", 16): (16, 64, 512, 2, 1, "tiles"), ("narrow", 16): (16, 32, 512, 3, 1, "tiles"),
+             ("qkv", 16): (16, 64, 256, 4, 1, "tiles"), ("wide", 64): (64, 128, 128, 3, 1, "tiles"),
+             ("narrow", 64): (16, 64, 256, 3, 1, "tiles"), ("qkv", 64): (16, 64, 256, 3, 1, "tiles")},
+    # H100 80GB HBM3, f0972c5 with both kernels (bench/results/bench_quant_sweep_f0972c5_h100.md)
+    "H100": {("wide", 1): (1, 16, 256, 2, 1, "decode-fma"), ("qkv", 1): (1, 8, 512, 2, 1, "decode-fma"),
+             ("wide", 16): (16, 64, 256, 4, 1, "tiles"), ("narrow", 16): (16, 32, 512, 4, 1, "decode"),
+             ("qkv", 16): (16, 64, 256, 4, 1, "tiles"), ("wide", 64): (64, 128, 128, 3, 1, "tiles"),
+             ("narrow", 64): (64, 32, 128, 4, 1, "decode"), ("down", 64): (64, 128, 128, 3, 4, "tiles"),
+             ("qkv", 64): (64, 32, 128, 3, 1, "decode")},
+}
+
+
+def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
+    """The kernel and tiles for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W:
+    ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's), all with the float16 dot."""
+    table = _FP8_TABLES.get(gpu, _FP8_TABLES["H200"])
+    shape = "wide" if n >= 16384 else "narrow" if k >= 8192 or n <= 4096 else "qkv"
+    if m == 1:
+        keys = [(shape, 1), (shape, 16)]
+    elif m <= 16:
+        keys = [(shape, 16)]
     else:
-        tiles = (64, 128, 128, 3) if n >= 16384 else (16, 64, 256, 3)
-    block_m, block_n, block_k, stages = tiles
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=1, num_warps=4,
-                num_stages=stages)
+        keys = [("down", 64)] if shape == "narrow" and k >= 8192 else []
+        keys.append((shape, 64))
+    block_m, block_n, block_k, stages, split_k, kernel = next(
+        (table[key] for key in keys if key in table), (64, 128, 128, 3, 1, "tiles"))
+    if m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
+        block_m, block_n, block_k, stages, split_k, kernel = (64, 128, 128, 3, 1, "tiles") if n >= 16384 else \
+            (16, 64, 256, 3, 1, "tiles")
+    if kernel == "tiles":
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
+                    num_warps=4, num_stages=stages)
+    return dict(KERNEL="decode", DOT=kernel == "decode", F16=kernel == "decode", BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, num_warps=4, num_stages=stages)
+
+
+def gpu_class(device: torch.device) -> str:
+    """The ``_FP8_TABLES`` key of a CUDA device: "H100", "H200", or its name."""
+    return _gpu_class(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_class(index: int) -> str:
+    name = torch.cuda.get_device_name(index)
+    return next((key for key in _FP8_TABLES if key in name), name)
 
 
 def _check_fp8_args(x, weight, scale, bias) -> None:
@@ -228,7 +265,7 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    config = dict(config or fp8_config(m, n, k, num_sms(x.device)))
+    config = dict(config or fp8_config(m, n, k, gpu_class(x.device) if x.is_cuda else "H200"))
     config["F16"] = config.get("F16", False) and x.dtype != torch.float32  # float32: IEEE dots, exact
     kernel = config.pop("KERNEL", "tiles")
     if kernel == "decode":
