@@ -44,7 +44,8 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
                  num_attention_heads=64, num_key_value_heads=8)
 
 
-def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False) -> tuple[list[dict], list[dict]]:
+def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, sweep_int4: bool = False
+                ) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
     for label, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -53,19 +54,19 @@ def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False) 
         packed, sz = quantize_int4(w, 128)
         codes, sz32 = int4_codes(w, 128)
         weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz,
-                       q4=pack_int4_rows(codes), s4=sz32[..., 0].T.contiguous().bfloat16(),
-                       z4=(sz32[..., 1] - 8 * sz32[..., 0]).T.contiguous().bfloat16())
+                       q4=pack_int4_rows(codes), s4=sz32[..., 0].contiguous().bfloat16(),
+                       z4=(sz32[..., 1] - 8 * sz32[..., 0]).contiguous().bfloat16())
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             x8, xs = quantize_fp8(x)
             master = dict(weights, x=x, x8=x8, xs=xs[:, None])
-            r, b = kernel_row(label, n, k, m, master, gbps, sweep, libraries)
+            r, b = kernel_row(label, n, k, m, master, gbps, sweep, libraries, sweep_int4)
             rows.append(r)
             best += b
     return rows, best
 
 
-def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False) -> tuple[dict, list[dict]]:
+def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=False) -> tuple[dict, list[dict]]:
     """One shape's times; each timed copy is a clone of ``master``'s tensors that the call reads."""
     def only(*keys):
         return lambda i: {key: master[key].clone() if key != "w8t" else master["w8"].clone().T for key in keys}
@@ -81,10 +82,21 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False) -> tuple[di
         "int4": rotating_us(lambda c: torch.ops.aten._weight_int4pack_mm(c["x"], c["packed"], 128, c["sz"]),
                             only("x", "packed", "sz"))[0],
     }
-    if m <= 64:  # the Triton int4 prototype, its best config of a few
-        us["int4 triton"] = min(_or_nan(lambda config=config: rotating_us(
+    if m <= 64:  # the Triton int4 prototype at its default config
+        us["int4 triton"] = _or_nan(lambda: rotating_us(
+            lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128), only("x", "q4", "s4", "z4"))[0])
+    if sweep_int4 and m <= 64:
+        tried = [(_or_nan(lambda config=config: rotating_us(
             lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, config),
-            only("x", "q4", "s4", "z4"))[0]) for config in int4_configs(m))
+            only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
+        for family in ("int4 triton, tensor cores", "int4 triton, CUDA cores"):
+            mine = [tc for tc in tried if tc[1]["DOT"] == family.endswith("tensor cores") and tc[0] == tc[0]]
+            if mine:
+                t, config = min(mine, key=lambda tc: tc[0])
+                best.append(dict(shape=label, m=m, family=family, us=t, heuristic_us=us["int4 triton"],
+                                 pct=100 * (n * k // 2 + 4 * n * (k // 128)) / (t * 1e-6) / (gbps * 1e9),
+                                 config=dict(config, BLOCK_K=128 * config["GROUPS"])))
+                print(best[-1], flush=True)
     wbytes = {"bf16": 2 * n * k, "fp8": n * k, "scaled_mm": n * k, "int4": n * k // 2 + 4 * n * (k // 128),
               "int4 triton": n * k // 2 + 4 * n * (k // 128)}
     if libraries:
@@ -181,8 +193,14 @@ def library_kernels() -> dict:
 
 
 def int4_configs(m: int) -> list[dict]:
-    return [dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=block_n, num_warps=4, num_stages=stages)
-            for block_n, stages in itertools.product((16, 32, 64), (3, 5))]
+    """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step)."""
+    block_m = 16 if m <= 16 else 64
+    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=4)
+               for block_n, groups in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (1, 2, 4))]
+    if m == 1:
+        configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, num_warps=4, num_stages=3)
+                    for block_n, groups in itertools.product((8, 16, 32), (1, 4))]
+    return configs
 
 
 def sweep_configs(m: int) -> list[dict]:
@@ -335,6 +353,7 @@ def seventy_b_rows(args, gbps: float, tmp: Path, shape: dict = LLAMA_70B) -> lis
 def main(argv=None) -> int:
     p = arg_parser(__doc__, smoke=True)
     p.add_argument("--sweep", action="store_true", help="also time the fp8 kernel's decode tiles over a config grid")
+    p.add_argument("--sweep-int4", action="store_true", help="also time the Triton int4 kernel over a config grid")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="engine rows from plain CUDA graphs")
     p.add_argument("--skip-70b", action="store_true")
     p.add_argument("--kernels-only", action="store_true")
@@ -351,7 +370,7 @@ def main(argv=None) -> int:
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
     if cuda and not args.skip_kernels:
-        kernels, best = kernel_rows(gbps, args.sweep, args.rows, args.libraries)
+        kernels, best = kernel_rows(gbps, args.sweep, args.rows, args.libraries, args.sweep_int4)
     with tempfile.TemporaryDirectory() as tmp:
         if not (args.kernels_only or args.only_70b):
             engine = engine_rows(args, gbps, Path(tmp))
@@ -372,7 +391,8 @@ def main(argv=None) -> int:
                                fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4_us"], ".2f")]
                               for r in kernels)))
     if best:
-        parts.append("## fp8 decode: each kernel family's best config in the sweep against the heuristic\n\n" + table(
+        parts.append("## Each kernel family's best config in the sweep against the default (fp8; int4 Triton where "
+                     "swept)\n\n" + table(
             "| shape | M | family | best (us) | % of copy | heuristic (us) | BLOCK_M | BLOCK_N | BLOCK_K | stages | "
             "warps | split K |",
             ([b["shape"], b["m"], b["family"], fmt(b["us"]), fmt(b["pct"], ".0f"), fmt(b["heuristic_us"]),

@@ -124,21 +124,38 @@ def test_the_decode_kernel_refuses_more_rows_than_its_block():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
 @settings(max_examples=8, deadline=None)
-@given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3]),
-       group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([16, 32]), seed=st.integers(0, 1000))
-def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, seed):
-    """The Triton int4 kernel (codes into the dot exact, scale and zero after it) against x @ dequant(W).T in float64,
-    in float16 (the interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU)."""
+@given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3, 4]),
+       group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([8, 16, 32]), per_step=st.sampled_from([1, 2]),
+       dot=st.booleans(), seed=st.integers(0, 1000))
+def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, per_step,
+                                                                       dot, seed):
+    """The Triton int4 kernel (codes exact into the tensor cores' dot, or into float32 products on the CUDA cores
+    for one row; scale and zero after each group's sum) against x @ dequant(W).T in float64, in float16 (the
+    interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one."""
     gen = torch.Generator().manual_seed(seed)
     k = groups * group_size
     codes, scales_zeros = int4_codes(torch.randn(n, k, generator=gen), group_size)
-    scale = scales_zeros[..., 0].T.contiguous().half()
-    zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).T.contiguous().half()
-    x = torch.randn(m, k, generator=gen).half()
-    y = int4_triton_linear(x, pack_int4_rows(codes), scale, zero, group_size,
-                           dict(BLOCK_M=16, BLOCK_N=block_n, num_warps=4, num_stages=2))
-    w = codes.double() * scale.double().repeat_interleave(group_size, 1) + zero.double().repeat_interleave(group_size, 1)
+    scale = scales_zeros[..., 0].contiguous().half()  # [groups, n]
+    zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().half()
+    x = torch.randn(m if dot else 1, k, generator=gen).half()
+    config = dict(BLOCK_M=16 if dot else 1, BLOCK_N=max(block_n, 16) if dot else block_n, GROUPS=per_step, DOT=dot,
+                  num_warps=4, num_stages=2)
+    y = int4_triton_linear(x, pack_int4_rows(codes), scale, zero, group_size, config)
+    w = codes.double() * scale.double().T.repeat_interleave(group_size, 1) + \
+        zero.double().T.repeat_interleave(group_size, 1)
     assert y.dtype == torch.float16 and rel_err(y, x.double() @ w.T) < TOLERANCE[torch.float16]
+
+
+def test_int4_triton_kernel_refuses_what_it_cannot_compute():
+    codes, scales_zeros = int4_codes(torch.randn(16, 256), 128)
+    scale, zero = scales_zeros[..., 0].contiguous().half(), scales_zeros[..., 1].contiguous().half()
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        int4_triton_linear(torch.randn(1, 256), pack_int4_rows(codes), scale, zero, 128)
+    with pytest.raises(ValueError, match=r"scale, zero \[2, N\]"):
+        int4_triton_linear(torch.randn(1, 256).half(), pack_int4_rows(codes), scale.T, zero.T, 128)
+    with pytest.raises(ValueError, match="one row a program"):
+        int4_triton_linear(torch.randn(2, 256).half(), pack_int4_rows(codes), scale, zero, 128,
+                           dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=False))
 
 
 def test_fp8_config_takes_each_gpu_s_swept_tiles():

@@ -74,11 +74,14 @@ def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
             y = _launch_fp8_linear(x, w8, scale, None, config)
             assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE, config
         codes, scales_zeros = int4_codes(w, 128)
-        s4 = scales_zeros[..., 0].T.contiguous().bfloat16()
-        z4 = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).T.contiguous().bfloat16()
-        w4 = codes.double() * s4.double().repeat_interleave(128, 1) + z4.double().repeat_interleave(128, 1)
-        y = int4_triton_linear(x, pack_int4_rows(codes), s4, z4, 128)
-        assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE
+        s4 = scales_zeros[..., 0].contiguous().bfloat16()  # [K / 128, N]
+        z4 = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().bfloat16()
+        w4 = codes.double() * s4.double().T.repeat_interleave(128, 1) + z4.double().T.repeat_interleave(128, 1)
+        int4_configs = [None] + ([dict(BLOCK_M=1, BLOCK_N=16, GROUPS=4, DOT=False, num_warps=4, num_stages=3)]
+                                 if m == 1 else [])
+        for config in int4_configs:
+            y = int4_triton_linear(x, pack_int4_rows(codes), s4, z4, 128, config)
+            assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE, config
 
 
 def _linear(w, bias):

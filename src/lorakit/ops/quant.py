@@ -417,16 +417,18 @@ def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 def _int4_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    GROUP: tl.constexpr, MAGIC: tl.constexpr,
+    stride_xm, stride_wn, stride_ym,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # y = x @ W.T with W[n, k] = code * scale[n, g] + zero[n, g], g = k // GROUP: a program per BLOCK_N output
-    # channels and BLOCK_M rows, over the whole of K a group at a time. Each group's codes go into the tensor cores
-    # exact, as MAGIC + code (the code ORed into the mantissa of MAGIC, a power of two, and the result read as a
-    # float: one bit operation where a conversion would take several), and the scale and zero come after the dot:
-    #   sum_k W[n, k] x[m, k] = scale * sum_k (MAGIC + code) x[m, k] + (zero - MAGIC * scale) * sum_k x[m, k]
-    # so each product is exact and the sums float32 (x in float16 or bfloat16: the codes are exact in either).
+    # y = x @ W.T with W[n, k] = code * scale[g, n] + zero[g, n], g = k // GROUP: a program per BLOCK_N output
+    # channels and BLOCK_M rows, over the whole of K, GROUPS groups a step. The scale and zero come after each
+    # group's sum of code * x, so every product is exact and every sum float32:
+    #   sum_k W[n, k] x[m, k] = scale * sum_k code x[m, k] + zero * sum_k x[m, k]
+    # DOT: the codes go into the tensor cores exact as MAGIC + code (the code ORed into the mantissa of MAGIC, a
+    # power of two, read as a float: one bit operation where a conversion takes several), MAGIC * scale taken off
+    # the zero. Else (BLOCK_M = 1) on the CUDA cores: the code made a float32 the same way (MAGIC 2^23) and
+    # subtracted back, a product and a sum per weight.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -437,18 +439,25 @@ def _int4_kernel(
     offs_k = tl.arange(0, GROUP)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP)):
-        packed = tl.load(w_rows + g * (GROUP // 2) + offs_b[None, :], mask=n_mask[:, None], other=0)
-        codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, GROUP)  # [n, 2j] low, [n, 2j + 1] high
-        xt = tl.load(x_rows + g * GROUP + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        w = (codes.to(tl.uint16) | bits).to(xt.dtype, bitcast=True)
-        part = tl.dot(w, tl.trans(xt))  # [n, m]
-        scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        xsum = tl.sum(xt.to(tl.float32), axis=1)  # [m]
-        acc += part * scale[:, None] + (zero - MAGIC * scale)[:, None] * xsum[None, :]
+    for g0 in range(0, tl.cdiv(K, GROUP), GROUPS):
+        for i in tl.static_range(GROUPS):
+            g = g0 + i  # the host takes a GROUPS that divides K's groups
+            packed = tl.load(w_rows + g * (GROUP // 2) + offs_b[None, :], mask=n_mask[:, None], other=0)
+            codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, GROUP)  # [n, 2j] low, [n, 2j + 1] high
+            xt = tl.load(x_rows + g * GROUP + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            xsum = tl.sum(xt.to(tl.float32), axis=1)  # [m]
+            if DOT:
+                bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
+                w = (codes.to(tl.uint16) | bits).to(xt.dtype, bitcast=True)
+                part = tl.dot(w, tl.trans(xt))  # [n, m]
+                acc += part * scale[:, None] + (zero - MAGIC * scale)[:, None] * xsum[None, :]
+            else:
+                c = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                part = tl.sum(c * xt.to(tl.float32), axis=1)  # [n]: x's one row broadcast
+                acc += (part * scale + zero * xsum)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -462,22 +471,26 @@ def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
 def int4_triton_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                        group_size: int, config: dict | None = None) -> torch.Tensor:
     """x [M, K] (float16 or bfloat16) @ W.T with W = code * scale + zero per group (``packed``: pack_int4_rows's
-    layout; ``scale``, ``zero``: [N, K / group_size]), float32 sums, in x's dtype. A prototype beside tinygemm,
-    measured in bench/bench_quant.py."""
+    layout; ``scale``, ``zero``: [K / group_size, N], a group's channels contiguous), float32 sums, in x's dtype.
+    A prototype beside tinygemm, measured in bench/bench_quant.py; not served yet."""
     m, k = x.shape
     n = packed.shape[0]
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"int4_triton_linear: x must be float16 or bfloat16, got {x.dtype}")
-    if k % group_size or packed.shape[1] * 2 != k or scale.shape != (n, k // group_size) or zero.shape != scale.shape:
+    if k % group_size or packed.shape[1] * 2 != k or scale.shape != (k // group_size, n) or zero.shape != scale.shape:
         raise ValueError(f"int4_triton_linear: x [M, K={k}] with group size {group_size} needs packed [N, {k // 2}] "
-                         f"and scale, zero [N, {k // group_size}], got {tuple(packed.shape)}, {tuple(scale.shape)} "
+                         f"and scale, zero [{k // group_size}, N], got {tuple(packed.shape)}, {tuple(scale.shape)} "
                          f"and {tuple(zero.shape)}")
-    config = dict(config or dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32, num_warps=4, num_stages=4))
+    config = dict(config or dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32, GROUPS=2, DOT=True, num_warps=4,
+                                 num_stages=4))
+    if not config["DOT"] and config["BLOCK_M"] != 1:
+        raise ValueError(f"int4_triton_linear: the CUDA cores' form takes one row a program (BLOCK_M=1), got {config}")
+    while (k // group_size) % config["GROUPS"]:  # a step's groups all inside K
+        config["GROUPS"] //= 2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, config["BLOCK_N"]), cdiv(m, config["BLOCK_M"]))
     _int4_kernel[grid](x, packed, scale.contiguous(), zero.contiguous(), y, m, n, k, x.stride(0), packed.stride(0),
-                       k // group_size, y.stride(0), GROUP=group_size,
-                       MAGIC=128 if x.dtype == torch.bfloat16 else 1024, **config)
+                       y.stride(0), GROUP=group_size, MAGIC=128 if x.dtype == torch.bfloat16 else 1024, **config)
     return y
 
 
