@@ -211,7 +211,8 @@ _FP8_TABLES = {
 
 def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
     """The kernel and tiles for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W:
-    ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's), all with the float16 dot."""
+    ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's); the tensor cores' forms with the float16
+    dot."""
     table = _FP8_TABLES.get(gpu, _FP8_TABLES["H200"])
     shape = "wide" if n >= 16384 else "narrow" if k >= 8192 or n <= 4096 else "qkv"
     if m == 1:
