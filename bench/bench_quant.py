@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import math
 import tempfile
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
             lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, config),
             only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
         for family in ("int4 triton, tensor cores", "int4 triton, CUDA cores"):
-            mine = [tc for tc in tried if tc[1]["DOT"] == family.endswith("tensor cores") and tc[0] == tc[0]]
+            mine = [tc for tc in tried if tc[1]["DOT"] == family.endswith("tensor cores") and not math.isnan(tc[0])]
             if mine:
                 t, config = min(mine, key=lambda tc: tc[0])
                 best.append(dict(shape=label, m=m, family=family, us=t, heuristic_us=us["int4 triton"],

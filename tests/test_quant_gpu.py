@@ -14,6 +14,7 @@ from helpers import (FLOAT32_GRAPHS, QWEN2_2048_VOCAB, assert_rows_match_peft, a
                      dequantized, greedy, greedy_with_top2, qwen2_2048, qwen2_2048_requests, rel_err)
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
+from lorakit.ops.quant import _launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8
 
 pytestmark = pytest.mark.gpu
 VOCAB = QWEN2_2048_VOCAB
@@ -56,8 +57,6 @@ def test_fp8_kernel_keeps_bfloat16_activations_beyond_float16s_range():
 def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
     """The decode kernel (each config family the sweep times: tensor cores, and CUDA cores for one row) and the
     Triton int4 kernel, in bfloat16 at real sizes, against float64; a massive activation stays finite."""
-    from lorakit.ops.quant import _launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8
-
     for n, k in ((6144, 4096), (4096, 14336)):
         gen = torch.Generator(device="cuda").manual_seed(m + n)
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
