@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+import triton
+import triton.language as tl
 from bench_engine import run_engine, weight_bytes  # bench/ is on sys.path when this file runs as a script
 from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating_us, setup, setup_line, table,
                     write_adapter, write_report)
@@ -45,6 +47,35 @@ LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, n
                  num_attention_heads=64, num_key_value_heads=8)
 
 
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, numel, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    # each program reads STEPS blocks of int32 words and writes one word: a read of the bytes and nothing else
+    base = tl.program_id(0).to(tl.int64) * BLOCK * STEPS
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for step in tl.static_range(STEPS):
+        offs = base + step * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + offs, mask=offs < numel, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def read_us(nbytes: int) -> float:
+    """A read of ``nbytes`` in one launch, timed as the kernels are (rotating copies in a CUDA graph): the floor of
+    a GEMM bound by reading its weight at this size, launch and ramp included (the copy bandwidth is measured on
+    GiBs, where they vanish)."""
+    numel = nbytes // 4
+    times = []
+    for block, steps in ((1024, 4), (2048, 8)):  # the faster of two shapes
+        grid = (-(-numel // (block * steps)),)
+
+        def make(i, grid=grid):
+            return dict(src=torch.ones(numel, dtype=torch.int32, device="cuda"),
+                        out=torch.empty(grid[0], dtype=torch.int32, device="cuda"))
+
+        times.append(rotating_us(lambda c, grid=grid, block=block, steps=steps: _read_kernel[grid](
+            c["src"], c["out"], numel, BLOCK=block, STEPS=steps, num_warps=4), make)[0])
+    return min(times)
+
+
 def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, sweep_int4: bool = False
                 ) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
@@ -55,13 +86,15 @@ def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, 
         packed, sz = quantize_int4(w, 128)
         codes, sz32 = int4_codes(w, 128)
         weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz,
-                       q4=pack_int4_rows(codes), s4=sz32[..., 0].contiguous().bfloat16(),
+                       q4=pack_int4_rows(codes, 128), s4=sz32[..., 0].contiguous().bfloat16(),
                        z4=(sz32[..., 1] - 8 * sz32[..., 0]).contiguous().bfloat16())
+        floors = dict(read_fp8_us=read_us(n * k), read_int4_us=read_us(n * k // 2 + 4 * n * (k // 128)))
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             x8, xs = quantize_fp8(x)
             master = dict(weights, x=x, x8=x8, xs=xs[:, None])
             r, b = kernel_row(label, n, k, m, master, gbps, sweep, libraries, sweep_int4)
+            r.update(floors)
             rows.append(r)
             best += b
     return rows, best
@@ -196,11 +229,12 @@ def library_kernels() -> dict:
 def int4_configs(m: int) -> list[dict]:
     """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step)."""
     block_m = 16 if m <= 16 else 64
-    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=4)
-               for block_n, groups in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (1, 2, 4))]
+    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=stages)
+               for block_n, groups, stages in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (1, 2, 4),
+                                                                (3,) if m == 1 else (3, 4))]
     if m == 1:
-        configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, num_warps=4, num_stages=3)
-                    for block_n, groups in itertools.product((8, 16, 32), (1, 4))]
+        configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, num_warps=warps, num_stages=3)
+                    for block_n, groups, warps in itertools.product((8, 16, 32), (1, 2, 4), (2, 4))]
     return configs
 
 
@@ -385,12 +419,17 @@ def main(argv=None) -> int:
         libs = [key[:-3] for key in kernels[0] if key.endswith("_us") and key[:-3] not in KERNELS]
         parts.append("## Kernels: y = x @ W.T at Llama-3-8B's shapes (us; % = weight bytes / time / copy bandwidth)\n\n"
                      + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 triton | "
-                             + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 |",
+                             + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 | read of the fp8 "
+                             "bytes (us) | fp8 / read | read of the int4 bytes (us) |",
                              ([f"{r['shape']} ({r['n']} x {r['k']})", r["m"],
                                *(f"{fmt(r.get(f'{k}_us', float('nan')))} ({fmt(r.get(f'{k}_pct', float('nan')), '.0f')} %)"
                                  for k in (*KERNELS, *libs)),
-                               fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4_us"], ".2f")]
-                              for r in kernels)))
+                               fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4_us"], ".2f"),
+                               fmt(r["read_fp8_us"]), fmt(r["read_fp8_us"] / r["fp8_us"], ".2f"),
+                               fmt(r["read_int4_us"])]
+                              for r in kernels))
+                     + "\n\nread: one kernel reading the weight's bytes (and nothing else) in one launch, timed as the GEMMs are: "
+                     "the floor of a GEMM bound by its weight at this size, launch and ramp included.")
     if best:
         parts.append("## Each kernel family's best config in the sweep against the default (fp8; int4 Triton where "
                      "swept)\n\n" + table(

@@ -140,7 +140,7 @@ def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, gro
     x = torch.randn(m if dot else 1, k, generator=gen).half()
     config = dict(BLOCK_M=16 if dot else 1, BLOCK_N=max(block_n, 16) if dot else block_n, GROUPS=per_step, DOT=dot,
                   num_warps=4, num_stages=2)
-    y = int4_triton_linear(x, pack_int4_rows(codes), scale, zero, group_size, config)
+    y = int4_triton_linear(x, pack_int4_rows(codes, group_size), scale, zero, group_size, config)
     w = codes.double() * scale.double().T.repeat_interleave(group_size, 1) + \
         zero.double().T.repeat_interleave(group_size, 1)
     assert y.dtype == torch.float16 and rel_err(y, x.double() @ w.T) < TOLERANCE[torch.float16]
@@ -150,11 +150,11 @@ def test_int4_triton_kernel_refuses_what_it_cannot_compute():
     codes, scales_zeros = int4_codes(torch.randn(16, 256), 128)
     scale, zero = scales_zeros[..., 0].contiguous().half(), scales_zeros[..., 1].contiguous().half()
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        int4_triton_linear(torch.randn(1, 256), pack_int4_rows(codes), scale, zero, 128)
+        int4_triton_linear(torch.randn(1, 256), pack_int4_rows(codes, 128), scale, zero, 128)
     with pytest.raises(ValueError, match=r"scale, zero \[2, N\]"):
-        int4_triton_linear(torch.randn(1, 256).half(), pack_int4_rows(codes), scale.T, zero.T, 128)
+        int4_triton_linear(torch.randn(1, 256).half(), pack_int4_rows(codes, 128), scale.T, zero.T, 128)
     with pytest.raises(ValueError, match="one row a program"):
-        int4_triton_linear(torch.randn(2, 256).half(), pack_int4_rows(codes), scale, zero, 128,
+        int4_triton_linear(torch.randn(2, 256).half(), pack_int4_rows(codes, 128), scale, zero, 128,
                            dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=False))
 
 

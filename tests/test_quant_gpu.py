@@ -79,7 +79,7 @@ def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
         int4_configs = [None] + ([dict(BLOCK_M=1, BLOCK_N=16, GROUPS=4, DOT=False, num_warps=4, num_stages=3)]
                                  if m == 1 else [])
         for config in int4_configs:
-            y = int4_triton_linear(x, pack_int4_rows(codes), s4, z4, 128, config)
+            y = int4_triton_linear(x, pack_int4_rows(codes, 128), s4, z4, 128, config)
             assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE, config
 
 

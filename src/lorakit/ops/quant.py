@@ -423,50 +423,61 @@ def _int4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y = x @ W.T with W[n, k] = code * scale[g, n] + zero[g, n], g = k // GROUP: a program per BLOCK_N output
-    # channels and BLOCK_M rows, over the whole of K, GROUPS groups a step. The scale and zero come after each
-    # group's sum of code * x, so every product is exact and every sum float32:
-    #   sum_k W[n, k] x[m, k] = scale * sum_k code x[m, k] + zero * sum_k x[m, k]
+    # channels and BLOCK_M rows, over the whole of K, GROUPS groups a step. A group's GROUP / 2 bytes hold its first
+    # half's codes in their low four bits and its second half's in their high (pack_int4_rows), so each half is a
+    # plain [BLOCK_N, GROUP / 2] tile beside a contiguous half of x: no interleaving, each byte loaded once.
     # DOT: the codes go into the tensor cores exact as MAGIC + code (the code ORed into the mantissa of MAGIC, a
-    # power of two, read as a float: one bit operation where a conversion takes several), MAGIC * scale taken off
-    # the zero. Else (BLOCK_M = 1) on the CUDA cores: the code made a float32 the same way (MAGIC 2^23) and
-    # subtracted back, a product and a sum per weight.
+    # power of two, read as a float: one bit operation where a conversion takes several); the scale and zero come
+    # after each group's sum, so every product is exact and every sum float32:
+    #   sum_k W[n, k] x[m, k] = scale * sum_k (MAGIC + code) x[m, k] + (zero - MAGIC * scale) * sum_k x[m, k]
+    # Else (BLOCK_M = 1) on the CUDA cores: each weight made in float32 (the code through MAGIC 2^23, subtracted
+    # back; then code * scale + zero), its product summed in place, one reduction at the end.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    offs_b = tl.arange(0, GROUP // 2)  # a group's bytes, two codes a byte (the even input's low)
-    offs_k = tl.arange(0, GROUP)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    HALF: tl.constexpr = GROUP // 2
+    offs_h = tl.arange(0, HALF)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_h[None, :]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    wide = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     for g0 in range(0, tl.cdiv(K, GROUP), GROUPS):
         for i in tl.static_range(GROUPS):
             g = g0 + i  # the host takes a GROUPS that divides K's groups
-            packed = tl.load(w_rows + g * (GROUP // 2) + offs_b[None, :], mask=n_mask[:, None], other=0)
-            codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, GROUP)  # [n, 2j] low, [n, 2j + 1] high
-            xt = tl.load(x_rows + g * GROUP + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            packed = tl.load(w_rows + g * HALF, mask=n_mask[:, None], other=0)
+            x_lo = tl.load(x_rows + g * GROUP, mask=m_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
             scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            xsum = tl.sum(xt.to(tl.float32), axis=1)  # [m]
             if DOT:
                 bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
-                w = (codes.to(tl.uint16) | bits).to(xt.dtype, bitcast=True)
-                part = tl.dot(w, tl.trans(xt))  # [n, m]
+                w_lo = ((packed & 0xF).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
+                w_hi = ((packed >> 4).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
+                part = tl.dot(w_lo, tl.trans(x_lo))  # [n, m]
+                part = tl.dot(w_hi, tl.trans(x_hi), part)
+                xsum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)  # [m]
                 acc += part * scale[:, None] + (zero - MAGIC * scale)[:, None] * xsum[None, :]
             else:
-                c = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                part = tl.sum(c * xt.to(tl.float32), axis=1)  # [n]: x's one row broadcast
-                acc += (part * scale + zero * xsum)[:, None]
+                c_lo = ((packed & 0xF).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                c_hi = ((packed >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                wide += (c_lo * scale[:, None] + zero[:, None]) * x_lo.to(tl.float32)  # x's one row broadcast
+                wide += (c_hi * scale[:, None] + zero[:, None]) * x_hi.to(tl.float32)
+    if not DOT:
+        acc += tl.sum(wide, axis=1)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
-    """The Triton int4 kernel's layout of ``codes`` (int [N, K] in 0..15): uint8 [N, K / 2], K contiguous, two codes
-    a byte, the even input's in the low four bits."""
-    return (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8).contiguous()
+def pack_int4_rows(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The Triton int4 kernel's layout of ``codes`` (int [N, K] in 0..15): uint8 [N, K / 2], K contiguous, a
+    group's ``group_size / 2`` bytes holding its first half's codes in their low four bits and its second half's in
+    their high."""
+    n, k = codes.shape
+    halves = codes.reshape(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | halves[:, :, 1] << 4).to(torch.uint8).reshape(n, k // 2).contiguous()
 
 
 def int4_triton_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
