@@ -229,9 +229,9 @@ def library_kernels() -> dict:
 def int4_configs(m: int) -> list[dict]:
     """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step)."""
     block_m = 16 if m <= 16 else 64
-    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=stages)
-               for block_n, groups, stages in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (1, 2, 4),
-                                                                (3,) if m == 1 else (3, 4))]
+    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=4)
+               for block_n, groups in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128),
+                                                        (2,) if m == 1 else (1, 2, 4))]
     if m == 1:
         configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, num_warps=warps, num_stages=3)
                     for block_n, groups, warps in itertools.product((8, 16, 32), (1, 2, 4), (2, 4))]
