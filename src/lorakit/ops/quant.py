@@ -196,10 +196,12 @@ FP8_DEQUANT_ROWS = 128
 # "narrow" o and down (K >= 8192 or N <= 4096: few column blocks), "qkv" the rest; "down" narrows the narrow class at
 # 17-64 rows. Row ranges: 1, up to 16, up to 64 (beyond: the tiled kernel at its 64-row tiles).
 _FP8_TABLES = {
-    # H200, 02b43ff (bench/results/bench_quant_sweep_02b43ff.md): the tiled kernel only
-    "H200": {("wide", 16): (16, 64, 512, 2, 1, "tiles"), ("narrow", 16): (16, 32, 512, 3, 1, "tiles"),
-             ("qkv", 16): (16, 64, 256, 4, 1, "tiles"), ("wide", 64): (64, 128, 128, 3, 1, "tiles"),
-             ("narrow", 64): (16, 64, 256, 3, 1, "tiles"), ("qkv", 64): (16, 64, 256, 3, 1, "tiles")},
+    # H200, 9175e9b's tree with both kernels (bench/results/bench_quant_sweep_9175e9b_h200.md)
+    "H200": {("wide", 1): (1, 16, 256, 2, 1, "decode-fma"), ("qkv", 1): (1, 8, 512, 2, 1, "decode-fma"),
+             ("wide", 16): (16, 64, 256, 4, 1, "tiles"), ("narrow", 16): (16, 64, 256, 4, 2, "tiles"),
+             ("qkv", 16): (16, 64, 256, 4, 1, "tiles"), ("wide", 64): (64, 128, 128, 3, 1, "decode"),
+             ("narrow", 64): (64, 32, 128, 4, 1, "decode"), ("down", 64): (64, 128, 128, 3, 4, "tiles"),
+             ("qkv", 64): (64, 128, 128, 3, 4, "tiles")},
     # H100 80GB HBM3, f0972c5 with both kernels (bench/results/bench_quant_sweep_f0972c5_h100.md)
     "H100": {("wide", 1): (1, 16, 256, 2, 1, "decode-fma"), ("qkv", 1): (1, 8, 512, 2, 1, "decode-fma"),
              ("wide", 16): (16, 64, 256, 4, 1, "tiles"), ("narrow", 16): (16, 32, 512, 4, 1, "decode"),
@@ -442,6 +444,7 @@ def _int4_kernel(
     offs_h = tl.arange(0, HALF)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_h[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
+    bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wide = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     for g0 in range(0, tl.cdiv(K, GROUP), GROUPS):
@@ -452,8 +455,7 @@ def _int4_kernel(
             x_hi = tl.load(x_rows + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
             scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if DOT:
-                bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
+            if DOT:  # (a constexpr is assigned once: bits is set above the unrolled steps)
                 w_lo = ((packed & 0xF).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
                 w_hi = ((packed >> 4).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
                 part = tl.dot(w_lo, tl.trans(x_lo))  # [n, m]
