@@ -333,7 +333,7 @@ def engine_rows(args, gbps: float, tmp: Path) -> list[dict]:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     model = None
     batches = (1, 64)
-    for scheme in (None, "fp8", "int4"):  # one engine per scheme: base rows replay its base twins
+    for scheme in [None] + [s for s in args.schemes if s != "bf16"]:  # one engine per scheme: base rows replay its base twins
         torch.manual_seed(0)
         model = make_model(layers, args.tiny, args.device)
         if scheme is not None:
@@ -391,6 +391,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-int4", action="store_true", help="also time the Triton int4 kernel over a config grid")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="engine rows from plain CUDA graphs")
     p.add_argument("--skip-70b", action="store_true")
+    p.add_argument("--schemes", type=lambda t: t.split(","), default=["fp8", "int4"],
+                   help="the quantized bases of the engine rows, beside bf16 (default: fp8,int4)")
     p.add_argument("--kernels-only", action="store_true")
     p.add_argument("--libraries", action="store_true",
                    help="also time other libraries' weight-only kernels where installed (gemlite, fbgemm_gpu genai)")
