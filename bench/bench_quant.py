@@ -333,7 +333,7 @@ def engine_rows(args, gbps: float, tmp: Path) -> list[dict]:
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     model = None
     batches = (1, 64)
-    for scheme in [None] + [s for s in args.schemes if s != "bf16"]:  # one engine per scheme: base rows replay its base twins
+    for scheme in [None] + [s for s in args.schemes if s != "bf16"]:  # an engine per scheme: base rows replay twins
         torch.manual_seed(0)
         model = make_model(layers, args.tiny, args.device)
         if scheme is not None:
@@ -418,7 +418,8 @@ def main(argv=None) -> int:
     parts = [f"# Quantized bases: kernels, the 8B engine, 70B on one GPU\n\n{setup_line(s)}; copy {gbps:.0f} GB/s "
              f"measured in the same run.\n"]
     if kernels:
-        libs = [key[:-3] for key in kernels[0] if key.endswith("_us") and key[:-3] not in KERNELS]
+        libs = [key[:-3] for key in kernels[0]
+                if key.endswith("_us") and key[:-3] not in KERNELS and not key.startswith("read_")]
         parts.append("## Kernels: y = x @ W.T at Llama-3-8B's shapes (us; % = weight bytes / time / copy bandwidth)\n\n"
                      + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 triton | "
                              + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 | read of the fp8 "
