@@ -431,8 +431,8 @@ def main(argv=None) -> int:
                                fmt(r["read_fp8_us"]), fmt(r["read_fp8_us"] / r["fp8_us"], ".2f"),
                                fmt(r["read_int4_us"])]
                               for r in kernels))
-                     + "\n\nread: one kernel reading the weight's bytes (and nothing else) in one launch, timed as the GEMMs are: "
-                     "the floor of a GEMM bound by its weight at this size, launch and ramp included.")
+                     + "\n\nread: one kernel reading the weight's bytes (and nothing else) in one launch, timed as the "
+                     "GEMMs are: the floor of a GEMM bound by its weight at this size, launch and ramp included.")
     if best:
         parts.append("## Each kernel family's best config in the sweep against the default (fp8; int4 Triton where "
                      "swept)\n\n" + table(
