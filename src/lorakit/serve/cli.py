@@ -451,7 +451,6 @@ def run_ray(args) -> int:
         cache=str(args.adapter_cache.resolve()) if args.adapter_cache else None, replicas=args.replicas,
         adapters_per_replica=args.adapters_per_replica, replica_cpus=args.replica_cpus,
         replica_gpus=args.replica_gpus if args.replica_gpus is not None else (1.0 if cuda else 0.0))
-    fleet.guard_interrupt()
     fleet.run_fleet(fleet_config, args.host, args.port, num_cpus=args.num_cpus, blocking=True)
     return 0
 

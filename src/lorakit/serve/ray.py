@@ -19,10 +19,8 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -455,33 +453,6 @@ def run_fleet(config: FleetConfig, host: str = "127.0.0.1", port: int = 8000, *,
     except KeyboardInterrupt:  # Ctrl-C, once the fleet runs or while it still starts: stopped, without a traceback
         _stop()
         return None
-
-
-def guard_interrupt() -> bool:
-    """For a process that runs the fleet and nothing else (``lorakit serve-ray``; call it from the main thread): a
-    thread that Ctrl-C wakes at once and that ends the process STOP_S + 10 s later if it is still alive. It is woken
-    through the signal module's wakeup fd, which Python's C-level handler writes even while the main thread is held
-    inside Ray's own code, where the KeyboardInterrupt that runs ``_stop`` cannot be raised (Ctrl-C reaches the local
-    cluster's processes too, and a driver waiting on them can wait for minutes). False if the wakeup fd is taken."""
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    if previous != -1:  # someone else's: put it back, no guard
-        signal.set_wakeup_fd(previous)
-        os.close(read)
-        os.close(write)
-        return False
-
-    def guard() -> None:
-        while os.read(read, 1) != bytes([signal.SIGINT]):  # each byte a signal Python handled: wait for SIGINT's
-            pass
-        time.sleep(STOP_S + 10)
-        logger.warning("serve-ray still running %d s after Ctrl-C; leaving", STOP_S + 10)
-        logging.shutdown()
-        os._exit(130)
-
-    threading.Thread(target=guard, name="lorakit-interrupt-guard", daemon=True).start()
-    return True
 
 
 def _stop() -> None:
