@@ -24,7 +24,18 @@ def lorakit(*args: str, log=subprocess.PIPE) -> subprocess.Popen:
     unless given: a file for a command that runs while the test does other things, as a full pipe would block it)."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-m", "lorakit", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=parent_death_signal())
+                            text=True, start_new_session=True, preexec_fn=_ctrl_c_as_a_terminal_gives_it)
+
+
+_DIE_WITH_TEST = parent_death_signal()
+
+
+def _ctrl_c_as_a_terminal_gives_it() -> None:
+    """In the child: SIGINT's default action back (a runner that starts this suite in the background has it ignored,
+    and a Python started with SIGINT ignored never raises KeyboardInterrupt), and death with the test process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if _DIE_WITH_TEST is not None:
+        _DIE_WITH_TEST()
 
 
 def test_bad_options_stop_it_before_ray_starts(tmp_path):
