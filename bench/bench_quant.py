@@ -123,6 +123,8 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
         tried = [(_or_nan(lambda config=config: rotating_us(
             lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, config),
             only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
+        for t, config in sorted((tc for tc in tried if not math.isnan(tc[0])), key=lambda tc: tc[0])[:6]:
+            print(f"int4 triton {label} m={m}: {t:.1f} us {config}", flush=True)
         for family in ("int4 triton, tensor cores", "int4 triton, CUDA cores"):
             mine = [tc for tc in tried if tc[1]["DOT"] == family.endswith("tensor cores") and not math.isnan(tc[0])]
             if mine:
@@ -227,14 +229,17 @@ def library_kernels() -> dict:
 
 
 def int4_configs(m: int) -> list[dict]:
-    """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step)."""
+    """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step, unrolled;
+    SPLIT_K: K's groups in that many programs, their partials added in order)."""
     block_m = 16 if m <= 16 else 64
-    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, num_warps=4, num_stages=4)
-               for block_n, groups in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128),
-                                                        (2,) if m == 1 else (1, 2, 4))]
+    configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, SPLIT_K=split_k, num_warps=4,
+                    num_stages=(4 if groups <= 2 else 3) if m <= 16 else (3 if groups <= 2 else 2))
+               for block_n, groups, split_k in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (2, 4),
+                                                                 (1, 4) if m == 1 else (1, 2, 4))]
     if m == 1:
-        configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, num_warps=warps, num_stages=3)
-                    for block_n, groups, warps in itertools.product((8, 16, 32), (1, 2, 4), (2, 4))]
+        configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, SPLIT_K=split_k, num_warps=4,
+                         num_stages=3)
+                    for block_n, groups, split_k in itertools.product((8, 16, 32), (2, 4, 8), (1, 4))]
     return configs
 
 

@@ -20,7 +20,8 @@ from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
 from lorakit.ops.experts import _expert_expand_kernel, _expert_shrink_kernel
-from lorakit.ops.quant import _fp8_dequant_kernel, _fp8_linear_kernel, _fp8_reduce_kernel
+from lorakit.ops.quant import (_fp8_decode_kernel, _fp8_dequant_kernel, _fp8_linear_kernel, _int4_kernel,
+                               _split_k_reduce_kernel)
 from lorakit.ops.shrink import _shrink_kernel
 
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
@@ -62,10 +63,21 @@ for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M
         for split_k in (1, 4):
             compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, SPLIT_K=split_k, **tiles),
                                dtype)
+for block_m, dot in ((1, False), (16, True), (64, True)):
+    compile_for_hopper(_fp8_decode_kernel, dict(HAS_BIAS=True, IEEE=False, F16=dot, DOT=dot, BLOCK_M=block_m,
+                                                BLOCK_N=32, BLOCK_K=256), dtype)
 POINTERS["out_ptr"] = "*" + dtype
 compile_for_hopper(_fp8_dequant_kernel, dict(BLOCK_N=32, BLOCK_K=256), dtype)
 POINTERS.update(ws_ptr="*fp32", y_ptr="*" + dtype)
-compile_for_hopper(_fp8_reduce_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), dtype)
+compile_for_hopper(_split_k_reduce_kernel, dict(HAS_SCALE=True, HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), dtype)
+# int4: the weight's bytes, a scale and zero in x's dtype; several groups a step (unrolled), split K
+int4_pointers = dict(POINTERS, w_ptr="*u8", s_ptr="*" + dtype, z_ptr="*" + dtype)
+POINTERS, saved = int4_pointers, POINTERS
+for block_m, dot in ((1, False), (16, True), (64, True)):
+    for groups, split_k in ((1, 1), (4, 2)):
+        compile_for_hopper(_int4_kernel, dict(GROUP=128, GROUPS=groups, MAGIC=128 if dtype == "bf16" else 1024,
+                                              DOT=dot, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=32), dtype)
+POINTERS = saved
 # MoE expert LoRA: the shrink and expand keyed by (slot, expert), decode and prefill tiles
 POINTERS["y_ptr"] = "*" + dtype
 for block_m in (16, 64):

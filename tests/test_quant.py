@@ -126,12 +126,13 @@ def test_the_decode_kernel_refuses_more_rows_than_its_block():
 @settings(max_examples=8, deadline=None)
 @given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3, 4]),
        group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([8, 16, 32]), per_step=st.sampled_from([1, 2]),
-       dot=st.booleans(), seed=st.integers(0, 1000))
+       split_k=st.sampled_from([1, 2, 3]), dot=st.booleans(), seed=st.integers(0, 1000))
 def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, per_step,
-                                                                       dot, seed):
+                                                                       split_k, dot, seed):
     """The Triton int4 kernel (codes exact into the tensor cores' dot, or into float32 products on the CUDA cores
     for one row; scale and zero after each group's sum) against x @ dequant(W).T in float64, in float16 (the
-    interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one."""
+    interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one;
+    K split in up to three parts (one part may be empty: K's groups fewer than the splits)."""
     gen = torch.Generator().manual_seed(seed)
     k = groups * group_size
     codes, scales_zeros = int4_codes(torch.randn(n, k, generator=gen), group_size)
@@ -139,7 +140,7 @@ def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, gro
     zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().half()
     x = torch.randn(m if dot else 1, k, generator=gen).half()
     config = dict(BLOCK_M=16 if dot else 1, BLOCK_N=max(block_n, 16) if dot else block_n, GROUPS=per_step, DOT=dot,
-                  num_warps=4, num_stages=2)
+                  SPLIT_K=split_k, num_warps=4, num_stages=2)
     y = int4_triton_linear(x, pack_int4_rows(codes, group_size), scale, zero, group_size, config)
     w = codes.double() * scale.double().T.repeat_interleave(group_size, 1) + \
         zero.double().T.repeat_interleave(group_size, 1)

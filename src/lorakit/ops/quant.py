@@ -60,7 +60,7 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # SPLIT_K > 1: axis 1 splits K, each program writes its float32 partial sums to ws [SPLIT_K, M, N] and
-    # _fp8_reduce_kernel adds them in a fixed order (deterministic: no atomics), then scales.
+    # _split_k_reduce_kernel adds them in a fixed order (deterministic: no atomics), then scales.
     # Programs that share a column block of W run together (GROUP_M row blocks at a time), so W is read from
     # L2 once per group when M spans several row blocks; at decode (one row block) this is the plain order.
     pid = tl.program_id(0)
@@ -159,15 +159,18 @@ def _fp8_decode_kernel(
 
 
 @triton.jit
-def _fp8_reduce_kernel(ws_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _split_k_reduce_kernel(ws_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_SCALE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    # y = sum over the splits of ws [SPLIT_K, M, N] (float32 partials), in order: the same sum every run (no atomics);
+    # then the per-channel scale and the bias where given
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs_n < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(SPLIT_K):  # in order: the same sum every run
+    for split in range(SPLIT_K):
         acc += tl.load(ws_ptr + (split * M + row).to(tl.int64) * N + offs_n, mask=mask, other=0.0)
-    acc = acc * tl.load(s_ptr + offs_n, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + offs_n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -294,8 +297,8 @@ def _launch_fp8_linear(x, weight, scale, bias, config: dict | None = None) -> to
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, **config,
     )
     if split_k > 1:
-        _fp8_reduce_kernel[(m, cdiv(n, 1024))](ws, scale, b, y, m, n, y.stride(0), HAS_BIAS=bias is not None,
-                                               SPLIT_K=split_k, BLOCK=1024)
+        _split_k_reduce_kernel[(m, cdiv(n, 1024))](ws, scale, b, y, m, n, y.stride(0), HAS_SCALE=True,
+                                                   HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=1024)
     return y
 
 
@@ -418,14 +421,15 @@ def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 
 @triton.jit
 def _int4_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, DOT: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y = x @ W.T with W[n, k] = code * scale[g, n] + zero[g, n], g = k // GROUP: a program per BLOCK_N output
-    # channels and BLOCK_M rows, over the whole of K, GROUPS groups a step. A group's GROUP / 2 bytes hold its first
+    # channels and BLOCK_M rows, over the whole of K (or its SPLIT_K-th part: axis 2; float32 partials to
+    # ws [SPLIT_K, M, N], added in order by _split_k_reduce_kernel), GROUPS groups a step. A group's GROUP / 2 bytes hold its first
     # half's codes in their low four bits and its second half's in their high (pack_int4_rows), so each half is a
     # plain [BLOCK_N, GROUP / 2] tile beside a contiguous half of x: no interleaving, each byte loaded once.
     # DOT: the codes go into the tensor cores exact as MAGIC + code (the code ORed into the mantissa of MAGIC, a
@@ -447,9 +451,13 @@ def _int4_kernel(
     bits: tl.constexpr = 0x4300 if MAGIC == 128 else 0x6400  # bfloat16 128.0, float16 1024.0
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wide = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
-    for g0 in range(0, tl.cdiv(K, GROUP), GROUPS):
+    # each split a whole number of steps (the host takes a GROUPS that divides K's groups)
+    g_per = tl.cdiv(tl.cdiv(K // GROUP, SPLIT_K), GROUPS) * GROUPS
+    g_lo = tl.program_id(2) * g_per
+    g_hi = tl.minimum(g_lo + g_per, K // GROUP)
+    for g0 in range(g_lo, g_hi, GROUPS):
         for i in tl.static_range(GROUPS):
-            g = g0 + i  # the host takes a GROUPS that divides K's groups
+            g = g0 + i
             packed = tl.load(w_rows + g * HALF, mask=n_mask[:, None], other=0)
             x_lo = tl.load(x_rows + g * GROUP, mask=m_mask[:, None], other=0.0)
             x_hi = tl.load(x_rows + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
@@ -469,6 +477,10 @@ def _int4_kernel(
                 wide += (c_hi * scale[:, None] + zero[:, None]) * x_hi.to(tl.float32)
     if not DOT:
         acc += tl.sum(wide, axis=1)[:, None]
+    if SPLIT_K > 1:
+        ws_ptrs = ws_ptr + (tl.program_id(2) * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+        return
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -501,10 +513,18 @@ def int4_triton_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
         raise ValueError(f"int4_triton_linear: the CUDA cores' form takes one row a program (BLOCK_M=1), got {config}")
     while (k // group_size) % config["GROUPS"]:  # a step's groups all inside K
         config["GROUPS"] //= 2
+    split_k = config.setdefault("SPLIT_K", 1)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (cdiv(n, config["BLOCK_N"]), cdiv(m, config["BLOCK_M"]))
-    _int4_kernel[grid](x, packed, scale.contiguous(), zero.contiguous(), y, m, n, k, x.stride(0), packed.stride(0),
+    if m == 0:
+        return y
+    # the partials of a split K (y stands in, unwritten, when K is not split)
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    grid = (cdiv(n, config["BLOCK_N"]), cdiv(m, config["BLOCK_M"]), split_k)
+    _int4_kernel[grid](x, packed, scale.contiguous(), zero.contiguous(), y, ws, m, n, k, x.stride(0), packed.stride(0),
                        y.stride(0), GROUP=group_size, MAGIC=128 if x.dtype == torch.bfloat16 else 1024, **config)
+    if split_k > 1:
+        _split_k_reduce_kernel[(m, cdiv(n, 1024))](ws, ws, ws, y, m, n, y.stride(0), HAS_SCALE=False, HAS_BIAS=False,
+                                                   SPLIT_K=split_k, BLOCK=1024)
     return y
 
 
