@@ -76,8 +76,11 @@ def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
         s4 = scales_zeros[..., 0].contiguous().bfloat16()  # [K / 128, N]
         z4 = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().bfloat16()
         w4 = codes.double() * s4.double().T.repeat_interleave(128, 1) + z4.double().T.repeat_interleave(128, 1)
-        int4_configs = [None] + ([dict(BLOCK_M=1, BLOCK_N=16, GROUPS=4, DOT=False, num_warps=4, num_stages=3)]
-                                 if m == 1 else [])
+        int4_configs = [None, dict(BLOCK_M=max(16, m), BLOCK_N=32, GROUPS=4, DOT=True, SPLIT_K=4, num_warps=4,
+                                   num_stages=2)]
+        if m == 1:
+            int4_configs += [dict(BLOCK_M=1, BLOCK_N=16, GROUPS=8, DOT=False, SPLIT_K=split_k, num_warps=4,
+                                  num_stages=3) for split_k in (1, 4)]
         for config in int4_configs:
             y = int4_triton_linear(x, pack_int4_rows(codes, 128), s4, z4, 128, config)
             assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE, config
