@@ -3,7 +3,8 @@ and a Llama-3-70B-shaped fp8 model with 8 adapters on one GPU.
 
 1. Kernels: y = x @ W.T for each projection shape of Llama-3-8B (q/k/v and gate/up fused, as the engine runs them)
    at M = 1 .. 2048 rows: bf16 cuBLAS (F.linear), lorakit's fp8 kernel (weight-only), torch._scaled_mm (fp8 x fp8,
-   row-wise scales: the tensor cores' fp8 path, activations pre-quantized, as a ceiling) and int4 tinygemm. Weight
+   row-wise scales: the tensor cores' fp8 path, activations pre-quantized, as a ceiling), torch's int4 tinygemm
+   and lorakit's int4 kernel. Weight
    bytes / time against the copy bandwidth measured in the same run. ``--sweep`` also times the fp8 kernel's decode
    tiles (M <= 64, split-K included) over a list of configs and reports the best, to set ``fp8_config``.
 2. Engine: Llama-3-8B shape, random weights, compiled decode graphs (``--no-compile``: plain graphs), base and 8
@@ -36,8 +37,7 @@ from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating
 
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import (_launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8,
-                               quantize_int4)
+from lorakit.ops.quant import _launch_fp8_linear, _launch_int4_linear, int4_codes, quantize_fp8, quantize_int4
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 64, 256, 2048)
@@ -76,6 +76,15 @@ def read_us(nbytes: int) -> float:
     return min(times)
 
 
+def tinygemm_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's tinygemm layout of w's int4 codes (lorakit's before 50's round 2): (packed, scales_zeros [K / 128, N,
+    2]), w = (code - 8) * scale + zero_tg."""
+    codes, scale, zero = int4_codes(w, 128)
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # two codes a byte, the even one high
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+    return packed, torch.stack([scale, zero + 8 * scale], dim=-1).to(w.dtype).contiguous()
+
+
 def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, sweep_int4: bool = False
                 ) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
@@ -83,11 +92,10 @@ def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, 
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         w8, scale = quantize_fp8(w)
-        packed, sz = quantize_int4(w, 128)
-        codes, sz32 = int4_codes(w, 128)
+        packed, sz = tinygemm_int4(w)
+        q4, s4, z4 = quantize_int4(w, 128)
         weights = dict(w=w, w8=w8, scale=scale, w8t=w8.T, ws=scale[None, :], packed=packed, sz=sz,
-                       q4=pack_int4_rows(codes, 128), s4=sz32[..., 0].contiguous().bfloat16(),
-                       z4=(sz32[..., 1] - 8 * sz32[..., 0]).contiguous().bfloat16())
+                       q4=q4, s4=s4, z4=z4)
         floors = dict(read_fp8_us=read_us(n * k), read_int4_us=read_us(n * k // 2 + 4 * n * (k // 128)))
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -116,12 +124,12 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
         "int4": rotating_us(lambda c: torch.ops.aten._weight_int4pack_mm(c["x"], c["packed"], 128, c["sz"]),
                             only("x", "packed", "sz"))[0],
     }
-    if m <= 64:  # the Triton int4 prototype at its default config
-        us["int4 triton"] = _or_nan(lambda: rotating_us(
-            lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128), only("x", "q4", "s4", "z4"))[0])
+    # lorakit's int4 (the Triton kernel; from 128 rows the weight widened, then cuBLAS)
+    us["int4 triton"] = _or_nan(lambda: rotating_us(
+        lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None), only("x", "q4", "s4", "z4"))[0])
     if sweep_int4 and m <= 64:
         tried = [(_or_nan(lambda config=config: rotating_us(
-            lambda c: int4_triton_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, config),
+            lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None, config),
             only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
         for t, config in sorted((tc for tc in tried if not math.isnan(tc[0])), key=lambda tc: tc[0])[:6]:
             print(f"int4 triton {label} m={m}: {t:.1f} us {config}", flush=True)
@@ -426,13 +434,13 @@ def main(argv=None) -> int:
         libs = [key[:-3] for key in kernels[0]
                 if key.endswith("_us") and key[:-3] not in KERNELS and not key.startswith("read_")]
         parts.append("## Kernels: y = x @ W.T at Llama-3-8B's shapes (us; % = weight bytes / time / copy bandwidth)\n\n"
-                     + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 triton | "
+                     + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 lorakit | "
                              + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 | read of the fp8 "
                              "bytes (us) | fp8 / read | read of the int4 bytes (us) |",
                              ([f"{r['shape']} ({r['n']} x {r['k']})", r["m"],
                                *(f"{fmt(r.get(f'{k}_us', float('nan')))} ({fmt(r.get(f'{k}_pct', float('nan')), '.0f')} %)"
                                  for k in (*KERNELS, *libs)),
-                               fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4_us"], ".2f"),
+                               fmt(r["bf16_us"] / r["fp8_us"], ".2f"), fmt(r["bf16_us"] / r["int4 triton_us"], ".2f"),
                                fmt(r["read_fp8_us"]), fmt(r["read_fp8_us"] / r["fp8_us"], ".2f"),
                                fmt(r["read_int4_us"])]
                               for r in kernels))

@@ -20,8 +20,8 @@ from triton.compiler import ASTSource
 
 from lorakit.ops.expand import _expand_kernel
 from lorakit.ops.experts import _expert_expand_kernel, _expert_shrink_kernel
-from lorakit.ops.quant import (_fp8_decode_kernel, _fp8_dequant_kernel, _fp8_linear_kernel, _int4_kernel,
-                               _split_k_reduce_kernel)
+from lorakit.ops.quant import (_fp8_decode_kernel, _fp8_dequant_kernel, _fp8_linear_kernel, _int4_dequant_kernel,
+                               _int4_kernel, _split_k_reduce_kernel)
 from lorakit.ops.shrink import _shrink_kernel
 
 POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i32", "tiles_ptr": "*i32",
@@ -76,7 +76,9 @@ POINTERS, saved = int4_pointers, POINTERS
 for block_m, dot in ((1, False), (16, True), (64, True)):
     for groups, split_k in ((1, 1), (4, 2)):
         compile_for_hopper(_int4_kernel, dict(GROUP=128, GROUPS=groups, MAGIC=128 if dtype == "bf16" else 1024,
-                                              DOT=dot, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=32), dtype)
+                                              DOT=dot, HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=32),
+                           dtype)
+compile_for_hopper(_int4_dequant_kernel, dict(GROUP=128, BLOCK_N=32), dtype)
 POINTERS = saved
 # MoE expert LoRA: the shrink and expand keyed by (slot, expert), decode and prefill tiles
 POINTERS["y_ptr"] = "*" + dtype

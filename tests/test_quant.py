@@ -1,7 +1,7 @@
 """Quantized bases (fp8, int4) under LoRA: the kernels against their torch paths, and patched models against PEFT on
 the dequantized base (each quantized layer replaced by an nn.Linear holding the weight it multiplies by).
 
-On the CPU the fp8 kernel runs under the Triton interpreter (float32 and float16) and int4 runs torch's CPU tinygemm.
+On the CPU both kernels run under the Triton interpreter (float32 and float16; the models on their torch paths).
 """
 
 import copy
@@ -25,8 +25,9 @@ from lorakit.engine import LLM, Engine, EngineConfig, SamplingParams
 from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
-from lorakit.ops.quant import (_fp8_linear_torch, _launch_fp8_linear, dequantize_fp8, dequantize_int4, fp8_config,
-                               int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8)
+from lorakit.ops.quant import (_fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear, _launch_int4_linear,
+                               dequantize_fp8, dequantize_int4, fp8_config, int4_codes, int4_linear, pack_int4_rows,
+                               quantize_fp8, quantize_int4, unpack_int4_rows)
 
 VOCAB = QUANT_VOCAB
 # Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
@@ -78,9 +79,11 @@ def test_quantized_weights_are_close_to_the_originals():
     w = torch.randn(64, 256, generator=gen)
     w8, scale = quantize_fp8(w)
     assert w8.dtype == torch.float8_e4m3fn and rel_err(dequantize_fp8(w8, scale), w) < 0.04
-    codes, scales_zeros = int4_codes(w, 128)
+    codes, scale, zero = int4_codes(w, 128)
     assert 0 <= int(codes.min()) and int(codes.max()) <= 15
-    assert rel_err(dequantize_int4(codes, scales_zeros, 128), w) < 0.12
+    packed = pack_int4_rows(codes, 128)
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 128) and torch.equal(unpack_int4_rows(packed, 128), codes)
+    assert rel_err(dequantize_int4(packed, scale, zero, 128), w) < 0.12
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
@@ -123,40 +126,63 @@ def test_the_decode_kernel_refuses_more_rows_than_its_block():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
+@example(m=130, n=40, groups=3, group_size=64, block_n=16, per_step=2, split_k=1, dot=True, bias=True, seed=0)  # widened first
 @given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3, 4]),
        group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([8, 16, 32]), per_step=st.sampled_from([1, 2]),
-       split_k=st.sampled_from([1, 2, 3]), dot=st.booleans(), seed=st.integers(0, 1000))
-def test_int4_triton_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, per_step,
-                                                                       split_k, dot, seed):
-    """The Triton int4 kernel (codes exact into the tensor cores' dot, or into float32 products on the CUDA cores
-    for one row; scale and zero after each group's sum) against x @ dequant(W).T in float64, in float16 (the
-    interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one;
-    K split in up to three parts (one part may be empty: K's groups fewer than the splits)."""
+       split_k=st.sampled_from([1, 2, 3]), dot=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
+def test_int4_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, per_step, split_k,
+                                                                dot, bias, seed):
+    """The int4 kernel (codes exact into the tensor cores' dot, or into float32 products on the CUDA cores for one
+    row; scale and zero after each group's sum), its default configs and, from 128 rows, the weight widened then one
+    matmul, against x @ dequant(W).T in float64 and the CPU path, in float16 (the interpreter's bfloat16 dot is
+    wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one; K split in up to three parts
+    (one part may be empty: K's groups fewer than the splits), the bias added after the parts."""
     gen = torch.Generator().manual_seed(seed)
     k = groups * group_size
-    codes, scales_zeros = int4_codes(torch.randn(n, k, generator=gen), group_size)
-    scale = scales_zeros[..., 0].contiguous().half()  # [groups, n]
-    zero = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().half()
+    packed, scale, zero = quantize_int4(torch.randn(n, k, generator=gen), group_size)
+    scale, zero = scale.half(), zero.half()
     x = torch.randn(m if dot else 1, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half() if bias else None
     config = dict(BLOCK_M=16 if dot else 1, BLOCK_N=max(block_n, 16) if dot else block_n, GROUPS=per_step, DOT=dot,
                   SPLIT_K=split_k, num_warps=4, num_stages=2)
-    y = int4_triton_linear(x, pack_int4_rows(codes, group_size), scale, zero, group_size, config)
-    w = codes.double() * scale.double().T.repeat_interleave(group_size, 1) + \
-        zero.double().T.repeat_interleave(group_size, 1)
-    assert y.dtype == torch.float16 and rel_err(y, x.double() @ w.T) < TOLERANCE[torch.float16]
+    ref = x.double() @ dequantize_int4(packed, scale, zero, group_size, torch.float64).T + (0 if b is None else b.double())
+    for y in (_launch_int4_linear(x, packed, scale, zero, group_size, b, None if m >= 128 else config),
+              _launch_int4_linear(x, packed, scale, zero, group_size, b)):
+        assert y.dtype == torch.float16 and y.shape == ref.shape and rel_err(y, ref) < TOLERANCE[torch.float16]
+    assert rel_err(_int4_linear_torch(x, packed, scale, zero, group_size, b), ref) < TOLERANCE[torch.float16]
 
 
-def test_int4_triton_kernel_refuses_what_it_cannot_compute():
-    codes, scales_zeros = int4_codes(torch.randn(16, 256), 128)
-    scale, zero = scales_zeros[..., 0].contiguous().half(), scales_zeros[..., 1].contiguous().half()
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        int4_triton_linear(torch.randn(1, 256), pack_int4_rows(codes, 128), scale, zero, 128)
-    with pytest.raises(ValueError, match=r"scale, zero \[2, N\]"):
-        int4_triton_linear(torch.randn(1, 256).half(), pack_int4_rows(codes, 128), scale.T, zero.T, 128)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
+def test_int4_kernel_reads_a_fused_member_s_column_views_interpreted():
+    """A member of a fused int4 layer (q of qkv) holds column views of the group's scale and zero: the kernel reads
+    them through their strides, as the member's own contiguous tensors would give."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [Int4Linear.from_linear(torch.nn.Linear(256, n, dtype=torch.float16)) for n in (48, 16, 16)]
+    own = [(m.weight_scale.clone(), m.weight_zero.clone()) for m in layers]
+    fused = Int4Linear.cat(layers)
+    x = torch.randn(3, 256, generator=gen).half()
+    q = layers[0]
+    assert not q.weight_scale.is_contiguous() and q.weight_scale.data_ptr() == fused.weight_scale.data_ptr()
+    y = _launch_int4_linear(x, q.weight, q.weight_scale, q.weight_zero, 128, q.bias)
+    want = _launch_int4_linear(x, q.weight, *own[0], 128, q.bias)
+    assert torch.equal(y, want)
+
+
+def test_int4_kernel_refuses_what_it_cannot_compute():
+    packed, scale, zero = quantize_int4(torch.randn(16, 256), 128)
+    with pytest.raises(ValueError, match=r"scale must be \[K / group size, N\] = \[2, 16\]"):
+        int4_linear(torch.randn(1, 256), packed, scale.T.contiguous(), zero.T.contiguous(), 128)
+    with pytest.raises(ValueError, match="a group size in"):
+        int4_linear(torch.randn(1, 256), packed, scale, zero, 96)
+    with pytest.raises(ValueError, match=r"weight \[N, 128\]"):
+        int4_linear(torch.randn(1, 256), packed[:, :64], scale, zero, 128)
     with pytest.raises(ValueError, match="one row a program"):
-        int4_triton_linear(torch.randn(2, 256).half(), pack_int4_rows(codes, 128), scale, zero, 128,
-                           dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=False))
+        _launch_int4_linear(torch.randn(2, 256).half(), packed, scale.half(), zero.half(), 128, None,
+                            dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=False))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        _launch_int4_linear(torch.randn(2, 256), packed, scale, zero, 128, None,
+                            dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=True))
 
 
 def test_fp8_config_takes_each_gpu_s_swept_tiles():

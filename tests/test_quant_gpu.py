@@ -1,4 +1,4 @@
-"""Quantized bases on a GPU: the fp8 kernel and tinygemm at Llama-3-8B's shapes, a Qwen2-shaped model (biases on q/k/v) under three
+"""Quantized bases on a GPU: the fp8 and int4 kernels at Llama-3-8B's shapes, a Qwen2-shaped model (biases on q/k/v) under three
 adapters against PEFT on the dequantized base, and the engine serving fp8 and int4 bases from CUDA graphs."""
 
 import copy
@@ -14,7 +14,7 @@ from helpers import (FLOAT32_GRAPHS, QWEN2_2048_VOCAB, assert_rows_match_peft, a
                      dequantized, greedy, greedy_with_top2, qwen2_2048, qwen2_2048_requests, rel_err)
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import _launch_fp8_linear, int4_codes, int4_triton_linear, pack_int4_rows, quantize_fp8
+from lorakit.ops.quant import _launch_fp8_linear, _launch_int4_linear, dequantize_int4, quantize_fp8, quantize_int4
 
 pytestmark = pytest.mark.gpu
 VOCAB = QWEN2_2048_VOCAB
@@ -54,9 +54,9 @@ def test_fp8_kernel_keeps_bfloat16_activations_beyond_float16s_range():
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
+def test_fp8_decode_kernel_and_int4_kernel_forms_at_llama_8b_shapes(m):
     """The decode kernel (each config family the sweep times: tensor cores, and CUDA cores for one row) and the
-    Triton int4 kernel, in bfloat16 at real sizes, against float64; a massive activation stays finite."""
+    int4 kernel's forms, in bfloat16 at real sizes, against float64; a massive activation stays finite."""
     for n, k in ((6144, 4096), (4096, 14336)):
         gen = torch.Generator(device="cuda").manual_seed(m + n)
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
@@ -72,18 +72,16 @@ def test_fp8_decode_kernel_and_int4_triton_at_llama_8b_shapes(m):
         for config in configs:
             y = _launch_fp8_linear(x, w8, scale, None, config)
             assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE, config
-        codes, scales_zeros = int4_codes(w, 128)
-        s4 = scales_zeros[..., 0].contiguous().bfloat16()  # [K / 128, N]
-        z4 = (scales_zeros[..., 1] - 8 * scales_zeros[..., 0]).contiguous().bfloat16()
-        w4 = codes.double() * s4.double().T.repeat_interleave(128, 1) + z4.double().T.repeat_interleave(128, 1)
-        int4_configs = [None, dict(BLOCK_M=max(16, m), BLOCK_N=32, GROUPS=4, DOT=True, SPLIT_K=4, num_warps=4,
-                                   num_stages=2)]
+        q4, s4, z4 = quantize_int4(w.bfloat16(), 128)
+        ref = x.double() @ dequantize_int4(q4, s4, z4, 128, torch.float64).T
+        int4_configs = [None, dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32, GROUPS=4, DOT=True, SPLIT_K=4,
+                                   num_warps=4, num_stages=2)]
         if m == 1:
             int4_configs += [dict(BLOCK_M=1, BLOCK_N=16, GROUPS=8, DOT=False, SPLIT_K=split_k, num_warps=4,
                                   num_stages=3) for split_k in (1, 4)]
         for config in int4_configs:
-            y = int4_triton_linear(x, pack_int4_rows(codes, 128), s4, z4, 128, config)
-            assert torch.isfinite(y).all() and rel_err(y, x.double() @ w4.T) < KERNEL_TOLERANCE, config
+            y = _launch_int4_linear(x, q4, s4, z4, 128, None, config)
+            assert torch.isfinite(y).all() and rel_err(y, ref) < KERNEL_TOLERANCE, config
 
 
 def _linear(w, bias):

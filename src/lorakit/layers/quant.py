@@ -7,8 +7,8 @@ nf4 base) serves on an fp8 or int4 base with only the base's own quantization er
 
 Schemes (``SCHEMES``), both weight-only (the activations stay in the model's dtype; ``lorakit.ops.quant``):
 - ``fp8``: e4m3 weights with one float32 scale per output channel. Half the bytes of bf16.
-- ``int4``: 4-bit weights, asymmetric, a scale and a zero per group of 128 inputs (torch's tinygemm layout).
-  A quarter of the bytes of bf16, plus the scales and zeros.
+- ``int4``: 4-bit weights, asymmetric, a scale and a zero per group of 128 inputs (two codes a byte, one layout
+  on every device). A quarter of the bytes of bf16, plus the scales and zeros.
 
 Left in the model's dtype: the output head (the last layer, where quantization error goes straight into the logits,
 as vLLM and torchao leave it by default), embeddings, and any layer whose shape a scheme cannot hold (named in the
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from lorakit.layers.sharded import ShardedLinear, is_vocab_parallel
-from lorakit.ops.quant import (FP8, check_int4_shape, dequantize_fp8, fp8_linear, int4_linear, quantize_fp8,
-                               quantize_int4)
+from lorakit.ops.quant import (FP8, check_int4_shape, dequantize_fp8, dequantize_int4, fp8_linear, int4_linear,
+                               quantize_fp8, quantize_int4)
 
 logger = logging.getLogger("lorakit.quant")
 
@@ -123,60 +123,62 @@ class Fp8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """y = x @ dequant(weight).T + bias with w = (code - 8) * scale + zero per group of ``group_size`` inputs;
-    ``weight`` packed by torch's tinygemm for the device it lives on (``lorakit.ops.quant.pack_int4``)."""
+    """y = x @ W.T + bias with W[n, k] = code * scale[g, n] + zero[g, n] per group g of ``group_size`` inputs;
+    ``weight`` uint8 [out, in / 2], two codes a byte (``lorakit.ops.quant.pack_int4_rows``), ``weight_scale`` and
+    ``weight_zero`` [in / group_size, out] in the model's dtype."""
 
     scheme = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, in_features: int,
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__(in_features, scales_zeros.shape[1], dtype, bias)
+        super().__init__(packed.shape[1] * 2, packed.shape[0], dtype, bias)
+        if packed.dtype != torch.uint8 or scale.shape != (self.in_features // group_size, self.out_features) or \
+                zero.shape != scale.shape:
+            raise ValueError(f"Int4Linear takes a uint8 weight [out, in / 2] and a scale and zero [in / {group_size}, "
+                             f"out], got {packed.dtype} {tuple(packed.shape)}, {tuple(scale.shape)} and "
+                             f"{tuple(zero.shape)}")
         self.group_size = group_size
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.scales_zeros = nn.Parameter(scales_zeros.to(dtype).contiguous(), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.to(dtype), requires_grad=False)
+        self.weight_zero = nn.Parameter(zero.to(dtype), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> Int4Linear:
-        packed, scales_zeros = quantize_int4(linear.weight.detach(), group_size)
-        return cls(packed, scales_zeros, group_size, linear.in_features, linear.bias, linear.weight.dtype)
+        packed, scale, zero = quantize_int4(linear.weight.detach(), group_size)
+        return cls(packed, scale, zero, group_size, linear.bias, linear.weight.dtype)
 
     @property
     def scale_tensor(self) -> torch.Tensor:
-        return self.scales_zeros
+        return self.weight_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a fused group's member holds a column view of the group's scales (see cat): copied if it is called alone
-        return int4_linear(x.to(self.compute_dtype), self.weight, self.scales_zeros.contiguous(), self.group_size,
-                           self.bias)
+        # a fused group's member holds column views of the group's scale and zero (see cat): the kernel takes strides
+        return int4_linear(x.to(self.compute_dtype), self.weight, self.weight_scale, self.weight_zero,
+                           self.group_size, self.bias)
 
     @classmethod
     def cat(cls, layers: Sequence[Int4Linear]) -> Int4Linear | None:
-        # tinygemm's packed weights tile out_features in blocks of 8 (CUDA) or not at all (CPU): rows concatenate
         if len({(m.compute_dtype, m.in_features, m.group_size, m.bias is None, m.weight.device)
                 for m in layers}) != 1:
             return None
         with torch.no_grad():
             bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
-            fused = cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales_zeros for m in layers], dim=1),
-                        layers[0].group_size, layers[0].in_features, bias, layers[0].compute_dtype)
-        rows_per_out = fused.weight.shape[0] / fused.out_features
+            fused = cls(torch.cat([m.weight for m in layers]), torch.cat([m.weight_scale for m in layers], dim=1),
+                        torch.cat([m.weight_zero for m in layers], dim=1), layers[0].group_size, bias,
+                        layers[0].compute_dtype)
         lo = 0
         for m in layers:
             hi = lo + m.out_features
-            m.weight = nn.Parameter(fused.weight[int(lo * rows_per_out): int(hi * rows_per_out)], requires_grad=False)
-            m.scales_zeros = nn.Parameter(fused.scales_zeros[:, lo:hi], requires_grad=False)
+            m.weight = nn.Parameter(fused.weight[lo:hi], requires_grad=False)
+            m.weight_scale = nn.Parameter(fused.weight_scale[:, lo:hi], requires_grad=False)
+            m.weight_zero = nn.Parameter(fused.weight_zero[:, lo:hi], requires_grad=False)
             if bias is not None:
                 m.bias = nn.Parameter(fused.bias[lo:hi], requires_grad=False)
             lo = hi
         return fused
 
-    @torch.no_grad()
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        # The kernel's own product with the identity, a block of inputs at a time: W as the kernel reads it.
-        eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.device)
-        parts = [int4_linear(eye[i: i + 1024], self.weight, self.scales_zeros, self.group_size)
-                 for i in range(0, self.in_features, 1024)]
-        return torch.cat(parts).T.to(dtype).contiguous()
+        return dequantize_int4(self.weight, self.weight_scale, self.weight_zero, self.group_size, dtype)
 
 
 FROM_LINEAR: dict[str, Callable[[nn.Linear], QuantizedLinear]] = {"fp8": Fp8Linear.from_linear,
@@ -245,10 +247,6 @@ def quantize(model: nn.Module, scheme: str, filter_fn: Callable[[nn.Module, str]
     if not count:
         raise ValueError(f"quantize {scheme}: no linear layer of {type(model).__name__} can be quantized "
                          f"({next(iter(kept.values()), 'it has none besides the output head')})")
-    if scheme == "int4" and any(isinstance(m, Int4Linear) and m.weight.is_cuda for m in model.modules()):
-        logger.warning("int4 runs torch's tinygemm kernel, fast for a few rows at a time: on an H200 a GEMM of 1 row "
-                       "is 1.7-2.0x faster than bf16's, of 16 rows 0.5-0.7x, of 64 rows 0.13-0.17x "
-                       "(bench/results/bench_quant_kernels_67c0b36.md); to serve large batches prefer fp8")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return count

@@ -3,8 +3,8 @@
     w8, scale = quantize_fp8(weight)                    # e4m3, one float32 scale per output channel
     y = fp8_linear(x, w8, scale, bias)                  # torch.ops.lorakit.fp8_linear
 
-    packed, scales_zeros = quantize_int4(weight, 128)   # 4 bits, asymmetric, one scale and zero per 128 inputs
-    y = int4_linear(x, packed, scales_zeros, 128, bias)
+    packed, scale, zero = quantize_int4(weight, 128)    # 4 bits, asymmetric, one scale and zero per 128 inputs
+    y = int4_linear(x, packed, scale, zero, 128, bias)  # torch.ops.lorakit.int4_linear
 
 Both are weight-only: x stays in its dtype (bf16 on a GPU) and the weight is widened to it inside the kernel,
 so the result is the dequantized base's up to float32 accumulation order, and a LoRA delta trained on the bf16
@@ -13,8 +13,10 @@ base lands on the same activations it was trained on (no activation quantization
 fp8: a Triton kernel on CUDA reads each fp8 weight tile once, widens it to x's dtype in registers and multiplies
 on the tensor cores; the per-channel scale (and the bias) are applied in the epilogue, ``(x @ w.T) * scale``,
 which is exact for a per-output-channel scale. On the CPU the same in torch (the weight widened to x's dtype).
-int4: torch's own tinygemm kernels (``aten._weight_int4pack_mm`` on CUDA, ``_weight_int4pack_mm_for_cpu`` on
-the CPU); their packed layouts differ, so a weight is packed for the device it lives on.
+int4: a Triton kernel on CUDA reads each packed byte once and puts its two codes into the tensor cores exact (one
+row: into float32 products on the CUDA cores), the scale and zero applied after each group's sum; from 128 rows the
+weight is widened once and multiplied by cuBLAS. One layout on every device (``pack_int4_rows``); on the CPU the
+weight made in float32, one matmul.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from lorakit.ops._checks import FLOAT_DTYPES, cdiv, check_tensor, dot, unobserve
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # tinygemm's group sizes
-INT4_INNER_K_TILES = 8  # tinygemm's packing; in_features must divide by inner_k_tiles * 16
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # a group's half fills the tensor cores' K of 16 at least
 
 
 # --- fp8 ---------------------------------------------------------------------------------------------------------
@@ -375,56 +376,59 @@ def check_int4_shape(in_features: int, out_features: int, group_size: int) -> st
     """Why a layer of this shape cannot hold an int4 weight (None: it can)."""
     if group_size not in INT4_GROUP_SIZES:
         return f"group size {group_size} is not one of {list(INT4_GROUP_SIZES)}"
-    if in_features % group_size or in_features % (INT4_INNER_K_TILES * 16):
-        return (f"in_features {in_features} does not divide by the group size {group_size} and by "
-                f"{INT4_INNER_K_TILES * 16}")
-    if out_features % 8:
-        return f"out_features {out_features} does not divide by 8"
+    if in_features % group_size:
+        return f"in_features {in_features} does not divide by the group size {group_size}"
     return None
 
 
 @torch.no_grad()
-def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int32 [N, K] in 0..15, scales_zeros float32 [K / group, N, 2]): asymmetric per group of
-    ``group_size`` inputs, w = (code - 8) * scale + zero (tinygemm's convention, zero in the weight's domain)."""
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes int32 [N, K] in 0..15, scale, zero float32 [K / group, N]): asymmetric per group of ``group_size``
+    inputs, w = code * scale + zero (zero: the group's smallest weight; a group's channels contiguous)."""
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)
     lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp(min=1e-6)
     codes = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-    zero = lo + 8 * scale
-    scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1).contiguous()
-    return codes, scales_zeros
+    return codes, scale.squeeze(-1).T.contiguous(), lo.squeeze(-1).T.contiguous()
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """tinygemm's packed weight for the device ``codes`` live on."""
-    if codes.is_cuda:
-        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # two codes a byte, the even one high
-        return torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight for ``weight``'s device, scales_zeros [K / group, N, 2] in ``weight``'s dtype)."""
-    codes, scales_zeros = int4_codes(weight, group_size)
-    return pack_int4(codes), scales_zeros.to(weight.dtype)
-
-
-def dequantize_int4(codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def pack_int4_rows(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The int4 layout (``codes``: int [N, K] in 0..15): uint8 [N, K / 2], K contiguous, a group's ``group_size / 2``
+    bytes holding its first half's codes in their low four bits and its second half's in their high."""
     n, k = codes.shape
-    scale = scales_zeros[..., 0].float().T.repeat_interleave(group_size, dim=1)  # [N, K]
-    zero = scales_zeros[..., 1].float().T.repeat_interleave(group_size, dim=1)
-    return ((codes.float() - 8) * scale + zero).to(dtype).view(n, k)
+    halves = codes.reshape(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | halves[:, :, 1] << 4).to(torch.uint8).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """pack_int4_rows undone: int32 codes [N, K]."""
+    n, half_k = packed.shape
+    halves = packed.to(torch.int32).reshape(n, 2 * half_k // group_size, 1, group_size // 2)
+    return torch.cat([halves & 0xF, halves >> 4], dim=2).reshape(n, 2 * half_k)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K / 2], scale, zero [K / group, N] in ``weight``'s dtype), on ``weight``'s device."""
+    codes, scale, zero = int4_codes(weight, group_size)
+    return pack_int4_rows(codes, group_size), scale.to(weight.dtype), zero.to(weight.dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] the int4 kernel multiplies by: code * scale + zero, in float32, then ``dtype``."""
+    codes = unpack_int4_rows(packed, group_size).float()
+    w = codes * scale.float().T.repeat_interleave(group_size, dim=1) + zero.float().T.repeat_interleave(group_size, 1)
+    return w.to(dtype)
 
 
 @triton.jit
 def _int4_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    stride_xm, stride_wn, stride_sg, stride_ym,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, MAGIC: tl.constexpr, DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # y = x @ W.T with W[n, k] = code * scale[g, n] + zero[g, n], g = k // GROUP: a program per BLOCK_N output
@@ -461,8 +465,8 @@ def _int4_kernel(
             packed = tl.load(w_rows + g * HALF, mask=n_mask[:, None], other=0)
             x_lo = tl.load(x_rows + g * GROUP, mask=m_mask[:, None], other=0.0)
             x_hi = tl.load(x_rows + g * GROUP + HALF, mask=m_mask[:, None], other=0.0)
-            scale = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             if DOT:  # (a constexpr is assigned once: bits is set above the unrolled steps)
                 w_lo = ((packed & 0xF).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
                 w_hi = ((packed >> 4).to(tl.uint16) | bits).to(x_lo.dtype, bitcast=True)
@@ -481,63 +485,142 @@ def _int4_kernel(
         ws_ptrs = ws_ptr + (tl.program_id(2) * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
         tl.store(ws_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
         return
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def pack_int4_rows(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The Triton int4 kernel's layout of ``codes`` (int [N, K] in 0..15): uint8 [N, K / 2], K contiguous, a
-    group's ``group_size / 2`` bytes holding its first half's codes in their low four bits and its second half's in
-    their high."""
-    n, k = codes.shape
-    halves = codes.reshape(n, k // group_size, 2, group_size // 2)
-    return (halves[:, :, 0] | halves[:, :, 1] << 4).to(torch.uint8).reshape(n, k // 2).contiguous()
+@triton.jit
+def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_sg, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    # a program per BLOCK_N channels and one group: W[n, k] = code * scale + zero, in out's dtype
+    HALF: tl.constexpr = GROUP // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1)
+    offs_h = tl.arange(0, HALF)
+    n_mask = offs_n < N
+    packed = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * (K // 2) + g * HALF + offs_h[None, :],
+                     mask=n_mask[:, None], other=0)
+    scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + offs_n.to(tl.int64)[:, None] * K + g * GROUP + offs_h[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(out, ((packed & 0xF).to(tl.float32) * scale + zero).to(ty), mask=n_mask[:, None])
+    tl.store(out + HALF, ((packed >> 4).to(tl.float32) * scale + zero).to(ty), mask=n_mask[:, None])
 
 
-def int4_triton_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                       group_size: int, config: dict | None = None) -> torch.Tensor:
-    """x [M, K] (float16 or bfloat16) @ W.T with W = code * scale + zero per group (``packed``: pack_int4_rows's
-    layout; ``scale``, ``zero``: [K / group_size, N], a group's channels contiguous), float32 sums, in x's dtype.
-    A prototype beside tinygemm, measured in bench/bench_quant.py; not served yet."""
+# Rows from which an int4 product is no longer bound by reading W: the weight is widened once into a buffer of x's
+# dtype and multiplied by cuBLAS (as fp8's FP8_DEQUANT_ROWS).
+INT4_DEQUANT_ROWS = 128
+
+
+def int4_config(m: int, n: int) -> dict:
+    """The int4 kernel's tiles for ``m`` rows of an [m, k] x [n, k] product (m < INT4_DEQUANT_ROWS), from a sweep on
+    an H100 (bench/results/quant_round3.md; the H200 has as many SMs and takes the same): every row of up to 16 or
+    64 in one block on the tensor cores, so each weight byte is read once a block of rows, two groups a step, K split
+    in four (two for a wide layer past one row, none at 17-64 rows) so a layer of 4096 channels fills the GPU."""
+    wide = n >= 16384
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUPS=2, DOT=True, SPLIT_K=2 if wide and m > 1 else 4, num_warps=4,
+                    num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=64, GROUPS=2, DOT=True, SPLIT_K=1 if wide else 4, num_warps=4, num_stages=3)
+
+
+def _check_int4_args(x, weight, scale, zero, group_size, bias) -> None:
+    check_tensor("x", x, dim=2, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=1)
+    check_tensor("weight", weight, dim=2, dtypes=(torch.uint8,), device=x.device, unit_stride_dim=1)
+    k, n = x.shape[1], weight.shape[0]
+    if group_size not in INT4_GROUP_SIZES or k % group_size or weight.shape[1] * 2 != k:
+        raise ValueError(f"int4_linear: x [M, K={k}] needs a group size in {list(INT4_GROUP_SIZES)} that divides K "
+                         f"and weight [N, {k // 2}], got group size {group_size} and weight {tuple(weight.shape)}")
+    for name, t in (("scale", scale), ("zero", zero)):
+        check_tensor(name, t, dim=2, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=1)
+        if t.shape != (k // group_size, n) or t.stride() != scale.stride():
+            raise ValueError(f"int4_linear: {name} must be [K / group size, N] = [{k // group_size}, {n}] with "
+                             f"scale's strides, got {tuple(t.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, dim=1, dtypes=FLOAT_DTYPES, device=x.device, unit_stride_dim=0)
+        if bias.shape[0] != n:
+            raise ValueError(f"int4_linear: bias must have shape [{n}], got {tuple(bias.shape)}")
+
+
+def _launch_int4_linear(x, weight, scale, zero, group_size, bias, config: dict | None = None) -> torch.Tensor:
     m, k = x.shape
-    n = packed.shape[0]
+    n = weight.shape[0]
+    if config is None and (m >= INT4_DEQUANT_ROWS or x.dtype == torch.float32):
+        return torch.nn.functional.linear(x, _launch_int4_dequant(weight, scale, zero, group_size, x.dtype), bias)
     if x.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"int4_triton_linear: x must be float16 or bfloat16, got {x.dtype}")
-    if k % group_size or packed.shape[1] * 2 != k or scale.shape != (k // group_size, n) or zero.shape != scale.shape:
-        raise ValueError(f"int4_triton_linear: x [M, K={k}] with group size {group_size} needs packed [N, {k // 2}] "
-                         f"and scale, zero [{k // group_size}, N], got {tuple(packed.shape)}, {tuple(scale.shape)} "
-                         f"and {tuple(zero.shape)}")
-    config = dict(config or dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32, GROUPS=2, DOT=True, num_warps=4,
-                                 num_stages=4))
-    if not config["DOT"] and config["BLOCK_M"] != 1:
-        raise ValueError(f"int4_triton_linear: the CUDA cores' form takes one row a program (BLOCK_M=1), got {config}")
-    while (k // group_size) % config["GROUPS"]:  # a step's groups all inside K
-        config["GROUPS"] //= 2
-    split_k = config.setdefault("SPLIT_K", 1)
+        raise ValueError(f"int4_linear: the kernel takes x in float16 or bfloat16, got {x.dtype}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    config = dict(config or int4_config(m, n))
+    if not config["DOT"] and config["BLOCK_M"] != 1:
+        raise ValueError(f"int4_linear: the CUDA cores' form takes one row a program (BLOCK_M=1), got {config}")
+    while (k // group_size) % config["GROUPS"]:  # a step's groups all inside K
+        config["GROUPS"] //= 2
+    split_k = config.setdefault("SPLIT_K", 1)
     # the partials of a split K (y stands in, unwritten, when K is not split)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    b = bias if bias is not None else scale
     grid = (cdiv(n, config["BLOCK_N"]), cdiv(m, config["BLOCK_M"]), split_k)
-    _int4_kernel[grid](x, packed, scale.contiguous(), zero.contiguous(), y, ws, m, n, k, x.stride(0), packed.stride(0),
-                       y.stride(0), GROUP=group_size, MAGIC=128 if x.dtype == torch.bfloat16 else 1024, **config)
-    if split_k > 1:
-        _split_k_reduce_kernel[(m, cdiv(n, 1024))](ws, ws, ws, y, m, n, y.stride(0), HAS_SCALE=False, HAS_BIAS=False,
-                                                   SPLIT_K=split_k, BLOCK=1024)
+    _int4_kernel[grid](x, weight, scale, zero, b, y, ws, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+                       y.stride(0), GROUP=group_size, MAGIC=128 if x.dtype == torch.bfloat16 else 1024,
+                       HAS_BIAS=bias is not None, **config)
+    if split_k > 1:  # the partials added in order, then the bias
+        _split_k_reduce_kernel[(m, cdiv(n, 1024))](ws, ws, b, y, m, n, y.stride(0), HAS_SCALE=False,
+                                                   HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=1024)
     return y
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+def _launch_int4_dequant(weight, scale, zero, group_size, dtype) -> torch.Tensor:
+    n, k = weight.shape[0], weight.shape[1] * 2
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    _int4_dequant_kernel[(cdiv(n, 32), k // group_size)](weight, scale, zero, out, n, k, scale.stride(0),
+                                                          GROUP=group_size, BLOCK_N=32)
+    return out
+
+
+@torch.library.custom_op("lorakit::int4_linear", mutates_args=())
+def _int4_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias in x's dtype, float32 sums; W[n, k] = code * scale[g, n] + zero[g, n], g = k // group_size.
+
+    x: [M, K] float32/float16/bfloat16; weight: uint8 [N, K / 2] (pack_int4_rows); scale, zero: [K / group_size, N]
+    in x's dtype; bias: [N] or None.
+    """
+    _check_int4_args(x, weight, scale, zero, group_size, bias)
+    return _int4_linear_torch(x, weight, scale, zero, group_size, bias)
+
+
+@_int4_linear_op.register_kernel("cuda")
+def _(x, weight, scale, zero, group_size, bias=None):
+    _check_int4_args(x, weight, scale, zero, group_size, bias)
+    return _launch_int4_linear(x, weight, scale, zero, group_size, bias)
+
+
+@_int4_linear_op.register_fake
+def _(x, weight, scale, zero, group_size, bias=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _int4_linear_torch(x, weight, scale, zero, group_size, bias) -> torch.Tensor:
+    """The CPU path: the weight made in float32 (as the kernel makes it), one float32 matmul."""
+    y = x.float() @ dequantize_int4(weight, scale, zero, group_size).T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(packed).T (+ bias), in x's dtype (bfloat16 on CUDA, as tinygemm computes it)."""
+    """``torch.ops.lorakit.int4_linear`` over x of any leading shape [..., K]: [..., N]. An eager call on CUDA
+    launches the kernel itself (as fp8_linear)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x.is_cuda:
-        y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)
+    if x.is_cuda and unobserved(x2, weight, scale, zero):
+        y = _launch_int4_linear(x2, weight, scale, zero, group_size, bias)
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], y.shape[-1])
+        y = torch.ops.lorakit.int4_linear(x2, weight, scale, zero, group_size, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
