@@ -13,9 +13,10 @@ base lands on the same activations it was trained on (no activation quantization
 fp8: a Triton kernel on CUDA reads each fp8 weight tile once, widens it to x's dtype in registers and multiplies
 on the tensor cores; the per-channel scale (and the bias) are applied in the epilogue, ``(x @ w.T) * scale``,
 which is exact for a per-output-channel scale. On the CPU the same in torch (the weight widened to x's dtype).
-int4: a Triton kernel on CUDA reads each packed byte once and puts its two codes into the tensor cores exact (one
-row: into float32 products on the CUDA cores), the scale and zero applied after each group's sum; from 128 rows the
-weight is widened once and multiplied by cuBLAS. One layout on every device (``pack_int4_rows``); on the CPU the
+int4: a Triton kernel on CUDA reads each packed byte once and puts its two codes into the tensor cores exact, the
+scale and zero applied after each group's sum (every row of a decode step in one block, K split so that a layer of
+4096 channels fills the GPU; a CUDA cores' form for one row is kept for the sweep); from 128 rows the weight is
+widened once and multiplied by cuBLAS. One layout on every device (``pack_int4_rows``); on the CPU the
 weight made in float32, one matmul.
 """
 
