@@ -25,9 +25,9 @@ from lorakit.engine import LLM, Engine, EngineConfig, SamplingParams
 from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
-from lorakit.ops.quant import (_fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear, _launch_int4_linear,
-                               dequantize_fp8, dequantize_int4, fp8_config, int4_codes, int4_linear, pack_int4_rows,
-                               quantize_fp8, quantize_int4, unpack_int4_rows)
+from lorakit.ops.quant import (INT4_DEQUANT_ROWS, _fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear,
+                               _launch_int4_linear, dequantize_fp8, dequantize_int4, fp8_config, int4_codes,
+                               int4_config, int4_linear, pack_int4_rows, quantize_fp8, quantize_int4, unpack_int4_rows)
 
 VOCAB = QUANT_VOCAB
 # Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
@@ -127,7 +127,8 @@ def test_the_decode_kernel_refuses_more_rows_than_its_block():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
 @settings(max_examples=10, deadline=None)
-@example(m=130, n=40, groups=3, group_size=64, block_n=16, per_step=2, split_k=1, dot=True, bias=True, seed=0)  # widened first
+@example(m=130, n=40, groups=3, group_size=64, block_n=16, per_step=2, split_k=1, dot=True, bias=True,
+         seed=0)  # widened first
 @given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3, 4]),
        group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([8, 16, 32]), per_step=st.sampled_from([1, 2]),
        split_k=st.sampled_from([1, 2, 3]), dot=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
@@ -146,7 +147,8 @@ def test_int4_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, gr
     b = torch.randn(n, generator=gen).half() if bias else None
     config = dict(BLOCK_M=16 if dot else 1, BLOCK_N=max(block_n, 16) if dot else block_n, GROUPS=per_step, DOT=dot,
                   SPLIT_K=split_k, num_warps=4, num_stages=2)
-    ref = x.double() @ dequantize_int4(packed, scale, zero, group_size, torch.float64).T + (0 if b is None else b.double())
+    ref = x.double() @ dequantize_int4(packed, scale, zero, group_size, torch.float64).T
+    ref = ref + (0 if b is None else b.double())
     for y in (_launch_int4_linear(x, packed, scale, zero, group_size, b, None if m >= 128 else config),
               _launch_int4_linear(x, packed, scale, zero, group_size, b)):
         assert y.dtype == torch.float16 and y.shape == ref.shape and rel_err(y, ref) < TOLERANCE[torch.float16]
@@ -183,6 +185,19 @@ def test_int4_kernel_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         _launch_int4_linear(torch.randn(2, 256), packed, scale, zero, 128, None,
                             dict(BLOCK_M=16, BLOCK_N=16, GROUPS=1, DOT=True))
+
+
+def test_int4_config_reads_each_weight_byte_once_a_block_of_rows():
+    """The int4 kernel's tiles at 8B's shapes for every row count below the widened path: every row of up to 16 or
+    64 in one block (so a decode step reads each weight byte once), the tensor cores' form, and enough programs
+    (column blocks x splits of K) to fill 132 SMs."""
+    for m in range(1, INT4_DEQUANT_ROWS):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            config = int4_config(m, n)
+            assert config["DOT"] and config["BLOCK_M"] in (16, 64), (m, n, config)
+            assert m > 64 or m <= config["BLOCK_M"], (m, n, config)
+            assert (n // config["BLOCK_N"]) * config["SPLIT_K"] >= 132, (m, n, config)
+            assert (k // 128) % config["GROUPS"] == 0
 
 
 def test_fp8_config_takes_each_gpu_s_swept_tiles():

@@ -434,9 +434,10 @@ def _int4_kernel(
 ):
     # y = x @ W.T with W[n, k] = code * scale[g, n] + zero[g, n], g = k // GROUP: a program per BLOCK_N output
     # channels and BLOCK_M rows, over the whole of K (or its SPLIT_K-th part: axis 2; float32 partials to
-    # ws [SPLIT_K, M, N], added in order by _split_k_reduce_kernel), GROUPS groups a step. A group's GROUP / 2 bytes hold its first
-    # half's codes in their low four bits and its second half's in their high (pack_int4_rows), so each half is a
-    # plain [BLOCK_N, GROUP / 2] tile beside a contiguous half of x: no interleaving, each byte loaded once.
+    # ws [SPLIT_K, M, N], added in order by _split_k_reduce_kernel), GROUPS groups a step. A group's GROUP / 2 bytes
+    # hold its first half's codes in their low four bits and its second half's in their high (pack_int4_rows), so
+    # each half is a plain [BLOCK_N, GROUP / 2] tile beside a contiguous half of x: no interleaving, each byte loaded
+    # once.
     # DOT: the codes go into the tensor cores exact as MAGIC + code (the code ORed into the mantissa of MAGIC, a
     # power of two, read as a float: one bit operation where a conversion takes several); the scale and zero come
     # after each group's sum, so every product is exact and every sum float32:
