@@ -238,16 +238,18 @@ def library_kernels() -> dict:
 
 def int4_configs(m: int) -> list[dict]:
     """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step, unrolled;
-    SPLIT_K: K's groups in that many programs, their partials added in order)."""
+    SPLIT_K: K's groups in that many programs, their partials added in order). Round 3's sweep (H100) took 64
+    channels, 2 groups and split K 4 nearly everywhere: its neighbours (32 channels, 1 and 4 groups, split K 8) too."""
     block_m = 16 if m <= 16 else 64
+    stages = (lambda groups: 4 if groups <= 2 else 3) if m <= 16 else (lambda groups: 3 if groups <= 2 else 2)
     configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, SPLIT_K=split_k, num_warps=4,
-                    num_stages=(4 if groups <= 2 else 3) if m <= 16 else (3 if groups <= 2 else 2))
-               for block_n, groups, split_k in itertools.product((16, 32, 64) if m <= 16 else (32, 64, 128), (2, 4),
-                                                                 (1, 4) if m == 1 else (1, 2, 4))]
+                    num_stages=stages(groups))
+               for block_n, groups, split_k in itertools.product((32, 64) if m <= 16 else (32, 64, 128), (1, 2, 4),
+                                                                 (1, 2, 4, 8))]
     if m == 1:
         configs += [dict(BLOCK_M=1, BLOCK_N=block_n, GROUPS=groups, DOT=False, SPLIT_K=split_k, num_warps=4,
                          num_stages=3)
-                    for block_n, groups, split_k in itertools.product((8, 16, 32), (2, 4, 8), (1, 4))]
+                    for block_n, groups, split_k in itertools.product((16, 32), (2, 4), (4, 8))]
     return configs
 
 
