@@ -37,7 +37,8 @@ from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating
 
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import _launch_fp8_linear, _launch_int4_linear, int4_codes, quantize_fp8, quantize_int4
+from lorakit.ops.quant import (FP8_DEQUANT_ROWS, INT4_DEQUANT_ROWS, _launch_fp8_linear, _launch_int4_linear, int4_codes,
+                               quantize_fp8, quantize_int4)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 64, 256, 2048)
@@ -127,7 +128,7 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
     # lorakit's int4 (the Triton kernel; from 128 rows the weight widened, then cuBLAS)
     us["int4 triton"] = _or_nan(lambda: rotating_us(
         lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None), only("x", "q4", "s4", "z4"))[0])
-    if sweep_int4 and m <= 64:
+    if sweep_int4 and (m <= 64 or m >= INT4_DEQUANT_ROWS):
         tried = [(_or_nan(lambda config=config: rotating_us(
             lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None, config),
             only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
@@ -149,7 +150,7 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
             wbytes[name] = nbytes(n, k)
     row = dict(shape=label, m=m, n=n, k=k, **{f"{s}_us": t for s, t in us.items()},
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
-    if sweep and m <= 64:
+    if sweep and (m <= 64 or m >= FP8_DEQUANT_ROWS):
         tried = []
         for config in sweep_configs(m):
             try:
@@ -240,6 +241,13 @@ def int4_configs(m: int) -> list[dict]:
     """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step, unrolled;
     SPLIT_K: K's groups in that many programs, their partials added in order). Round 3's sweep (H100) took 64
     channels, 2 groups and split K 4 nearly everywhere: its neighbours (32 channels, 1 and 4 groups, split K 8) too."""
+    if m >= INT4_DEQUANT_ROWS:  # past the widened path's threshold: GEMM tiles, as cuBLAS would take
+        return [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, SPLIT_K=split_k, num_warps=warps,
+                     num_stages=stages)
+                for block_m, block_n, groups, warps, stages in ((64, 128, 1, 4, 3), (128, 128, 1, 8, 3),
+                                                                (128, 128, 2, 8, 2), (128, 64, 1, 4, 4),
+                                                                (128, 256, 1, 8, 2), (64, 64, 2, 4, 4))
+                for split_k in ((1, 2) if m <= 256 else (1,))]
     block_m = 16 if m <= 16 else 64
     stages = (lambda groups: 4 if groups <= 2 else 3) if m <= 16 else (lambda groups: 3 if groups <= 2 else 2)
     configs = [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, SPLIT_K=split_k, num_warps=4,
@@ -258,6 +266,13 @@ def sweep_configs(m: int) -> list[dict]:
     rows, the decode kernel's (a program per column block over the whole of K; on the tensor cores, or for one row
     on the CUDA cores)."""
     configs = []
+    if m >= FP8_DEQUANT_ROWS:  # past the widened path's threshold: GEMM tiles, as cuBLAS would take
+        return [dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
+                     num_warps=warps, num_stages=stages)
+                for block_m, block_n, block_k, warps, stages in ((64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
+                                                                 (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                                                                 (128, 64, 128, 4, 4), (64, 256, 64, 8, 4))
+                for split_k in ((1, 2) if m <= 256 else (1,))]
     if m <= 16:  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, SPLIT_K)
         tiles = [(16, 32, 512, 3, 1), (16, 64, 256, 4, 1), (16, 64, 512, 2, 1), (16, 64, 256, 4, 2),
                  (16, 64, 256, 3, 4), (16, 128, 128, 3, 8)]
