@@ -37,12 +37,13 @@ from common import (arg_parser, copy_gbps, fmt, make_model, parse_args, rotating
 
 from lorakit.engine import Engine
 from lorakit.layers.quant import Fp8Linear, Int4Linear, quantize
-from lorakit.ops.quant import (FP8_DEQUANT_ROWS, INT4_DEQUANT_ROWS, _launch_fp8_linear, _launch_int4_linear, int4_codes,
-                               quantize_fp8, quantize_int4)
+from lorakit.ops.quant import (QUANT_GEMM_ROWS, _launch_fp8_dequant, _launch_fp8_linear, _launch_int4_dequant,
+                               _launch_int4_linear, int4_codes, quantize_fp8, quantize_int4)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 16, 64, 256, 2048)
-KERNELS = ("bf16", "fp8", "scaled_mm", "int4", "int4 triton")  # the columns every run has
+KERNELS = ("bf16", "fp8", "scaled_mm", "int4", "int4 triton", "fp8 widened", "int4 widened")  # the columns (widened:
+# from QUANT_GEMM_ROWS rows only)
 PROMPT, DECODE = 128, 64
 LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8)
@@ -86,8 +87,8 @@ def tinygemm_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack([scale, zero + 8 * scale], dim=-1).to(w.dtype).contiguous()
 
 
-def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, sweep_int4: bool = False
-                ) -> tuple[list[dict], list[dict]]:
+def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, sweep_int4: bool = False,
+                sweep_rows=None) -> tuple[list[dict], list[dict]]:
     rows, best = [], []
     for label, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -102,7 +103,8 @@ def kernel_rows(gbps: float, sweep: bool, rows_m=ROWS, libraries: bool = False, 
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             x8, xs = quantize_fp8(x)
             master = dict(weights, x=x, x8=x8, xs=xs[:, None])
-            r, b = kernel_row(label, n, k, m, master, gbps, sweep, libraries, sweep_int4)
+            swept = sweep_rows is None or m in sweep_rows
+            r, b = kernel_row(label, n, k, m, master, gbps, sweep and swept, libraries, sweep_int4 and swept)
             r.update(floors)
             rows.append(r)
             best += b
@@ -128,7 +130,14 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
     # lorakit's int4 (the Triton kernel; from 128 rows the weight widened, then cuBLAS)
     us["int4 triton"] = _or_nan(lambda: rotating_us(
         lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None), only("x", "q4", "s4", "z4"))[0])
-    if sweep_int4 and (m <= 64 or m >= INT4_DEQUANT_ROWS):
+    if m >= QUANT_GEMM_ROWS:  # the weight widened once into a bf16 buffer, then cuBLAS (served from *_DEQUANT_ROWS)
+        bf16 = torch.bfloat16
+        us["fp8 widened"] = rotating_us(lambda c: F.linear(c["x"], _launch_fp8_dequant(c["w8"], c["scale"], bf16)),
+                                        only("x", "w8", "scale"))[0]
+        us["int4 widened"] = rotating_us(
+            lambda c: F.linear(c["x"], _launch_int4_dequant(c["q4"], c["s4"], c["z4"], 128, bf16)),
+            only("x", "q4", "s4", "z4"))[0]
+    if sweep_int4 and (m <= 64 or m >= QUANT_GEMM_ROWS):
         tried = [(_or_nan(lambda config=config: rotating_us(
             lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None, config),
             only("x", "q4", "s4", "z4"))[0]), config) for config in int4_configs(m)]
@@ -143,14 +152,15 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
                                  config=dict(config, BLOCK_K=128 * config["GROUPS"])))
                 print(best[-1], flush=True)
     wbytes = {"bf16": 2 * n * k, "fp8": n * k, "scaled_mm": n * k, "int4": n * k // 2 + 4 * n * (k // 128),
-              "int4 triton": n * k // 2 + 4 * n * (k // 128)}
+              "int4 triton": n * k // 2 + 4 * n * (k // 128), "fp8 widened": n * k,
+              "int4 widened": n * k // 2 + 4 * n * (k // 128)}
     if libraries:
         for name, (make, call, nbytes) in library_kernels().items():
             us[name] = _or_nan(lambda: rotating_us(call, lambda i: make(master["w"].clone(), master["x"].clone()))[0])
             wbytes[name] = nbytes(n, k)
     row = dict(shape=label, m=m, n=n, k=k, **{f"{s}_us": t for s, t in us.items()},
                **{f"{s}_pct": 100 * wbytes[s] / (t * 1e-6) / (gbps * 1e9) for s, t in us.items()})
-    if sweep and (m <= 64 or m >= FP8_DEQUANT_ROWS):
+    if sweep and (m <= 64 or m >= QUANT_GEMM_ROWS):
         tried = []
         for config in sweep_configs(m):
             try:
@@ -241,7 +251,7 @@ def int4_configs(m: int) -> list[dict]:
     """The Triton int4 kernel's configs a sweep times at ``m`` rows (GROUPS: groups of 128 inputs a step, unrolled;
     SPLIT_K: K's groups in that many programs, their partials added in order). Round 3's sweep (H100) took 64
     channels, 2 groups and split K 4 nearly everywhere: its neighbours (32 channels, 1 and 4 groups, split K 8) too."""
-    if m >= INT4_DEQUANT_ROWS:  # past the widened path's threshold: GEMM tiles, as cuBLAS would take
+    if m >= QUANT_GEMM_ROWS:  # GEMM tiles, as cuBLAS takes
         return [dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, DOT=True, SPLIT_K=split_k, num_warps=warps,
                      num_stages=stages)
                 for block_m, block_n, groups, warps, stages in ((64, 128, 1, 4, 3), (128, 128, 1, 8, 3),
@@ -266,7 +276,7 @@ def sweep_configs(m: int) -> list[dict]:
     rows, the decode kernel's (a program per column block over the whole of K; on the tensor cores, or for one row
     on the CUDA cores)."""
     configs = []
-    if m >= FP8_DEQUANT_ROWS:  # past the widened path's threshold: GEMM tiles, as cuBLAS would take
+    if m >= QUANT_GEMM_ROWS:  # GEMM tiles, as cuBLAS takes
         return [dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
                      num_warps=warps, num_stages=stages)
                 for block_m, block_n, block_k, warps, stages in ((64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
@@ -430,6 +440,8 @@ def main(argv=None) -> int:
     p.add_argument("--only-70b", action="store_true", help="the 70B rows alone (no kernels, no 8B engine)")
     p.add_argument("--rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=ROWS,
                    help=f"the kernels' row counts M (default: {','.join(map(str, ROWS))})")
+    p.add_argument("--sweep-rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=None,
+                   help="the row counts the sweeps time (default: all of --rows)")
     args = parse_args(p, argv)
     if args.only_70b:
         args.skip_kernels, args.skip_70b, args.kernels_only = True, False, False
@@ -437,7 +449,7 @@ def main(argv=None) -> int:
     gbps = copy_gbps(1 << 29) if cuda else float("nan")
     kernels, best, engine, seventy = [], [], [], []
     if cuda and not args.skip_kernels:
-        kernels, best = kernel_rows(gbps, args.sweep, args.rows, args.libraries, args.sweep_int4)
+        kernels, best = kernel_rows(gbps, args.sweep, args.rows, args.libraries, args.sweep_int4, args.sweep_rows)
     with tempfile.TemporaryDirectory() as tmp:
         if not (args.kernels_only or args.only_70b):
             engine = engine_rows(args, gbps, Path(tmp))
@@ -452,6 +464,7 @@ def main(argv=None) -> int:
                 if key.endswith("_us") and key[:-3] not in KERNELS and not key.startswith("read_")]
         parts.append("## Kernels: y = x @ W.T at Llama-3-8B's shapes (us; % = weight bytes / time / copy bandwidth)\n\n"
                      + table("| shape (N x K) | M | bf16 cuBLAS | fp8 lorakit | fp8 x fp8 _scaled_mm | int4 tinygemm | int4 lorakit | "
+                             "fp8 widened + cuBLAS | int4 widened + cuBLAS | "
                              + "".join(f"{lib} | " for lib in libs) + "fp8 vs bf16 | int4 vs bf16 | read of the fp8 "
                              "bytes (us) | fp8 / read | read of the int4 bytes (us) |",
                              ([f"{r['shape']} ({r['n']} x {r['k']})", r["m"],

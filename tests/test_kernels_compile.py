@@ -28,7 +28,7 @@ POINTERS = {"h_ptr": "*fp32", "scales_ptr": "*fp32", "ranks_ptr": "*i32", "order
             "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "ws_ptr": "*fp32", "d_ptr": "*fp32"}
 
 
-def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
+def compile_for_hopper(fn, constexprs, dtype, y_dtype=None, num_warps=4):
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -40,7 +40,7 @@ def compile_for_hopper(fn, constexprs, dtype, y_dtype=None):
         else:
             signature[name] = "i32"
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32))
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 dtype = sys.argv[1]
@@ -63,6 +63,9 @@ for tiles in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1), dict(BLOCK_M
         for split_k in (1, 4):
             compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=f16, SPLIT_K=split_k, **tiles),
                                dtype)
+# and its GEMM tiles (from 128 rows), as served: 8 warps
+compile_for_hopper(_fp8_linear_kernel, dict(HAS_BIAS=True, IEEE=False, F16=True, SPLIT_K=1, BLOCK_M=128, BLOCK_N=128,
+                                            BLOCK_K=64, GROUP_M=8), dtype, num_warps=8)
 for block_m, dot in ((1, False), (16, True), (64, True)):
     compile_for_hopper(_fp8_decode_kernel, dict(HAS_BIAS=True, IEEE=False, F16=dot, DOT=dot, BLOCK_M=block_m,
                                                 BLOCK_N=32, BLOCK_K=256), dtype)
@@ -78,6 +81,8 @@ for block_m, dot in ((1, False), (16, True), (64, True)):
         compile_for_hopper(_int4_kernel, dict(GROUP=128, GROUPS=groups, MAGIC=128 if dtype == "bf16" else 1024,
                                               DOT=dot, HAS_BIAS=True, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=32),
                            dtype)
+compile_for_hopper(_int4_kernel, dict(GROUP=128, GROUPS=1, MAGIC=128 if dtype == "bf16" else 1024, DOT=True,
+                                      HAS_BIAS=True, SPLIT_K=1, BLOCK_M=128, BLOCK_N=128), dtype, num_warps=8)
 compile_for_hopper(_int4_dequant_kernel, dict(GROUP=128, BLOCK_N=32), dtype)
 POINTERS = saved
 # MoE expert LoRA: the shrink and expand keyed by (slot, expert), decode and prefill tiles

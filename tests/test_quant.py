@@ -25,7 +25,7 @@ from lorakit.engine import LLM, Engine, EngineConfig, SamplingParams
 from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
-from lorakit.ops.quant import (INT4_DEQUANT_ROWS, _fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear,
+from lorakit.ops.quant import (QUANT_GEMM_ROWS, _fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear,
                                _launch_int4_linear, dequantize_fp8, dequantize_int4, fp8_config, int4_codes,
                                int4_config, int4_linear, pack_int4_rows, quantize_fp8, quantize_int4, unpack_int4_rows)
 
@@ -88,12 +88,13 @@ def test_quantized_weights_are_close_to_the_originals():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
 @settings(max_examples=12, deadline=None)
-@example(m=130, n=40, k=48, dtype=torch.float16, bias=True, seed=1)  # the dequant path, always
+@example(m=130, n=40, k=48, dtype=torch.float16, bias=True, seed=1)  # GEMM tiles, always
+@example(m=1030, n=40, k=48, dtype=torch.float16, bias=True, seed=2)  # the widened path, always
 @given(m=st.sampled_from([1, 3, 16, 33, 70, 130]), n=st.sampled_from([8, 40, 64, 96]), k=st.sampled_from([16, 48, 160]),
        dtype=st.sampled_from([torch.float32, torch.float16]), bias=st.booleans(), seed=st.integers(0, 1000))
 def test_fp8_kernel_matches_the_torch_path_interpreted(m, n, k, dtype, bias, seed):
-    """The Triton kernel (the tiles its heuristic picks; at m >= 128 in float16 the weight widened by the dequant kernel,
-    then one matmul) against the CPU path and the dequantized weight."""
+    """The Triton kernel (the tiles its heuristic picks: GEMM tiles from 128 rows; from 1024 in float16 the weight
+    widened by the dequant kernel, then one matmul) against the CPU path and the dequantized weight."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w8, scale = quantize_fp8(torch.randn(n, k, generator=gen))
@@ -128,17 +129,20 @@ def test_the_decode_kernel_refuses_more_rows_than_its_block():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
 @settings(max_examples=10, deadline=None)
 @example(m=130, n=40, groups=3, group_size=64, block_n=16, per_step=2, split_k=1, dot=True, bias=True,
-         seed=0)  # widened first
+         seed=0)  # GEMM tiles
+@example(m=1030, n=40, groups=2, group_size=32, block_n=16, per_step=1, split_k=1, dot=True, bias=False,
+         seed=1)  # widened first
 @given(m=st.sampled_from([1, 5, 17]), n=st.sampled_from([16, 40]), groups=st.sampled_from([1, 3, 4]),
        group_size=st.sampled_from([32, 64, 128]), block_n=st.sampled_from([8, 16, 32]), per_step=st.sampled_from([1, 2]),
        split_k=st.sampled_from([1, 2, 3]), dot=st.booleans(), bias=st.booleans(), seed=st.integers(0, 1000))
 def test_int4_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, group_size, block_n, per_step, split_k,
                                                                 dot, bias, seed):
     """The int4 kernel (codes exact into the tensor cores' dot, or into float32 products on the CUDA cores for one
-    row; scale and zero after each group's sum), its default configs and, from 128 rows, the weight widened then one
-    matmul, against x @ dequant(W).T in float64 and the CPU path, in float16 (the interpreter's bfloat16 dot is
-    wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to one; K split in up to three parts
-    (one part may be empty: K's groups fewer than the splits), the bias added after the parts."""
+    row; scale and zero after each group's sum), its default configs (GEMM tiles from 128 rows) and, from 1024 rows,
+    the weight widened then one matmul, against x @ dequant(W).T in float64 and the CPU path, in float16 (the
+    interpreter's bfloat16 dot is wrong; bfloat16 runs on the GPU). A step of two groups over three falls back to
+    one; K split in up to three parts (one part may be empty: K's groups fewer than the splits), the bias added
+    after the parts."""
     gen = torch.Generator().manual_seed(seed)
     k = groups * group_size
     packed, scale, zero = quantize_int4(torch.randn(n, k, generator=gen), group_size)
@@ -149,7 +153,8 @@ def test_int4_kernel_matches_the_dequantized_weight_interpreted(m, n, groups, gr
                   SPLIT_K=split_k, num_warps=4, num_stages=2)
     ref = x.double() @ dequantize_int4(packed, scale, zero, group_size, torch.float64).T
     ref = ref + (0 if b is None else b.double())
-    for y in (_launch_int4_linear(x, packed, scale, zero, group_size, b, None if m >= 128 else config),
+    served = None if m >= QUANT_GEMM_ROWS else config
+    for y in (_launch_int4_linear(x, packed, scale, zero, group_size, b, served),
               _launch_int4_linear(x, packed, scale, zero, group_size, b)):
         assert y.dtype == torch.float16 and y.shape == ref.shape and rel_err(y, ref) < TOLERANCE[torch.float16]
     assert rel_err(_int4_linear_torch(x, packed, scale, zero, group_size, b), ref) < TOLERANCE[torch.float16]
@@ -188,10 +193,10 @@ def test_int4_kernel_refuses_what_it_cannot_compute():
 
 
 def test_int4_config_reads_each_weight_byte_once_a_block_of_rows():
-    """The int4 kernel's tiles at 8B's shapes for every row count below the widened path: every row of up to 16 or
-    64 in one block (so a decode step reads each weight byte once), the tensor cores' form, and enough programs
+    """The int4 kernel's tiles at 8B's shapes for every row count at decode (below the GEMM tiles): every row of up to
+    16 or 64 in one block (so a decode step reads each weight byte once), the tensor cores' form, and enough programs
     (column blocks x splits of K) to fill 132 SMs."""
-    for m in range(1, INT4_DEQUANT_ROWS):
+    for m in range(1, QUANT_GEMM_ROWS):
         for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
             config = int4_config(m, n)
             assert config["DOT"] and config["BLOCK_M"] in (16, 64), (m, n, config)

@@ -189,10 +189,12 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOC
     tl.store(out_ptr + where, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows from which a product is no longer bound by reading W: there the weight is widened once into a bf16 buffer
-# (3 bytes moved an element) and multiplied by cuBLAS, about as fast as the bf16 layer's own GEMM
-# (bench/bench_quant.py). Below, the fp8 kernel reads each weight byte once.
-FP8_DEQUANT_ROWS = 128
+# Rows from which a product is no longer bound by reading W (a step with a prefill chunk in it): the kernels take
+# GEMM tiles there, each weight tile widened in registers as at decode (QUANT_GEMM_ROWS). From FP8_DEQUANT_ROWS
+# (a prefill of its own, bound by the tensor cores) the weight is widened once into a buffer of x's dtype (3 bytes
+# moved an element, small beside the FLOPs there) and multiplied by cuBLAS. bench/bench_quant.py times both.
+QUANT_GEMM_ROWS = 128
+FP8_DEQUANT_ROWS = 1024
 
 
 # The fastest config of each shape class and row range in a sweep on that GPU (bench_quant.py --sweep), as
@@ -217,9 +219,9 @@ _FP8_TABLES = {
 
 
 def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
-    """The kernel and tiles for an [m, k] x [n, k] product at decode (m < FP8_DEQUANT_ROWS), bound by reading W:
-    ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's); the tensor cores' forms with the float16
-    dot."""
+    """The kernel and tiles for an [m, k] x [n, k] product (m < FP8_DEQUANT_ROWS): below QUANT_GEMM_ROWS, bound by
+    reading W, ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's); from there GEMM tiles. The
+    tensor cores' forms with the float16 dot."""
     table = _FP8_TABLES.get(gpu, _FP8_TABLES["H200"])
     shape = "wide" if n >= 16384 else "narrow" if k >= 8192 or n <= 4096 else "qkv"
     if m == 1:
@@ -231,12 +233,15 @@ def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
         keys.append((shape, 64))
     block_m, block_n, block_k, stages, split_k, kernel = next(
         (table[key] for key in keys if key in table), (64, 128, 128, 3, 1, "tiles"))
-    if m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
+    warps = 4
+    if m >= QUANT_GEMM_ROWS:  # a GEMM: 128 x 128 tiles, as cuBLAS takes at these sizes
+        block_m, block_n, block_k, stages, split_k, kernel, warps = 128, 128, 64, 4, 1, "tiles", 8
+    elif m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
         block_m, block_n, block_k, stages, split_k, kernel = (64, 128, 128, 3, 1, "tiles") if n >= 16384 else \
             (16, 64, 256, 3, 1, "tiles")
     if kernel == "tiles":
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
-                    num_warps=4, num_stages=stages)
+                    num_warps=warps, num_stages=stages)
     return dict(KERNEL="decode", DOT=kernel == "decode", F16=kernel == "decode", BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=4, num_stages=stages)
 
@@ -511,17 +516,20 @@ def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_sg, GROUP: t
     tl.store(out + HALF, ((packed >> 4).to(tl.float32) * scale + zero).to(ty), mask=n_mask[:, None])
 
 
-# Rows from which an int4 product is no longer bound by reading W: the weight is widened once into a buffer of x's
-# dtype and multiplied by cuBLAS (as fp8's FP8_DEQUANT_ROWS).
-INT4_DEQUANT_ROWS = 128
+# Rows from which the int4 weight is widened once into a buffer of x's dtype and multiplied by cuBLAS (as fp8's
+# FP8_DEQUANT_ROWS; from QUANT_GEMM_ROWS below that, the kernel in GEMM tiles).
+INT4_DEQUANT_ROWS = 1024
 
 
 def int4_config(m: int, n: int) -> dict:
-    """The int4 kernel's tiles for ``m`` rows of an [m, k] x [n, k] product (m < INT4_DEQUANT_ROWS), from a sweep on
-    an H100 (bench/results/quant_round3.md; the H200 has as many SMs and takes the same): every row of up to 16 or
-    64 in one block on the tensor cores, so each weight byte is read once a block of rows, two groups a step, K split
-    in four (two for a wide layer past one row, none at 17-64 rows) so a layer of 4096 channels fills the GPU."""
+    """The int4 kernel's tiles for ``m`` rows of an [m, k] x [n, k] product (m < INT4_DEQUANT_ROWS). Below
+    QUANT_GEMM_ROWS, from a sweep on an H100 (bench/results/quant_round3.md; the H200 has as many SMs and takes the
+    same): every row of up to 16 or 64 in one block on the tensor cores, so each weight byte is read once a block of
+    rows, two groups a step, K split in four (two for a wide layer past one row, none at 17-64 rows) so a layer of
+    4096 channels fills the GPU. From there GEMM tiles."""
     wide = n >= 16384
+    if m >= QUANT_GEMM_ROWS:  # a GEMM: 128 x 128 tiles, one group a step
+        return dict(BLOCK_M=128, BLOCK_N=128, GROUPS=1, DOT=True, SPLIT_K=1, num_warps=8, num_stages=3)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUPS=2, DOT=True, SPLIT_K=2 if wide and m > 1 else 4, num_warps=4,
                     num_stages=4)
