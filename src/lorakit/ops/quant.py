@@ -189,12 +189,13 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOC
     tl.store(out_ptr + where, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows from which a product is no longer bound by reading W (a step with a prefill chunk in it): the kernels take
-# GEMM tiles there, each weight tile widened in registers as at decode (QUANT_GEMM_ROWS). From FP8_DEQUANT_ROWS
-# (a prefill of its own, bound by the tensor cores) the weight is widened once into a buffer of x's dtype (3 bytes
-# moved an element, small beside the FLOPs there) and multiplied by cuBLAS. bench/bench_quant.py times both.
+# From QUANT_GEMM_ROWS (a decode of 128+ sequences, or a step with a prefill chunk in it) the kernels take GEMM tiles,
+# each weight tile still widened in registers; from FP8_DEQUANT_ROWS the weight is widened once into a buffer of
+# x's dtype (3 bytes moved an element) and multiplied by cuBLAS. Where the two cross was measured on an H100
+# (bench/results/quant_round4.md): at 128 rows the tiles take 0.55x the widened path's time over an 8B layer, at
+# 256 0.81x (fp8) and 1.05x (int4), at 512 1.26x (fp8).
 QUANT_GEMM_ROWS = 128
-FP8_DEQUANT_ROWS = 1024
+FP8_DEQUANT_ROWS = 384
 
 
 # The fastest config of each shape class and row range in a sweep on that GPU (bench_quant.py --sweep), as
@@ -234,8 +235,9 @@ def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
     block_m, block_n, block_k, stages, split_k, kernel = next(
         (table[key] for key in keys if key in table), (64, 128, 128, 3, 1, "tiles"))
     warps = 4
-    if m >= QUANT_GEMM_ROWS:  # a GEMM: 128 x 128 tiles, as cuBLAS takes at these sizes
-        block_m, block_n, block_k, stages, split_k, kernel, warps = 128, 128, 64, 4, 1, "tiles", 8
+    if m >= QUANT_GEMM_ROWS:  # GEMM tiles: 128 x 256 for a wide layer, else 128 x 128 with K split in two
+        block_m, block_n, block_k, stages, split_k, kernel, warps = \
+            (128, 256, 64, 3, 1, "tiles", 8) if n >= 16384 else (128, 128, 64, 4, 2, "tiles", 8)
     elif m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
         block_m, block_n, block_k, stages, split_k, kernel = (64, 128, 128, 3, 1, "tiles") if n >= 16384 else \
             (16, 64, 256, 3, 1, "tiles")
@@ -518,7 +520,7 @@ def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_sg, GROUP: t
 
 # Rows from which the int4 weight is widened once into a buffer of x's dtype and multiplied by cuBLAS (as fp8's
 # FP8_DEQUANT_ROWS; from QUANT_GEMM_ROWS below that, the kernel in GEMM tiles).
-INT4_DEQUANT_ROWS = 1024
+INT4_DEQUANT_ROWS = 256
 
 
 def int4_config(m: int, n: int) -> dict:
@@ -528,8 +530,8 @@ def int4_config(m: int, n: int) -> dict:
     rows, two groups a step, K split in four (two for a wide layer past one row, none at 17-64 rows) so a layer of
     4096 channels fills the GPU. From there GEMM tiles."""
     wide = n >= 16384
-    if m >= QUANT_GEMM_ROWS:  # a GEMM: 128 x 128 tiles, one group a step
-        return dict(BLOCK_M=128, BLOCK_N=128, GROUPS=1, DOT=True, SPLIT_K=1, num_warps=8, num_stages=3)
+    if m >= QUANT_GEMM_ROWS:  # GEMM tiles, 128 x 128, one group a step, K split in two but for a wide layer
+        return dict(BLOCK_M=128, BLOCK_N=128, GROUPS=1, DOT=True, SPLIT_K=1 if wide else 2, num_warps=8, num_stages=3)
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, GROUPS=2, DOT=True, SPLIT_K=2 if wide and m > 1 else 4, num_warps=4,
                     num_stages=4)
