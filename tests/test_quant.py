@@ -25,9 +25,10 @@ from lorakit.engine import LLM, Engine, EngineConfig, SamplingParams
 from lorakit.layers.checkpoint import load_causal_lm, load_quantized
 from lorakit.layers.patch import slot_bytes
 from lorakit.layers.quant import Fp8Linear, Int4Linear, QuantizedLinear, quantize, weight_bytes
-from lorakit.ops.quant import (QUANT_GEMM_ROWS, _fp8_linear_torch, _int4_linear_torch, _launch_fp8_linear,
-                               _launch_int4_linear, dequantize_fp8, dequantize_int4, fp8_config, int4_codes,
-                               int4_config, int4_linear, pack_int4_rows, quantize_fp8, quantize_int4, unpack_int4_rows)
+from lorakit.ops.quant import (FP8_DEQUANT_ROWS, INT4_DEQUANT_ROWS, QUANT_GEMM_ROWS, _fp8_linear_torch,
+                               _int4_linear_torch, _launch_fp8_linear, _launch_int4_linear, dequantize_fp8,
+                               dequantize_int4, fp8_config, int4_codes, int4_config, int4_linear, pack_int4_rows,
+                               quantize_fp8, quantize_int4, unpack_int4_rows)
 
 VOCAB = QUANT_VOCAB
 # Relative error of a patched quantized model's logits against PEFT on its dequantized base, float32: the same
@@ -203,6 +204,20 @@ def test_int4_config_reads_each_weight_byte_once_a_block_of_rows():
             assert m > 64 or m <= config["BLOCK_M"], (m, n, config)
             assert (n // config["BLOCK_N"]) * config["SPLIT_K"] >= 132, (m, n, config)
             assert (k // 128) % config["GROUPS"] == 0
+
+
+def test_steps_of_128_rows_and_more_take_gemm_tiles_until_the_widened_path():
+    """From QUANT_GEMM_ROWS up to each scheme's widened path both kernels take 128-row GEMM tiles (the H100 sweep's:
+    128 x 256 for fp8's wide layers, K split in two elsewhere); the launcher widens the weight only from there."""
+    assert QUANT_GEMM_ROWS < INT4_DEQUANT_ROWS <= FP8_DEQUANT_ROWS
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        for m in (QUANT_GEMM_ROWS, INT4_DEQUANT_ROWS - 1):
+            config = int4_config(m, n)
+            assert config["BLOCK_M"] == 128 and config["DOT"] and config["SPLIT_K"] == (1 if n >= 16384 else 2)
+        for m in (QUANT_GEMM_ROWS, FP8_DEQUANT_ROWS - 1):
+            config = fp8_config(m, n, k, "H100")
+            assert "KERNEL" not in config and config["BLOCK_M"] == 128 and config["num_warps"] == 8
+            assert (config["BLOCK_N"], config["SPLIT_K"]) == ((256, 1) if n >= 16384 else (128, 2))
 
 
 def test_fp8_config_takes_each_gpu_s_swept_tiles():
