@@ -23,7 +23,7 @@ VOCAB = QWEN2_2048_VOCAB
 KERNEL_TOLERANCE = 1e-2
 
 
-@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.quick), 64, 200, 300, 2048])
+@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.quick), 64, 128, 256, 300, 2048])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_kernels_at_llama_8b_shapes(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)

@@ -15,9 +15,9 @@ on the tensor cores; the per-channel scale (and the bias) are applied in the epi
 which is exact for a per-output-channel scale. On the CPU the same in torch (the weight widened to x's dtype).
 int4: a Triton kernel on CUDA reads each packed byte once and puts its two codes into the tensor cores exact, the
 scale and zero applied after each group's sum (every row of a decode step in one block, K split so that a layer of
-4096 channels fills the GPU; a CUDA cores' form for one row is kept for the sweep), in GEMM tiles at 128-255 rows;
-from 256 rows the weight is widened once and multiplied by cuBLAS (fp8: GEMM tiles at 128-383). One layout on every device (``pack_int4_rows``); on the CPU the
-weight made in float32, one matmul.
+4096 channels fills the GPU; a CUDA cores' form for one row is kept for the sweep), in GEMM tiles at 128 rows;
+from 129 rows the weight is widened once and multiplied by cuBLAS (fp8: tiles at 128-256, widened from 257). One layout on
+every device (``pack_int4_rows``); on the CPU the weight made in float32, one matmul.
 """
 
 from __future__ import annotations
@@ -189,13 +189,13 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOC
     tl.store(out_ptr + where, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# From QUANT_GEMM_ROWS (a decode of 128+ sequences, or a step with a prefill chunk in it) the kernels take GEMM tiles,
-# each weight tile still widened in registers; from FP8_DEQUANT_ROWS the weight is widened once into a buffer of
-# x's dtype (3 bytes moved an element) and multiplied by cuBLAS. Where the two cross was measured on an H100
-# (bench/results/quant_round4.md): at 128 rows the tiles take 0.55x the widened path's time over an 8B layer, at
-# 256 0.81x (fp8) and 1.05x (int4), at 512 1.26x (fp8).
+# From QUANT_GEMM_ROWS (a decode of 128+ sequences, or a step with a prefill chunk in it) the kernels take 128-row
+# GEMM tiles, each weight tile still widened in registers; from FP8_DEQUANT_ROWS the weight is widened once into a
+# buffer of x's dtype (3 bytes moved an element) and multiplied by cuBLAS. Where the two cross, measured on an H100
+# over an 8B layer's GEMMs (bench/results/quant_round4.md): fp8's tiles take 0.61x the widened path's time at 128
+# rows, 0.86x at 256, 1.28x at 300 (a third block of rows); int4's 0.76x at 128, 1.07x at 200.
 QUANT_GEMM_ROWS = 128
-FP8_DEQUANT_ROWS = 384
+FP8_DEQUANT_ROWS = 257  # tiles while the rows fill at most two blocks
 
 
 # The fastest config of each shape class and row range in a sweep on that GPU (bench_quant.py --sweep), as
@@ -520,7 +520,7 @@ def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_sg, GROUP: t
 
 # Rows from which the int4 weight is widened once into a buffer of x's dtype and multiplied by cuBLAS (as fp8's
 # FP8_DEQUANT_ROWS; from QUANT_GEMM_ROWS below that, the kernel in GEMM tiles).
-INT4_DEQUANT_ROWS = 256
+INT4_DEQUANT_ROWS = 129  # tiles for one block of rows
 
 
 def int4_config(m: int, n: int) -> dict:
