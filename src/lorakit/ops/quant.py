@@ -16,8 +16,8 @@ which is exact for a per-output-channel scale. On the CPU the same in torch (the
 int4: a Triton kernel on CUDA reads each packed byte once and puts its two codes into the tensor cores exact, the
 scale and zero applied after each group's sum (every row of a decode step in one block, K split so that a layer of
 4096 channels fills the GPU; a CUDA cores' form for one row is kept for the sweep), in GEMM tiles at 128 rows;
-from 129 rows the weight is widened once and multiplied by cuBLAS (fp8: tiles at 128-256, widened from 257). One layout on
-every device (``pack_int4_rows``); on the CPU the weight made in float32, one matmul.
+from 129 rows the weight is widened once and multiplied by cuBLAS (fp8: tiles at 128-256, widened from 257). One
+layout on every device (``pack_int4_rows``); on the CPU the weight made in float32, one matmul.
 """
 
 from __future__ import annotations
