@@ -41,7 +41,7 @@ from lorakit.ops.quant import (QUANT_GEMM_ROWS, _launch_fp8_dequant, _launch_fp8
                                _launch_int4_linear, int4_codes, quantize_fp8, quantize_int4)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-ROWS = (1, 16, 64, 256, 2048)
+ROWS = (1, 16, 64, 128, 256, 2048)
 KERNELS = ("bf16", "fp8", "scaled_mm", "int4", "int4 triton", "fp8 widened", "int4 widened")  # the columns (widened:
 # from QUANT_GEMM_ROWS rows only)
 PROMPT, DECODE = 128, 64
