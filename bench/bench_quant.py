@@ -127,7 +127,7 @@ def kernel_row(label, n, k, m, master, gbps, sweep, libraries=False, sweep_int4=
         "int4": rotating_us(lambda c: torch.ops.aten._weight_int4pack_mm(c["x"], c["packed"], 128, c["sz"]),
                             only("x", "packed", "sz"))[0],
     }
-    # lorakit's int4 (the Triton kernel; from 128 rows the weight widened, then cuBLAS)
+    # lorakit's int4 (the Triton kernel; GEMM tiles from QUANT_GEMM_ROWS, then the weight widened and cuBLAS)
     us["int4 triton"] = _or_nan(lambda: rotating_us(
         lambda c: _launch_int4_linear(c["x"], c["q4"], c["s4"], c["z4"], 128, None), only("x", "q4", "s4", "z4"))[0])
     if m >= QUANT_GEMM_ROWS:  # the weight widened once into a bf16 buffer, then cuBLAS (served from *_DEQUANT_ROWS)
