@@ -16,6 +16,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 KERNELS = (("fp8_us", "fp8, lorakit", "tab:blue", 6), ("int4 triton_us", "int4, lorakit (served)", "tab:green", -12),
            ("int4_us", "int4, torch's tinygemm (served before)", "tab:gray", 6))  # (key, label, colour, label offset)
+# from 128 rows: the weight widened into a bf16 buffer, then cuBLAS (served where it wins), dashed
+WIDENED = (("fp8 widened_us", "fp8 widened + cuBLAS", "tab:blue"), ("int4 widened_us", "int4 widened + cuBLAS",
+                                                                     "tab:green"))
 
 
 def main(src: str, dst: str, tree: str | None = None) -> None:
@@ -23,8 +26,9 @@ def main(src: str, dst: str, tree: str | None = None) -> None:
     rows = sorted({r["m"] for r in data["kernels"]})
     layer = {m: {} for m in rows}  # the four shapes' times summed, per row count and kernel
     for r in data["kernels"]:
-        for key in ("bf16_us", *(k for k, *_ in KERNELS)):
-            layer[r["m"]][key] = layer[r["m"]].get(key, 0.0) + r[key]
+        for key in ("bf16_us", *(k for k, *_ in KERNELS), *(k for k, *_ in WIDENED)):
+            if key in r:
+                layer[r["m"]][key] = layer[r["m"]].get(key, 0.0) + r[key]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.axhline(1.0, color="black", linewidth=0.8, label="bf16 cuBLAS")
     for key, label, color, offset in KERNELS:
@@ -33,6 +37,11 @@ def main(src: str, dst: str, tree: str | None = None) -> None:
         for m, s in zip(rows, speed):
             ax.annotate(f"{s:.2f}x", (m, s), textcoords="offset points", xytext=(0, offset), ha="center", fontsize=7,
                         color=color)
+    for key, label, color in WIDENED:
+        widened = [m for m in rows if key in layer[m]]
+        if widened:
+            ax.plot(widened, [layer[m]["bf16_us"] / layer[m][key] for m in widened], linestyle="--", color=color,
+                    alpha=0.6, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(rows, [str(m) for m in rows])
     ax.set_xlabel("rows of the product (tokens in the decode step)")
