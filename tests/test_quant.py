@@ -177,6 +177,25 @@ def test_int4_kernel_reads_a_fused_member_s_column_views_interpreted():
     assert torch.equal(y, want)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
+def test_the_widened_path_reads_a_weight_through_its_row_stride_interpreted():
+    """The kernels and their widened path (a step of FP8_DEQUANT_ROWS / INT4_DEQUANT_ROWS rows or more) read the
+    weight through its row stride: a weight that is a column slice of a wider one gives the product of its own copy."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 384, generator=gen)
+    w8, scale = quantize_fp8(w)
+    packed, s4, z4 = quantize_int4(w, 128)
+    w8_view, packed_view = w8[:, :256], packed[:, :128]  # rows 384 and 192 bytes apart
+    assert w8_view.stride(0) != 256 and packed_view.stride(0) != 128
+    for m in (FP8_DEQUANT_ROWS, INT4_DEQUANT_ROWS, 3):
+        x = torch.randn(m, 256, generator=gen).half()
+        assert torch.equal(_launch_fp8_linear(x, w8_view, scale, None),
+                           _launch_fp8_linear(x, w8_view.contiguous(), scale, None))
+        s, z = s4[:2].half(), z4[:2].half()
+        assert torch.equal(_launch_int4_linear(x, packed_view, s, z, 128, None),
+                           _launch_int4_linear(x, packed_view.contiguous(), s, z, 128, None))
+
+
 def test_int4_kernel_refuses_what_it_cannot_compute():
     packed, scale, zero = quantize_int4(torch.randn(16, 256), 128)
     with pytest.raises(ValueError, match=r"scale must be \[K / group size, N\] = \[2, 16\]"):

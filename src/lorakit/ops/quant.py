@@ -179,14 +179,14 @@ def _split_k_reduce_kernel(ws_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_SCA
 
 
 @triton.jit
-def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    where = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = tl.load(w_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
     scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
-    tl.store(out_ptr + where, (w * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    tl.store(out, (w.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # From QUANT_GEMM_ROWS (a decode of 128+ sequences, or a step with a prefill chunk in it) the kernels take 128-row
@@ -223,6 +223,10 @@ def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
     """The kernel and tiles for an [m, k] x [n, k] product (m < FP8_DEQUANT_ROWS): below QUANT_GEMM_ROWS, bound by
     reading W, ``gpu``'s sweep (``_FP8_TABLES``; a GPU not swept takes the H200's); from there GEMM tiles. The
     tensor cores' forms with the float16 dot."""
+    if m >= QUANT_GEMM_ROWS:  # GEMM tiles: 128 x 256 for a wide layer, else 128 x 128 with K split in two
+        block_n, split_k, stages = (256, 1, 3) if n >= 16384 else (128, 2, 4)
+        return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, F16=True, SPLIT_K=split_k, num_warps=8,
+                    num_stages=stages)
     table = _FP8_TABLES.get(gpu, _FP8_TABLES["H200"])
     shape = "wide" if n >= 16384 else "narrow" if k >= 8192 or n <= 4096 else "qkv"
     if m == 1:
@@ -234,16 +238,12 @@ def fp8_config(m: int, n: int, k: int, gpu: str = "H200") -> dict:
         keys.append((shape, 64))
     block_m, block_n, block_k, stages, split_k, kernel = next(
         (table[key] for key in keys if key in table), (64, 128, 128, 3, 1, "tiles"))
-    warps = 4
-    if m >= QUANT_GEMM_ROWS:  # GEMM tiles: 128 x 256 for a wide layer, else 128 x 128 with K split in two
-        block_m, block_n, block_k, stages, split_k, kernel, warps = \
-            (128, 256, 64, 3, 1, "tiles", 8) if n >= 16384 else (128, 128, 64, 4, 2, "tiles", 8)
-    elif m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
+    if m > 64:  # 65-127 rows: the tiled kernel, 64-row tiles for a wide layer
         block_m, block_n, block_k, stages, split_k, kernel = (64, 128, 128, 3, 1, "tiles") if n >= 16384 else \
             (16, 64, 256, 3, 1, "tiles")
     if kernel == "tiles":
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, F16=True, SPLIT_K=split_k,
-                    num_warps=warps, num_stages=stages)
+                    num_warps=4, num_stages=stages)
     return dict(KERNEL="decode", DOT=kernel == "decode", F16=kernel == "decode", BLOCK_M=block_m, BLOCK_N=block_n,
                 BLOCK_K=block_k, num_warps=4, num_stages=stages)
 
@@ -315,7 +315,8 @@ def _launch_fp8_dequant(weight, scale, dtype) -> torch.Tensor:
     """weight * scale[:, None] in ``dtype``: one read of the fp8 weight, one write."""
     n, k = weight.shape
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
-    _fp8_dequant_kernel[(cdiv(n, 32), cdiv(k, 256))](weight, scale, out, n, k, BLOCK_N=32, BLOCK_K=256)
+    _fp8_dequant_kernel[(cdiv(n, 32), cdiv(k, 256))](weight, scale, out, n, k, weight.stride(0), BLOCK_N=32,
+                                                     BLOCK_K=256)
     return out
 
 
@@ -501,14 +502,15 @@ def _int4_kernel(
 
 
 @triton.jit
-def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_sg, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     # a program per BLOCK_N channels and one group: W[n, k] = code * scale + zero, in out's dtype
     HALF: tl.constexpr = GROUP // 2
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
     offs_h = tl.arange(0, HALF)
     n_mask = offs_n < N
-    packed = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * (K // 2) + g * HALF + offs_h[None, :],
+    packed = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + g * HALF + offs_h[None, :],
                      mask=n_mask[:, None], other=0)
     scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -588,8 +590,8 @@ def _launch_int4_linear(x, weight, scale, zero, group_size, bias, config: dict |
 def _launch_int4_dequant(weight, scale, zero, group_size, dtype) -> torch.Tensor:
     n, k = weight.shape[0], weight.shape[1] * 2
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
-    _int4_dequant_kernel[(cdiv(n, 32), k // group_size)](weight, scale, zero, out, n, k, scale.stride(0),
-                                                          GROUP=group_size, BLOCK_N=32)
+    _int4_dequant_kernel[(cdiv(n, 32), k // group_size)](weight, scale, zero, out, n, k, weight.stride(0),
+                                                          scale.stride(0), GROUP=group_size, BLOCK_N=32)
     return out
 
 
